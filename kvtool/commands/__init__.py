@@ -1,0 +1,1 @@
+"""One module per subcommand; each has ``register(app)`` and ``ORDER`` (see :mod:`kvtool.cli`)."""

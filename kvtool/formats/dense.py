@@ -1,0 +1,42 @@
+"""The identity format: keys and values stored as they are. The reference every other format is
+compared against (zero error, ratio 1.0)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import LayerKV
+from ..errors import BadDataError
+from .base import Encoded, Format, FormatParams, register
+
+
+@dataclass
+class DenseParams(FormatParams):
+    pass
+
+
+@register
+class DenseFormat(Format):
+    name = "dense"
+    summary = "keys and values unchanged (the reference: ratio 100%, zero error)"
+    Params = DenseParams
+
+    def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
+        """Stores ``keys``/``values`` ``[B, Hkv, T, D]`` as they are."""
+        return Encoded({"keys": layer.keys.contiguous(), "values": layer.values.contiguous()})
+
+    def decode(self, enc: Encoded) -> LayerKV:
+        return LayerKV(keys=enc.tensors["keys"], values=enc.tensors["values"])
+
+    def validate(self, enc: Encoded) -> None:
+        for name in ("keys", "values"):
+            if name not in enc.tensors:
+                raise BadDataError(f"tensor {name!r} is missing")
+            if enc.tensors[name].ndim != 4:
+                raise BadDataError(f"{name} should be [batch, kv_heads, tokens, head_dim]")
+        if enc.tensors["keys"].shape != enc.tensors["values"].shape:
+            raise BadDataError("keys and values have different shapes")
+        if not enc.tensors["keys"].is_floating_point():
+            raise BadDataError("keys are not floating point")
