@@ -89,6 +89,20 @@ class Format(ABC):
         dense = self.decode(enc)
         return attend_partial(q, dense.keys, dense.values, scale)
 
+    has_kernel: ClassVar[bool] = False
+
+    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel path of :meth:`attend` (same contract, same maths). Formats with a
+        kernel set ``has_kernel = True`` and override this; it runs on CUDA tensors, or on CPU
+        tensors under ``TRITON_INTERPRET=1``."""
+        raise UsageError(f"format {self.name} has no Triton kernel; use the torch backend")
+
+    def selected_mask(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
+        """For selection formats: bool ``[B, H, Tq, T]`` (T = encoded prefix tokens, in original
+        positions), True where query token t of head h attends a prefix token. Used for
+        attention-mass recall. Formats that keep every token return None."""
+        return None
+
     def traffic_bytes(self, enc: Encoded, q: torch.Tensor | None = None) -> int:
         """Bytes one decode step reads; the default is everything stored."""
         return sum(self.nbytes(enc).values())
