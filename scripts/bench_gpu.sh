@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device-side driver for `kvtool bench` runs (used through the device tool; see docs/benchmarks.md).
+# Usage (from the repository root on the GPU machine): bash scripts/bench_gpu.sh STEP...
+# Installs carried wheels from ../.whl (if any) into /tmp/site, restores a carried FlashInfer JIT cache,
+# runs each STEP (a shell function below), and saves logs / JSON / plots under $OUT.
+set -u
+export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-230} PYTHONPATH=.:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+WHL=${WHL:-../.whl}
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || echo "wheel install failed"
+  # old mtimes on the installed headers, so that ninja trusts a carried FlashInfer JIT cache
+  find /tmp/site -exec touch -h -d 2020-01-01 {} + 2>/dev/null
+fi
+if [ -f "$WHL/fi_jit.tgz" ]; then mkdir -p /tmp/fiws && tar -xzf "$WHL/fi_jit.tgz" -C /tmp/fiws; fi
+
+info() {
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,clocks.max.sm,power.limit --format=csv
+  python3 - <<'PY'
+import torch, triton
+p = torch.cuda.get_device_properties(0)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, p.name, p.multi_processor_count, "SMs", getattr(p, "L2_cache_size", 0) // 2**20, "MiB L2")
+try:
+    import flashinfer; print("flashinfer", flashinfer.__version__)
+except Exception as e:
+    print("flashinfer import failed:", type(e).__name__, e)
+PY
+}
+bench() {  # bench NAME SUB ARGS...
+  local name=$1; shift
+  python3 -m kvtool bench "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" --force 2>&1 | tee "$OUT/$name.log"
+}
+save_jit() {
+  if [ -d /tmp/fiws/.cache ]; then tar -czf "$OUT/fi_jit.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_jit.tgz"; fi
+}
+for step in "$@"; do eval "$step"; done
