@@ -114,7 +114,9 @@ def flashinfer_module():
 @dataclass
 class BenchEnv:
     """Where the run happens. ``copy_gbps`` is the measured device copy bandwidth in GB/s (1e9 B/s),
-    counting bytes read plus bytes written; None on the CPU path."""
+    counting bytes read plus bytes written (the reference for ``bandwidth_fraction``); ``read_gbps``
+    the rate of a read-only stream (a large sum), which a read-mostly decode kernel can approach and
+    which can exceed the copy figure. Both None on the CPU path."""
 
     device: str
     device_type: str
@@ -122,6 +124,7 @@ class BenchEnv:
     cold_l2: bool
     versions: dict[str, str]
     copy_gbps: float | None = None
+    read_gbps: float | None = None
     l2_bytes: int | None = None
     sms: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -155,6 +158,7 @@ def detect_env(cold_l2: bool = True, measure_copy: bool = True) -> BenchEnv:
         )
         if measure_copy:
             env.copy_gbps = measure_copy_bandwidth()
+            env.read_gbps = measure_read_bandwidth()
         return env
     if not interpret_mode():
         raise BenchUnavailable(
@@ -196,6 +200,25 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30, runs: int = 20) -> float:
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 30, runs: int = 20) -> float:
+    """Read-only bandwidth in GB/s: nbytes over the median time of an fp32-accumulated sum of them."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+    for _ in range(3):
+        src.sum(dtype=torch.float32)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        src.sum(dtype=torch.float32)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del src
+    torch.cuda.empty_cache()
+    return nbytes / statistics.median(times) / 1e9
 
 
 # --------------------------------------------------------------------------- timer

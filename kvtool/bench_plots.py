@@ -74,7 +74,8 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
             ax2.set_xlabel("sequence length (tokens)")
             ax2.set_ylabel("bytes read / time / measured copy bandwidth")
             ax2.set_title(f"effective bandwidth vs copy, batch {batch}", fontsize=9)
-            ax2.legend(fontsize=7)
+            if ax2.get_lines()[1:]:
+                ax2.legend(fontsize=7)
             ax2.grid(True, alpha=0.3)
     fig.tight_layout()
     path = Path(path)

@@ -155,9 +155,9 @@ def dense_records(ctx: BenchContext, shape: ModelShape, q, k, v, data: str, kern
             rec("sdpa", tm, kb + vb + qb, rel, st)
     fi_wanted = [w for w in ("flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc") if w in which]
     if fi_wanted:
-        fi = B.flashinfer_module() if env.device_type == "cuda" else None
-        if fi is None:
-            status = B.NOT_INSTALLED if env.device_type == "cuda" else "skipped: needs CUDA"
+        fi = B.flashinfer_module()
+        if fi is None or env.device_type != "cuda":
+            status = B.NOT_INSTALLED if fi is None else "skipped: needs CUDA"
             for w in fi_wanted:
                 rec(w, None, kb + vb, None, status)
         else:

@@ -132,7 +132,7 @@ def run_suite(sub: str, ctx) -> dict[str, Any]:
 
 def print_result(doc: dict[str, Any]) -> None:
     env = doc["env"]
-    copy = f"{env['copy_gbps']:.0f} GB/s" if env.get("copy_gbps") else "not measured"
+    copy = f"{env['copy_gbps']:.0f} GB/s (read-only {env['read_gbps']:.0f})" if env.get("copy_gbps") else "not measured"
     v = env["versions"]
     console.print(f"[bold]{env['device']}[/bold]  copy bandwidth {copy}  torch {v['torch']}  triton {v['triton']}  CUDA {v['cuda']}  "
                   f"flashinfer {v['flashinfer']}  cold L2 {'on' if env['cold_l2'] else 'off'}")
@@ -162,6 +162,7 @@ def register(app: typer.Typer) -> None:
              "(median of many runs, L2 flushed between runs, copy bandwidth measured in the same run).",
         no_args_is_help=True,
         rich_markup_mode="rich",
+        epilog=example_epilog(EXAMPLES["dense"], EXAMPLES["attention"], CPU_EXAMPLE),
     )
     for sub, summary in SUBCOMMANDS.items():
         _add_subcommand(bench_app, sub, summary)
