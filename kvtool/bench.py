@@ -463,28 +463,27 @@ def make_record(env: BenchEnv, kernel: str, provider: str, shape: ModelShape, ba
 
 
 def add_speedups(records: list[dict[str, Any]], baselines: list[str]) -> None:
-    """For each record, ``speedup[b]`` = median of baseline provider ``b`` / this record's median, over
-    the records of the same configuration (kernel group, batch, seq, sparsity, budget, k). A baseline
-    that did not run gives its status string (e.g. ``not installed``)."""
+    """For each record, ``speedup[b]`` = median of baseline provider ``b`` / this record's median.
+    The baseline row is taken from the same configuration (batch, seq, shape, dtype, sparsity,
+    budget, k) when there is one, else from any row of the same dense configuration (dense
+    baselines are shared by every sparsity / budget / k). A baseline that did not run gives its
+    status string (e.g. ``not installed``)."""
 
     def key(r):
         return (r["batch"], r["seq"], r["heads"], r["kv_heads"], r["head_dim"], r["dtype"], r["sparsity"], r["budget"], r["k"])
 
-    by_cfg: dict[tuple, dict[str, dict]] = {}
+    exact: dict[tuple, dict[str, dict]] = {}
+    dense: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        by_cfg.setdefault(key(r), {})[r["provider"]] = r
+        exact.setdefault(key(r), {}).setdefault(r["provider"], r)
+        slot = dense.setdefault(key(r)[:6], {})
+        if r["provider"] not in slot or (slot[r["provider"]]["median_us"] is None and r["median_us"] is not None):
+            slot[r["provider"]] = r
     for r in records:
-        base_rows = {}
-        for cfg_key, rows in by_cfg.items():
-            # baselines are shared by every sparsity / budget / k of the same dense configuration
-            if cfg_key[:6] == key(r)[:6]:
-                for name in baselines:
-                    if name in rows and (name not in base_rows or rows[name]["median_us"] is not None):
-                        base_rows[name] = rows[name]
         for name in baselines:
             if name == r["provider"]:
                 continue
-            b = base_rows.get(name)
+            b = exact[key(r)].get(name) or dense[key(r)[:6]].get(name)
             if b is None:
                 continue
             if b["median_us"] is None:

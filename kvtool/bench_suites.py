@@ -208,6 +208,156 @@ def suite_dense(ctx: BenchContext) -> list[dict]:
     return recs
 
 
+def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.Tensor:
+    """Per-token magnitude pruning (Mustafar's default): each token of ``x`` ``[B, Hkv, T, D]`` keeps
+    its ``round((1 - sparsity) * D)`` largest |x| (ties to the lower channel); the last ``window``
+    tokens stay dense. Returns a new tensor (pruned elements +0.0)."""
+    d = x.shape[-1]
+    keep = int(round((1.0 - sparsity) * d))
+    out = x.clone()
+    tc = x.shape[2] - window
+    if tc <= 0 or keep >= d:
+        return out
+    part = out[:, :, :tc]
+    mask = torch.zeros(part.shape, dtype=torch.bool, device=x.device)
+    if keep > 0:
+        mask.scatter_(-1, part.abs().topk(keep, dim=-1, sorted=False).indices, True)
+    part.masked_fill_(~mask, 0)
+    return out
+
+
+ATTENTION_BASELINES = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
+
+
+def _bitmap_bytes(cache) -> int:
+    kb, vb = cache.keys, cache.values
+    return B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, vb.nz, vb.bitmaps, vb.offsets, cache.window_keys, cache.window_values)
+
+
+def suite_attention(ctx: BenchContext) -> list[dict]:
+    """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
+    ``window`` tokens dense) vs the dense baselines on the unpruned tensors of the same shape."""
+    att = require_kernel("bitmap_attention", "attention", ("bitmap_decode_attention",))
+    comp = require_kernel("bitmap_compress", "attention", ("encode_cache",))
+    backend = "triton" if ctx.env.device_type == "cuda" else "torch"
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="bitmap_attention", which=ATTENTION_BASELINES)
+        q4 = q[:, :, None]
+        for sp in ctx.sparsities:
+            ctx.step(f"bitmap_attention b={b} T={t} sparsity={sp}")
+            kp, vp = prune_per_token(k, sp, ctx.window), prune_per_token(v, sp, ctx.window)
+            cache = comp.encode_cache(kp, vp, window=min(ctx.window, t), backend=backend)
+            cache.validate()
+            ref = B.reference_decode(q, kp, vp, ctx.scale)
+            del kp, vp
+            fn = lambda: att.bitmap_decode_attention(q4, cache, ctx.scale, validate=False)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn()[0], ref)
+            recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
+                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
+            del cache, ref
+            _free(ctx)
+        del q, k, v, q4
+        _free(ctx)
+    B.add_speedups(recs, list(ATTENTION_BASELINES))
+    return recs
+
+
+def suite_compress(ctx: BenchContext) -> list[dict]:
+    """Bitmap compression throughput: the Triton encoder vs the torch encoder on the same pruned keys
+    and values (bytes = dense input read + layout written; ``bandwidth_fraction`` against copy, which
+    also counts read + write). The outputs must be byte-identical."""
+    comp = require_kernel("bitmap_compress", "compress", ("encode_torch", "encode_triton"))
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        del q
+        for sp in ctx.sparsities:
+            for kind, x in (("keys", prune_per_token(k, sp)), ("values", prune_per_token(v, sp))):
+                ctx.step(f"bitmap compress {kind} b={b} T={t} sparsity={sp}")
+                ref = comp.encode_torch(x, kind)
+                moved = B.tensor_bytes(x) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
+                got = comp.encode_triton(x, kind) if ctx.env.device_type == "cuda" or B.interpret_mode() else None
+                same = got is not None and all(torch.equal(a.view(torch.int8) if a.is_floating_point() else a, c.view(torch.int8) if c.is_floating_point() else c)
+                                               for a, c in ((got.nz, ref.nz), (got.bitmaps, ref.bitmaps), (got.offsets, ref.offsets)))
+                tm = ctx.timer.time(lambda: comp.encode_triton(x, kind)) if same else None
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
+                                          sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
+                tm = ctx.timer.time(lambda: comp.encode_torch(x, kind))
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
+                                          sparsity=sp, rel=0.0, data=data))
+                del x, ref, got
+                _free(ctx)
+        del k, v
+        _free(ctx)
+    _speedups_per_kernel(recs, ["bitmap_torch"])
+    return recs
+
+
+def _speedups_per_kernel(recs: list[dict], baselines: list[str]) -> None:
+    """add_speedups within each kernel name (for suites whose rows of one configuration time
+    different things, e.g. keys and values)."""
+    for name in {r["kernel"] for r in recs}:
+        B.add_speedups([r for r in recs if r["kernel"] == name], baselines)
+
+
+HEADS_BASELINES = ("torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc", "heads_all")
+
+
+def head_choices(shape: ModelShape, batch: int, k: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Head-index tensors ``[B, k]`` int32: ``grouped`` lists whole GQA groups first (the heads of
+    ceil(k / G) KV heads, what a group-aware router picks; KV reads scale with k), ``random`` a random
+    k of H per sequence (with GQA nearly every KV head keeps a listed head, so reads barely shrink)."""
+    g = torch.Generator().manual_seed(seed)
+    grouped = []
+    random = []
+    for _ in range(batch):
+        kv_order = torch.randperm(shape.kv_heads, generator=g)
+        heads = (kv_order[:, None] * shape.group + torch.arange(shape.group)[None, :]).reshape(-1)
+        grouped.append(heads[:k])
+        random.append(torch.randperm(shape.heads, generator=g)[:k])
+    return {"grouped": torch.stack(grouped).to(device=device, dtype=torch.int32),
+            "random": torch.stack(random).to(device=device, dtype=torch.int32)}
+
+
+def suite_heads(ctx: BenchContext) -> list[dict]:
+    """Selective head attention at k of H heads (grouped and random choices) vs dense decode and vs
+    the same kernel with every head listed."""
+    hm = require_kernel("heads", "heads", ("selective_head_attention", "bytes_read"))
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="heads", which=HEADS_BASELINES)
+        ref = B.reference_decode(q, k, v, ctx.scale)
+        all_idx = torch.arange(shape.heads, device=q.device, dtype=torch.int32).repeat(b, 1)
+        ctx.step(f"heads_all b={b} T={t}")
+        fn = lambda: hm.selective_head_attention(q, k, v, all_idx, ctx.scale, validate=False)  # noqa: E731
+        tm, rel, st = _timed(ctx, fn, fn()[0], ref)
+        recs.append(B.make_record(ctx.env, "heads", "heads_all", shape, b, t, ctx.dtype, tm, hm.bytes_read(q, k, all_idx),
+                                  k=shape.heads, rel=rel, status=st, data=data))
+        for kk in ctx.ks:
+            for mode, idx in head_choices(shape, b, kk, q.device).items():
+                ctx.step(f"heads_{mode} b={b} T={t} k={kk}")
+                listed = torch.zeros(b, shape.heads, dtype=torch.bool, device=q.device).scatter_(1, idx.long(), True)
+                fn = lambda idx=idx: hm.selective_head_attention(q, k, v, idx, ctx.scale, validate=True)  # noqa: E731
+                out = fn()[0]
+                # compare the listed heads with the dense reference; unlisted rows must be zero
+                unlisted_zero = bool((out[~listed] == 0).all())
+                rel = B.rel_err(out[listed], ref[listed])
+                ok = unlisted_zero and rel <= TOL.get(ctx.dtype, 1e-2)
+                fn = lambda idx=idx: hm.selective_head_attention(q, k, v, idx, ctx.scale, validate=False)  # noqa: E731
+                tm = ctx.timer.time(fn) if ok else None
+                recs.append(B.make_record(ctx.env, "heads", f"heads_{mode}", shape, b, t, ctx.dtype, tm, hm.bytes_read(q, k, idx),
+                                          k=kk, rel=rel, status="ok" if ok else "wrong", data=data))
+        del q, k, v, ref
+        _free(ctx)
+    B.add_speedups(recs, list(HEADS_BASELINES))
+    return recs
+
+
 def _free(ctx: BenchContext) -> None:
     if ctx.env.device_type == "cuda":
         torch.cuda.empty_cache()
@@ -216,4 +366,7 @@ def _free(ctx: BenchContext) -> None:
 # subcommand -> (suite, baselines whose speedup columns the table shows; the JSON has all)
 SUITES: dict[str, tuple[Callable[[BenchContext], list[dict]], tuple[str, ...]]] = {
     "dense": (suite_dense, ("torch_dense", "flashinfer_batch")),
+    "attention": (suite_attention, ("cublas_qk+pv", "flashinfer_batch", "flashinfer_single")),
+    "compress": (suite_compress, ("bitmap_torch",)),
+    "heads": (suite_heads, ("torch_dense", "flashinfer_batch", "heads_all")),
 }

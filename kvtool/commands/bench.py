@@ -140,7 +140,8 @@ def print_result(doc: dict[str, Any]) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
     recs = doc["records"]
     base_names = [n for n in doc.get("primary_baselines", []) if any(n in r["speedup"] for r in recs)]
-    cols = ["provider", "batch", "seq", "param", "median µs", "p10-p90", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
+    many = len({r["kernel"] for r in recs}) > 1
+    cols = (["kernel"] if many else []) + ["provider", "batch", "seq", "param", "median µs", "p10-p90", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
     rows = []
     for r in recs:
         param = next((f"{n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None), "")
@@ -148,7 +149,7 @@ def print_result(doc: dict[str, Any]) -> None:
         frac = f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] is not None else ""
         sp = [r["speedup"].get(n) for n in base_names]
         sp = [f"{x:.2f}" if isinstance(x, float) else ("" if x is None else str(x)[:13]) for x in sp]
-        rows.append([r["provider"], r["batch"], r["seq"], param, r["median_us"], spread,
+        rows.append(([r["kernel"]] if many else []) + [r["provider"], r["batch"], r["seq"], param, r["median_us"], spread,
                      r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
     console.print(make_table(f"kvtool bench {doc['subcommand']}", cols, rows))
     if not env["timing_valid"]:
