@@ -28,9 +28,17 @@ PY
 }
 bench() {  # bench NAME SUB ARGS...
   local name=$1; shift
-  python3 -m kvtool bench "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" --force 2>&1 | tee "$OUT/$name.log"
+  python3 -m kvtool bench "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" --force 2>&1 | tee "$OUT/$name.txt" | tee -a "$OUT/run.log"
+}
+profile() {  # profile NAME KERNEL-REGEX ARGS... (ncu on the second launch of the kernel)
+  local name=$1 regex=$2; shift 2
+  ncu --kernel-name "regex:$regex" --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats --section WarpStateStats python3 scripts/profile_kernel.py "$@" > "$OUT/$name.ncu.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Stall|L1/TEX Hit|L2 Hit|Theoretical Occ|Shared Memory Config|Dynamic Shared" "$OUT/$name.ncu.txt" | head -40
 }
 save_jit() {
   if [ -d /tmp/fiws/.cache ]; then tar -czf "$OUT/fi_jit.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_jit.tgz"; fi
 }
 for step in "$@"; do eval "$step"; done
+# at most 8 files come back: pack everything but the logs into one archive
+(cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude run.log --exclude fi_jit.tgz . && find . -type f ! -name results.tgz ! -name run.log ! -name fi_jit.tgz -delete && ls -la)
