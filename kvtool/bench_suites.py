@@ -234,6 +234,20 @@ def _bitmap_bytes(cache) -> int:
     return B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, vb.nz, vb.bitmaps, vb.offsets, cache.window_keys, cache.window_values)
 
 
+def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
+    """(provider, fn(q4, cache, scale) -> (out, lse)) for the owner's kernel and, when present, the
+    bench's popcount-rank variant (4 and 8 warps). The layout is validated once before timing."""
+    kernels = [("bitmap_triton", lambda q4, cache, scale: att.bitmap_decode_attention(q4, cache, scale, validate=False))]
+    try:
+        from .kernels import bitmap_attention_popc as popc
+    except ImportError:
+        return kernels
+    for warps in (4, 8):
+        kernels.append((f"bitmap_popc_w{warps}", lambda q4, cache, scale, warps=warps:
+                        popc.bitmap_decode_attention_popc(q4, cache, scale, validate=False, num_warps=warps)))
+    return kernels
+
+
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense) vs the dense baselines on the unpruned tensors of the same shape."""
@@ -253,10 +267,12 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             cache.validate()
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
-            fn = lambda: att.bitmap_decode_attention(q4, cache, ctx.scale, validate=False)  # noqa: E731
-            tm, rel, st = _timed(ctx, fn, fn()[0], ref)
-            recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
-                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
+            for provider, kernel_fn in _bitmap_attention_kernels(att):
+                ctx.step(f"{provider} b={b} T={t} sparsity={sp}")
+                fn = lambda kernel_fn=kernel_fn: kernel_fn(q4, cache, ctx.scale)  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn()[0], ref)
+                recs.append(B.make_record(ctx.env, "bitmap_attention", provider, shape, b, t, ctx.dtype, tm,
+                                          _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
             del cache, ref
             _free(ctx)
         del q, k, v, q4

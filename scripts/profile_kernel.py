@@ -24,6 +24,12 @@ def main() -> None:
         sp = 0.7 if param is None else param
         cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
         fn = lambda: bitmap_attention.bitmap_decode_attention(q[:, :, None], cache, validate=False)  # noqa: E731
+    elif kernel == "attention_popc":
+        from kvtool.kernels import bitmap_attention_popc, bitmap_compress
+
+        sp = 0.7 if param is None else param
+        cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
+        fn = lambda: bitmap_attention_popc.bitmap_decode_attention_popc(q[:, :, None], cache, validate=False)  # noqa: E731
     elif kernel == "heads":
         from kvtool.kernels import heads
 
