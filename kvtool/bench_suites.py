@@ -242,10 +242,18 @@ def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
         from .kernels import bitmap_attention_popc as popc
     except ImportError:
         return kernels
-    for warps in (4, 8):
-        kernels.append((f"bitmap_popc_w{warps}", lambda q4, cache, scale, warps=warps:
-                        popc.bitmap_decode_attention_popc(q4, cache, scale, validate=False, num_warps=warps)))
+    for name, opts in POPC_VARIANTS.items():
+        kernels.append((name, lambda q4, cache, scale, opts=opts: popc.bitmap_decode_attention_popc(q4, cache, scale, validate=False, **opts)))
     return kernels
+
+
+# the popcount-rank variants the attention suite times (provider -> launch options)
+POPC_VARIANTS = {
+    "bitmap_popc2d": {"variant": "2d", "num_warps": 4},
+    "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
+    "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
+    "bitmap_popc3d_w8": {"variant": "3d", "num_warps": 8},
+}
 
 
 def suite_attention(ctx: BenchContext) -> list[dict]:
@@ -374,6 +382,95 @@ def suite_heads(ctx: BenchContext) -> list[dict]:
     return recs
 
 
+RETRIEVAL_BASELINES = ("cublas_qk", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
+
+
+def suite_lut(ctx: BenchContext) -> list[dict]:
+    """Sign-VQ: the LUT score kernel alone vs fp16 q·Kᵀ (cuBLAS), then the whole decode step (LUT
+    scores, top-k, fused dequantising attention over the chosen tokens, full-precision tokens) per
+    budget vs the dense baselines on the original keys / values."""
+    sv = require_kernel("signvq_lut", "lut", ("lut_scores_kernel", "signvq_decode"))
+    from .cache import LayerKV
+    from .formats.signvq import SignVQFormat, SignVQParams, lut_scores
+
+    fmt = SignVQFormat()
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="signvq", which=RETRIEVAL_BASELINES)
+        q4 = q[:, :, None]
+        for i, budget in enumerate(ctx.budgets):
+            if budget >= t:
+                recs.append(B.make_record(ctx.env, "signvq", "signvq_decode", shape, b, t, ctx.dtype, None, 0, budget=budget,
+                                          status=f"skipped: budget {budget} >= seq {t}", data=data))
+                continue
+            ctx.step(f"signvq encode b={b} T={t} budget={budget}")
+            enc = fmt.encode(LayerKV(k, v), SignVQParams(budget=budget, budget_ratio=None))
+            codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
+            if i == 0:
+                ctx.step(f"signvq_lut scores b={b} T={t}")
+                fn = lambda: sv.lut_scores_kernel(q4, codes, book, gqa)  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn(), lut_scores(q4, codes, book, gqa))
+                recs.append(B.make_record(ctx.env, "signvq", "lut_scores", shape, b, t, ctx.dtype, tm,
+                                          B.tensor_bytes(codes, book, q), rel=rel, status=st, data=data))
+            ctx.step(f"signvq_decode b={b} T={t} budget={budget}")
+            ref = fmt.attend(q4, enc, ctx.scale)[0][:, :, 0]
+            fn = lambda enc=enc: sv.signvq_decode(q4, enc, ctx.scale)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
+            recs.append(B.make_record(ctx.env, "signvq", "signvq_decode", shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
+                                      budget=budget, rel=rel, status=st, data=data))
+            del enc, ref
+            _free(ctx)
+        del q, k, v, q4
+        _free(ctx)
+    B.add_speedups(recs, list(RETRIEVAL_BASELINES))
+    return recs
+
+
+def suite_pages(ctx: BenchContext) -> list[dict]:
+    """Page selection (pagestat, UNIQUE score): fused criticality alone, and the whole decode step
+    (criticality, top-k pages, paged sparse attention) per budget vs the dense baselines."""
+    pg = require_kernel("pages", "pages", ("page_criticality", "pagestat_decode", "pagestat_decode_reference"))
+    from .cache import LayerKV
+    from .formats.pagestat import PageStatFormat, PageStatParams, page_scores
+
+    fmt = PageStatFormat()
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="pagestat", which=RETRIEVAL_BASELINES)
+        q4 = q[:, :, None]
+        for i, budget in enumerate(ctx.budgets):
+            if budget >= t:
+                recs.append(B.make_record(ctx.env, "pagestat", "pagestat_decode", shape, b, t, ctx.dtype, None, 0, budget=budget,
+                                          status=f"skipped: budget {budget} >= seq {t}", data=data))
+                continue
+            ctx.step(f"pagestat encode b={b} T={t} budget={budget}")
+            enc = fmt.encode(LayerKV(k, v), PageStatParams(page_size=ctx.page_size, budget=budget, budget_ratio=None))
+            m = enc.meta
+            stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+            if i == 0:
+                ctx.step(f"page_criticality b={b} T={t}")
+                fn = lambda: pg.page_criticality(q4, stats, m["score"], m["lam"])  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn(), page_scores(q4, stats, m["score"], m["lam"]).float())
+                recs.append(B.make_record(ctx.env, "pagestat", "page_criticality", shape, b, t, ctx.dtype, tm,
+                                          B.tensor_bytes(q, *stats.values()), rel=rel, status=st, data=data))
+            ctx.step(f"pagestat_decode b={b} T={t} budget={budget}")
+            ref = pg.pagestat_decode_reference(q4, enc, ctx.scale)[0][:, :, 0]
+            fn = lambda enc=enc: pg.pagestat_decode(q4, enc, ctx.scale)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
+            recs.append(B.make_record(ctx.env, "pagestat", "pagestat_decode", shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
+                                      budget=budget, rel=rel, status=st, data=data))
+            del enc, ref, stats
+            _free(ctx)
+        del q, k, v, q4
+        _free(ctx)
+    B.add_speedups(recs, list(RETRIEVAL_BASELINES))
+    return recs
+
+
 def _free(ctx: BenchContext) -> None:
     if ctx.env.device_type == "cuda":
         torch.cuda.empty_cache()
@@ -385,4 +482,6 @@ SUITES: dict[str, tuple[Callable[[BenchContext], list[dict]], tuple[str, ...]]] 
     "attention": (suite_attention, ("cublas_qk+pv", "flashinfer_batch", "flashinfer_single")),
     "compress": (suite_compress, ("bitmap_torch",)),
     "heads": (suite_heads, ("torch_dense", "flashinfer_batch", "heads_all")),
+    "lut": (suite_lut, ("cublas_qk", "flashinfer_batch")),
+    "pages": (suite_pages, ("flashinfer_batch", "flashinfer_single")),
 }

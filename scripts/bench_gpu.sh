@@ -41,4 +41,4 @@ save_jit() {
 }
 for step in "$@"; do eval "$step"; done
 # at most 8 files come back: pack everything but the logs into one archive
-(cd "$OUT" && tar -czf results.tgz --exclude results.tgz --exclude run.log --exclude fi_jit.tgz . && find . -type f ! -name results.tgz ! -name run.log ! -name fi_jit.tgz -delete && ls -la)
+(cd "$OUT" && tar -czf /tmp/results.tgz --exclude run.log --exclude fi_jit.tgz . && mv /tmp/results.tgz . && find . -type f ! -name results.tgz ! -name run.log ! -name fi_jit.tgz -delete && ls -la)

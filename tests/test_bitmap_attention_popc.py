@@ -22,12 +22,13 @@ from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
         (1, 2, 4, 40, 64, 0.7, 40, None),  # everything in the window: no compressed block
     ],
 )
-def test_matches_reference(b, hkv, g, t, d, sp, window, splits):
+@pytest.mark.parametrize("variant", ["2d", "3d"])
+def test_matches_reference(b, hkv, g, t, d, sp, window, splits, variant):
     keys = random_pruned(b, hkv, t, d, sp, window=window, seed=1)
     values = random_pruned(b, hkv, t, d, sp, window=window, seed=2)
     cache = encode_cache(keys, values, window=window, backend="torch")
     q = torch.randn(b, hkv * g, 1, d, generator=torch.Generator().manual_seed(3)).half()
-    out, lse = bitmap_decode_attention_popc(q, cache, num_splits=splits)
+    out, lse = bitmap_decode_attention_popc(q, cache, num_splits=splits, variant=variant)
     ref_out, ref_lse = bitmap_attention_reference(q, cache)
     assert torch.isfinite(out).all()
     rel = (out - ref_out).norm() / ref_out.norm()

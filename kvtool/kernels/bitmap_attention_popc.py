@@ -75,7 +75,7 @@ def _bitmap_attention_popc_kernel(
         k_bit = (tl.full([64], 1, tl.int32) << (t % 32))[None, :]
         k_below = k_bit - 1
         # values: element (token t, channel c) is bit c % 64 of tile (t, c // 64)
-        v_piece = (c % TILE) // 32 + 2 * (c // TILE)  # which 32-bit half-word of the token's bitmaps
+        v_piece = (c % 64) // 32 + 2 * (c // 64)  # which 32-bit half-word of the token's bitmaps
         v_bit = (tl.full([DP], 1, tl.int32) << (c % 32))[None, :]
         v_below = v_bit - 1
         for blk in range(blk_start, blk_end):
@@ -120,6 +120,74 @@ def _bitmap_attention_popc_kernel(
     tl.store(l_ptr + slot * RP + rows, l_i)
 
 
+@triton.jit
+def _bitmap_attention_popc3_kernel(
+    q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, Tc, W, D, DT, NB, R, BPS, S,
+    RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """As :func:`_bitmap_attention_popc_kernel`, but the bit tensors are 3-D ``[rows, half-words, 32]``
+    so that each element's half-word and its prefix come by broadcasting instead of select chains,
+    and packed positions are int32 offsets from the block's start (one 64-bit add per block)."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    rows = tl.arange(0, RP)
+    c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
+    cmask = c < D
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, DP], tl.float32)
+    if split < S:
+        blk_start = split * BPS
+        blk_end = tl.minimum(blk_start + BPS, NB)
+        i32 = tl.arange(0, 32)
+        bit3 = (tl.full([32], 1, tl.int32) << i32)[None, None, :]
+        below3 = bit3 - 1
+        halves = tl.arange(0, 2)
+        pieces = tl.arange(0, 2 * DTP)
+        for blk in range(blk_start, blk_end):
+            g = bh * NB + blk
+            tok = blk * 64 + t
+            tmask = tok < Tc
+            # keys: [DP channels, 2 halves, 32 tokens]
+            kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
+            kpc = _popc32(kw, USE_ASM)
+            kpre = tl.cumsum(kpc, axis=1) - kpc  # within the tile
+            ktile = tl.sum(kpc, axis=1)
+            kbase = tl.cumsum(ktile, axis=0) - ktile  # [DP] from the block start
+            kw3 = kw[:, :, None]
+            kset = (kw3 & bit3) != 0
+            kpos = kbase[:, None, None] + kpre[:, :, None] + _popc32(kw3 & below3, USE_ASM)
+            kblock = knz_ptr + tl.load(koff_ptr + g)
+            kt = tl.reshape(tl.load(kblock + kpos, mask=kset, other=0.0), (DP, 64))
+            # values: [64 tokens, 2 * DTP half-words, 32 channels]
+            vrow = bh * Tc + tok
+            vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)  # [64, 2DTP]
+            vpc = _popc32(vw, USE_ASM)
+            vpre = tl.cumsum(vpc, axis=1) - vpc
+            vtok = tl.sum(vpc, axis=1)
+            vbase = tl.cumsum(vtok, axis=0) - vtok  # [64]
+            vw3 = vw[:, :, None]
+            vset = (vw3 & bit3) != 0
+            vpos = vbase[:, None, None] + vpre[:, :, None] + _popc32(vw3 & below3, USE_ASM)
+            vblock = vnz_ptr + tl.load(voff_ptr + g)
+            v = tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
+            m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    else:
+        for w0 in range(0, W, 64):
+            tw = w0 + t
+            wmask = tw < W
+            kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
+            v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    slot = bh * (S + 1) + split
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc)
+    tl.store(m_ptr + slot * RP + rows, m_i)
+    tl.store(l_ptr + slot * RP + rows, l_i)
+
+
 def bitmap_decode_attention_popc(
     q: torch.Tensor,
     cache: BitmapCache,
@@ -127,10 +195,16 @@ def bitmap_decode_attention_popc(
     num_splits: int | None = None,
     validate: bool = True,
     num_warps: int = 4,
+    num_stages: int | None = None,
+    variant: str = "3d",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over ``cache`` (compressed tokens + dense window): the
     partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). Same contract as
-    :func:`.bitmap_attention.bitmap_decode_attention`; ``validate=False`` trusts the offsets."""
+    :func:`.bitmap_attention.bitmap_decode_attention`; ``validate=False`` trusts the offsets.
+    ``variant``: ``"3d"`` (broadcast half-words, int32 positions) or ``"2d"`` (select chains);
+    ``num_warps`` / ``num_stages``: Triton launch options (None: Triton's default stages)."""
+    if variant not in ("2d", "3d"):
+        raise UsageError(f"variant must be '2d' or '3d', got {variant!r}")
     check_query(q, cache)
     _check_device(q, "q")
     if validate:
@@ -161,12 +235,14 @@ def bitmap_decode_attention_popc(
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     empty = torch.zeros(1, dtype=q.dtype, device=q.device)
-    _bitmap_attention_popc_kernel[(bh, splits + 1)](
+    kernel = _bitmap_attention_popc3_kernel if variant == "3d" else _bitmap_attention_popc_kernel
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    kernel[(bh, splits + 1)](
         q.contiguous(), k.bitmaps.view(torch.int32), k.nz if k.nz.numel() else empty, k.offsets,
         v.bitmaps.view(torch.int32), v.nz if v.nz.numel() else empty, v.offsets,
         cache.window_keys.contiguous() if w else empty, cache.window_values.contiguous() if w else empty,
         acc, m, l, float(scale) * LOG2E, k.tokens, w, d, -(-d // TILE), nb, rows, bps, splits,
-        RP=rp, DP=dp, DTP=dp // TILE, DOT_PREC=prec, UPCAST=upcast, USE_ASM=use_asm, num_warps=num_warps,
+        RP=rp, DP=dp, DTP=dp // TILE, DOT_PREC=prec, UPCAST=upcast, USE_ASM=use_asm, num_warps=num_warps, **extra,
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
