@@ -249,7 +249,9 @@ def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
 
 # the popcount-rank variants the attention suite times (provider -> launch options)
 POPC_VARIANTS = {
-    "bitmap_popc2d": {"variant": "2d", "num_warps": 4},
+    "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
+    "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
+},
     "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
     "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
     "bitmap_popc3d_w8": {"variant": "3d", "num_warps": 8},

@@ -36,6 +36,13 @@ profile() {  # profile NAME KERNEL-REGEX ARGS... (ncu on the second launch of th
       --section Occupancy --section LaunchStats --section WarpStateStats python3 scripts/profile_kernel.py "$@" > "$OUT/$name.ncu.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Stall|L1/TEX Hit|L2 Hit|Theoretical Occ|Shared Memory Config|Dynamic Shared" "$OUT/$name.ncu.txt" | head -40
 }
+breakdown() {  # breakdown NAME KERNEL BATCH SEQ PARAM (torch.profiler table of 10 calls)
+  local name=$1; shift
+  python3 scripts/profile_kernel.py "$@" breakdown 2>&1 | tee "$OUT/$name.prof.txt" | cut -c1-200 | head -40
+}
+checks() {  # the kernels against their references on CUDA, odd shapes up to Llama-3-8B
+  python3 scripts/gpu_kernel_checks.py 2>&1 | tee "$OUT/gpu_kernel_checks.txt" | grep -v "^ok"
+}
 save_jit() {
   if [ -d /tmp/fiws/.cache ]; then tar -czf "$OUT/fi_jit.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_jit.tgz"; fi
 }

@@ -1,6 +1,8 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
-KERNEL: attention (PARAM = sparsity), heads (PARAM = k, grouped choice), compress (PARAM = sparsity).
+KERNEL: attention / attention_popc (PARAM = sparsity), heads (PARAM = k, grouped choice), compress
+(PARAM = sparsity), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
+torch.profiler table of 10 calls instead of running twice for ncu).
 Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128), fp16, random data."""
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main() -> None:
 
         sp = 0.7 if param is None else param
         cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
-        fn = lambda: bitmap_attention_popc.bitmap_decode_attention_popc(q[:, :, None], cache, validate=False)  # noqa: E731
+        fn = lambda: bitmap_attention_popc.bitmap_decode_attention_popc(q[:, :, None], cache, validate=False, variant="3d")  # noqa: E731
     elif kernel == "heads":
         from kvtool.kernels import heads
 
@@ -40,10 +42,34 @@ def main() -> None:
 
         x = S.prune_per_token(k, 0.7 if param is None else param)
         fn = lambda: bitmap_compress.encode_triton(x, "keys")  # noqa: E731
+    elif kernel == "signvq":
+        from kvtool.kernels import signvq_lut
+
+        q4, enc = signvq_lut.make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
+        fn = lambda: signvq_lut.signvq_decode(q4, enc)  # noqa: E731
+    elif kernel == "pages":
+        from kvtool.kernels import pages
+
+        q4, enc = pages.make_pagestat_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
+        fn = lambda: pages.pagestat_decode(q4, enc)  # noqa: E731
     else:
         raise SystemExit(f"unknown kernel {kernel}")
     fn()
     torch.cuda.synchronize()
+    if "breakdown" in sys.argv[5:]:
+        # where the time of one call goes: GPU kernels and host-side ops, 10 calls
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        print(f"== {kernel} b={batch} T={seq} param={param}: 10 calls")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        return
     fn()
     torch.cuda.synchronize()
 
