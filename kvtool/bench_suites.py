@@ -251,10 +251,6 @@ def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
 POPC_VARIANTS = {
     "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
     "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
-},
-    "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
-    "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
-    "bitmap_popc3d_w8": {"variant": "3d", "num_warps": 8},
 }
 
 
