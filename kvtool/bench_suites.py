@@ -433,6 +433,10 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
     from .cache import LayerKV
     from .formats.pagestat import PageStatFormat, PageStatParams, page_scores
 
+    try:
+        from .kernels import pages_dot as dot
+    except ImportError:
+        dot = None
     fmt = PageStatFormat()
     recs = []
     for b, t in ctx.configs():
@@ -449,18 +453,26 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
             enc = fmt.encode(LayerKV(k, v), PageStatParams(page_size=ctx.page_size, budget=budget, budget_ratio=None))
             m = enc.meta
             stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+            crit_fns, decode_fns = [("page_criticality", pg.page_criticality)], [("pagestat_decode", pg.pagestat_decode)]
+            if dot is not None:
+                crit_fns.append(("page_criticality_dot", dot.page_criticality_dot))
+                decode_fns.append(("pagestat_decode_dot", dot.pagestat_decode_dot))
             if i == 0:
-                ctx.step(f"page_criticality b={b} T={t}")
-                fn = lambda: pg.page_criticality(q4, stats, m["score"], m["lam"])  # noqa: E731
-                tm, rel, st = _timed(ctx, fn, fn(), page_scores(q4, stats, m["score"], m["lam"]).float())
-                recs.append(B.make_record(ctx.env, "pagestat", "page_criticality", shape, b, t, ctx.dtype, tm,
-                                          B.tensor_bytes(q, *stats.values()), rel=rel, status=st, data=data))
-            ctx.step(f"pagestat_decode b={b} T={t} budget={budget}")
+                crit_ref = page_scores(q4, stats, m["score"], m["lam"]).float()
+                for provider, crit in crit_fns:
+                    ctx.step(f"{provider} b={b} T={t}")
+                    fn = lambda crit=crit: crit(q4, stats, m["score"], m["lam"])  # noqa: E731
+                    tm, rel, st = _timed(ctx, fn, fn(), crit_ref)
+                    recs.append(B.make_record(ctx.env, "pagestat", provider, shape, b, t, ctx.dtype, tm,
+                                              B.tensor_bytes(q, *stats.values()), rel=rel, status=st, data=data))
+                del crit_ref
             ref = pg.pagestat_decode_reference(q4, enc, ctx.scale)[0][:, :, 0]
-            fn = lambda enc=enc: pg.pagestat_decode(q4, enc, ctx.scale)  # noqa: E731
-            tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
-            recs.append(B.make_record(ctx.env, "pagestat", "pagestat_decode", shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
-                                      budget=budget, rel=rel, status=st, data=data))
+            for provider, decode in decode_fns:
+                ctx.step(f"{provider} b={b} T={t} budget={budget}")
+                fn = lambda enc=enc, decode=decode: decode(q4, enc, ctx.scale)  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
+                recs.append(B.make_record(ctx.env, "pagestat", provider, shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
+                                          budget=budget, rel=rel, status=st, data=data))
             del enc, ref, stats
             _free(ctx)
         del q, k, v, q4
