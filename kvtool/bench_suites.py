@@ -380,6 +380,47 @@ def suite_heads(ctx: BenchContext) -> list[dict]:
     return recs
 
 
+def suite_spmv(ctx: BenchContext) -> list[dict]:
+    """The two SpMV halves of bitmap attention alone (the bench's popcount kernels ``bitmap_qk`` /
+    ``bitmap_pv``, there being no standalone products in the owner's module) vs torch.matmul (cuBLAS)
+    on the dense tensors: scores q·Kᵀ and P·V, per sparsity."""
+    popc = require_kernel("bitmap_attention_popc", "spmv", ("bitmap_qk", "bitmap_pv"))
+    comp = require_kernel("bitmap_compress", "spmv", ("encode",))
+    backend = "triton" if ctx.env.device_type == "cuda" else "torch"
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="spmv_qk", which=("cublas_qk",))
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="spmv_pv", which=("cublas_pv",))
+        g = shape.group
+        for sp in ctx.sparsities:
+            kp, vp = prune_per_token(k, sp), prune_per_token(v, sp)
+            kb, vb = comp.encode(kp, "keys", backend), comp.encode(vp, "values", backend)
+            kb.validate()
+            vb.validate()
+            s_ref = torch.matmul(B.grouped(q, shape.kv_heads).float(), kp.float().transpose(-1, -2)).reshape(b, shape.heads, t)
+            p = torch.softmax(s_ref * ctx.scale, dim=-1).to(ctx.dtype)
+            pv_ref = torch.matmul(p.view(b, shape.kv_heads, g, t).float(), vp.float()).reshape(b, shape.heads, -1)
+            del kp, vp
+            ctx.step(f"spmv_qk b={b} T={t} sparsity={sp}")
+            fn = lambda kb=kb: popc.bitmap_qk(q, kb)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn(), s_ref)
+            recs.append(B.make_record(ctx.env, "spmv_qk", "bitmap_qk_popc", shape, b, t, ctx.dtype, tm,
+                                      B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, q), sparsity=sp, rel=rel, status=st, data=data))
+            ctx.step(f"spmv_pv b={b} T={t} sparsity={sp}")
+            fn = lambda vb=vb, p=p: popc.bitmap_pv(p, vb)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn(), pv_ref)
+            recs.append(B.make_record(ctx.env, "spmv_pv", "bitmap_pv_popc", shape, b, t, ctx.dtype, tm,
+                                      B.tensor_bytes(vb.nz, vb.bitmaps, vb.offsets, p), sparsity=sp, rel=rel, status=st, data=data))
+            del kb, vb, p, s_ref, pv_ref
+            _free(ctx)
+        del q, k, v
+        _free(ctx)
+    _speedups_per_kernel(recs, ["cublas_qk", "cublas_pv"])
+    return recs
+
+
 RETRIEVAL_BASELINES = ("cublas_qk", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
 
 
@@ -493,5 +534,6 @@ SUITES: dict[str, tuple[Callable[[BenchContext], list[dict]], tuple[str, ...]]] 
     "compress": (suite_compress, ("bitmap_torch",)),
     "heads": (suite_heads, ("torch_dense", "flashinfer_batch", "heads_all")),
     "lut": (suite_lut, ("cublas_qk", "flashinfer_batch")),
+    "spmv": (suite_spmv, ("cublas_qk", "cublas_pv")),
     "pages": (suite_pages, ("flashinfer_batch", "flashinfer_single")),
 }

@@ -43,3 +43,23 @@ def test_rejects_a_query_of_the_wrong_shape():
 
     with pytest.raises(UsageError, match="q has shape"):
         bitmap_decode_attention_popc(torch.zeros(1, 3, 1, 64, dtype=torch.float16), cache)
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d,sp", [(1, 2, 4, 130, 64, 0.7), (2, 1, 3, 64, 128, 0.5), (1, 2, 1, 77, 96, 0.0), (1, 1, 8, 200, 64, 0.99)])
+def test_spmv_halves_match_dense_products(b, hkv, g, t, d, sp):
+    from kvtool.kernels.bitmap_attention_popc import bitmap_pv, bitmap_qk
+    from kvtool.kernels.bitmap_compress import encode
+
+    keys = random_pruned(b, hkv, t, d, sp, seed=4)
+    values = random_pruned(b, hkv, t, d, sp, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(b, hkv * g, d, generator=gen).half()
+    p = torch.softmax(torch.randn(b, hkv * g, t, generator=gen), -1).half()
+    kx = keys.float().repeat_interleave(g, 1)  # [B, H, T, D]: query head h reads KV head h // g
+    vx = values.float().repeat_interleave(g, 1)
+    scores = bitmap_qk(q, encode(keys, "keys"))
+    ref_s = torch.einsum("bhd,bhtd->bht", q.float(), kx)
+    assert (scores - ref_s).norm() / ref_s.norm() < 1e-2
+    out = bitmap_pv(p, encode(values, "values"), num_splits=2)
+    ref_o = torch.einsum("bht,bhtd->bhd", p.float(), vx)
+    assert (out - ref_o).norm() / ref_o.norm() < 1e-2

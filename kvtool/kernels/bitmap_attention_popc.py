@@ -21,6 +21,10 @@ Entry point: :func:`bitmap_decode_attention_popc` ``(q, cache, scale=None, num_s
 validate=True, num_warps=4) -> (out, lse)``; shapes and dtypes as
 :func:`.bitmap_attention.bitmap_decode_attention` (q ``[B, H, Tq, D]``; out ``[B, H, Tq, D]``
 float32, lse ``[B, H, Tq]`` float32).
+
+The SpMV halves alone, for ``kvtool bench spmv``: :func:`bitmap_qk` (scores ``[B, H, Tc]`` of q
+``[B, H, D]`` against compressed keys) and :func:`bitmap_pv` (``[B, H, D]`` from probabilities
+``[B, H, Tc]`` and compressed values), with the same block expansion.
 """
 
 from __future__ import annotations
@@ -121,6 +125,38 @@ def _bitmap_attention_popc_kernel(
 
 
 @triton.jit
+def _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dense K^T tile ``[DP, 64]`` of key block ``g`` (channels x tokens, zeros where not stored)."""
+    halves = tl.arange(0, 2)
+    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
+    kpc = _popc32(kw, USE_ASM)
+    kpre = tl.cumsum(kpc, axis=1) - kpc
+    ktile = tl.sum(kpc, axis=1)
+    kbase = tl.cumsum(ktile, axis=0) - ktile
+    kw3 = kw[:, :, None]
+    kset = (kw3 & bit3) != 0
+    kpos = kbase[:, None, None] + kpre[:, :, None] + _popc32(kw3 & below3, USE_ASM)
+    kblock = knz_ptr + tl.load(koff_ptr + g)
+    return tl.reshape(tl.load(kblock + kpos, mask=kset, other=0.0), (DP, 64))
+
+
+@triton.jit
+def _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, bit3, below3, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dense V tile ``[64, DP]`` of value block ``g`` (tokens x channels); ``vrow`` = bh * Tc + token."""
+    pieces = tl.arange(0, 2 * DTP)
+    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
+    vpc = _popc32(vw, USE_ASM)
+    vpre = tl.cumsum(vpc, axis=1) - vpc
+    vtok = tl.sum(vpc, axis=1)
+    vbase = tl.cumsum(vtok, axis=0) - vtok
+    vw3 = vw[:, :, None]
+    vset = (vw3 & bit3) != 0
+    vpos = vbase[:, None, None] + vpre[:, :, None] + _popc32(vw3 & below3, USE_ASM)
+    vblock = vnz_ptr + tl.load(voff_ptr + g)
+    return tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
+
+
+@triton.jit
 def _bitmap_attention_popc3_kernel(
     q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, Tc, W, D, DT, NB, R, BPS, S,
@@ -145,35 +181,12 @@ def _bitmap_attention_popc3_kernel(
         i32 = tl.arange(0, 32)
         bit3 = (tl.full([32], 1, tl.int32) << i32)[None, None, :]
         below3 = bit3 - 1
-        halves = tl.arange(0, 2)
-        pieces = tl.arange(0, 2 * DTP)
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
             tok = blk * 64 + t
             tmask = tok < Tc
-            # keys: [DP channels, 2 halves, 32 tokens]
-            kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
-            kpc = _popc32(kw, USE_ASM)
-            kpre = tl.cumsum(kpc, axis=1) - kpc  # within the tile
-            ktile = tl.sum(kpc, axis=1)
-            kbase = tl.cumsum(ktile, axis=0) - ktile  # [DP] from the block start
-            kw3 = kw[:, :, None]
-            kset = (kw3 & bit3) != 0
-            kpos = kbase[:, None, None] + kpre[:, :, None] + _popc32(kw3 & below3, USE_ASM)
-            kblock = knz_ptr + tl.load(koff_ptr + g)
-            kt = tl.reshape(tl.load(kblock + kpos, mask=kset, other=0.0), (DP, 64))
-            # values: [64 tokens, 2 * DTP half-words, 32 channels]
-            vrow = bh * Tc + tok
-            vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)  # [64, 2DTP]
-            vpc = _popc32(vw, USE_ASM)
-            vpre = tl.cumsum(vpc, axis=1) - vpc
-            vtok = tl.sum(vpc, axis=1)
-            vbase = tl.cumsum(vtok, axis=0) - vtok  # [64]
-            vw3 = vw[:, :, None]
-            vset = (vw3 & bit3) != 0
-            vpos = vbase[:, None, None] + vpre[:, :, None] + _popc32(vw3 & below3, USE_ASM)
-            vblock = vnz_ptr + tl.load(voff_ptr + g)
-            v = tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
+            kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
+            v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
             m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
         for w0 in range(0, W, 64):
@@ -246,3 +259,91 @@ def bitmap_decode_attention_popc(
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
+
+
+@triton.jit
+def _bitmap_qk_kernel(q_ptr, kbm_ptr, knz_ptr, koff_ptr, s_ptr, Tc, D, NB, R, RP: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Scores of one key block: s[bh, r, blk*64 + t] = q[bh, r] . K[t] (fp32), all R query rows."""
+    bh = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    rows = tl.arange(0, RP)
+    c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
+    cmask = c < D
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
+    bit3 = (tl.full([32], 1, tl.int32) << tl.arange(0, 32))[None, None, :]
+    kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, bh * NB + blk, c, cmask, D, bit3, bit3 - 1, DP, USE_ASM)
+    s = tl.dot(q, kt)
+    tok = blk * 64 + t
+    tl.store(s_ptr + (bh * R + rows[:, None]) * Tc + tok[None, :], s, mask=(rows[:, None] < R) & (tok[None, :] < Tc))
+
+
+@triton.jit
+def _bitmap_pv_kernel(p_ptr, vbm_ptr, vnz_ptr, voff_ptr, o_ptr, Tc, D, DT, NB, R, BPS,
+                      RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Partial P.V of a split of value blocks: o[bh, split, r] = sum_t p[bh, r, t] V[t] (fp32)."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    rows = tl.arange(0, RP)
+    c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
+    bit3 = (tl.full([32], 1, tl.int32) << tl.arange(0, 32))[None, None, :]
+    acc = tl.zeros([RP, DP], tl.float32)
+    for blk in range(split * BPS, tl.minimum(split * BPS + BPS, NB)):
+        tok = blk * 64 + t
+        tmask = tok < Tc
+        p = tl.load(p_ptr + (bh * R + rows[:, None]) * Tc + tok[None, :], mask=(rows[:, None] < R) & tmask[None, :], other=0.0)
+        v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, bh * NB + blk, bh * Tc + tok, tmask, DT, bit3, bit3 - 1, DP, DTP, USE_ASM)
+        acc += tl.dot(p, v)
+    nsplit = tl.num_programs(1)
+    tl.store(o_ptr + ((bh * nsplit + split) * RP + rows[:, None]) * DP + c[None, :], acc)
+
+
+def _use_asm(x: torch.Tensor) -> bool:
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
+    """Scores ``[B, H, Tc]`` float32 (unscaled q·Kᵀ) of q ``[B, H, D]`` (keys' dtype) against the
+    bitmap-compressed keys (:class:`~.bitmap_layout.BitmapTensor`, kind ``keys``, ``[B, Hkv, Tc, D]``).
+    One program per (batch x KV head, 64-token block); the G query heads of a KV head share it."""
+    if keys.kind != "keys":
+        raise UsageError(f"bitmap_qk needs compressed keys, got {keys.kind}")
+    b, h, d = q.shape
+    hkv, tc = keys.kv_heads, keys.tokens
+    if b != keys.batch or d != keys.head_dim or h % hkv or q.dtype != keys.dtype:
+        raise UsageError(f"q is {q.dtype} {list(q.shape)}; expected {keys.dtype} [{keys.batch}, a multiple of {hkv}, {keys.head_dim}]")
+    _check_device(q, "q")
+    rows = h // hkv
+    out = torch.empty(b, h, tc, dtype=torch.float32, device=q.device)
+    if tc == 0:
+        return out
+    rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
+    _bitmap_qk_kernel[(b * hkv, keys.blocks)](q.contiguous(), keys.bitmaps.view(torch.int32), keys.nz, keys.offsets, out, tc, d,
+                                              keys.blocks, rows, RP=rp, DP=dp, USE_ASM=_use_asm(q), num_warps=4)
+    return out
+
+
+def bitmap_pv(p: torch.Tensor, values, num_splits: int | None = None) -> torch.Tensor:
+    """Output ``[B, H, D]`` float32 = p ``[B, H, Tc]`` (values' dtype) · the bitmap-compressed values
+    (:class:`~.bitmap_layout.BitmapTensor`, kind ``values``). Grid (batch x KV head, splits of the
+    token blocks); the split partials are summed with one torch reduction."""
+    if values.kind != "values":
+        raise UsageError(f"bitmap_pv needs compressed values, got {values.kind}")
+    b, h, tc = p.shape
+    hkv, d = values.kv_heads, values.head_dim
+    if b != values.batch or tc != values.tokens or h % hkv or p.dtype != values.dtype:
+        raise UsageError(f"p is {p.dtype} {list(p.shape)}; expected {values.dtype} [{values.batch}, a multiple of {hkv}, {values.tokens}]")
+    _check_device(p, "p")
+    rows = h // hkv
+    nb = values.blocks
+    if tc == 0:
+        return torch.zeros(b, h, d, dtype=torch.float32, device=p.device)
+    splits = default_splits(b * hkv, nb, p.device) if num_splits is None else int(num_splits)
+    bps = max(1, -(-nb // max(1, splits)))
+    splits = max(1, -(-nb // bps))
+    rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
+    part = torch.empty(b * hkv, splits, rp, dp, dtype=torch.float32, device=p.device)
+    _bitmap_pv_kernel[(b * hkv, splits)](p.contiguous(), values.bitmaps.view(torch.int32), values.nz, values.offsets, part, tc, d,
+                                         -(-d // TILE), nb, rows, bps, RP=rp, DP=dp, DTP=dp // TILE, USE_ASM=_use_asm(p), num_warps=4)
+    return part.sum(1)[:, :rows, :d].reshape(b, h, d)
