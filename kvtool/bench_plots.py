@@ -50,8 +50,9 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
             for r in recs:
                 if r["batch"] != batch or r["seq"] != seq or r[param] is None:
                     continue
+                primary = doc.get("primary_baselines") or list(r["speedup"])
                 for base, val in r["speedup"].items():
-                    if isinstance(val, float):
+                    if isinstance(val, float) and base in primary:
                         series.setdefault(f"{r['provider']} over {base}", []).append((r[param], val))
             for label, pts in sorted(series.items()):
                 pts.sort()

@@ -121,9 +121,12 @@ def run_suite(sub: str, ctx) -> dict[str, Any]:
         raise B.BenchUnavailable(f"kvtool bench {sub}: no suite for it in this checkout")
     suite, primary = SUITES[sub]
     records = suite(ctx)
+    import datetime
+
     return {
         "kvtool_bench": 1,
         "subcommand": sub,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "kvtool " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtool", "__main__.py")) else None,
         "env": ctx.env.to_dict(),
         "shape": {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim},
