@@ -9,7 +9,8 @@ Per layer, batch b and KV head h (D = head_dim, Tc = compressed tokens, F = full
 - per group and code, the codebook holds the mean of the centred 4-d sub-vectors with that code
   (an empty code holds zeros and is flagged unused in ``index.used``);
 - |centred key| / alpha (alpha = per-channel max) and the values are quantised token-wise with
-  ``bits`` bits, a scale and zero point per ``group`` channels, packed little-endian in bytes;
+  ``bits`` bits, a scale and zero point per ``group`` channels (capped at head_dim: the default 64
+  is one group per token at head_dim 64), packed little-endian in bytes;
 - the first ``sinks`` tokens, the last ``dense_window`` tokens and ``keep_top`` tokens (highest
   centred-key score against the prefix's last query, mean over the GQA group) stay full precision.
 
@@ -256,7 +257,7 @@ class SignVQFormat(Format):
         b, h, t, d = layer.keys.shape
         if d % 4:
             raise UsageError(f"signvq needs head_dim a multiple of 4 (sign codes cover 4 dims), got {d}")
-        if d % p.group or (d * p.bits) % 8:
+        if d % min(p.group, d):
             raise UsageError(f"--group {p.group} must divide head_dim {d}")
         full = p.sinks + p.dense_window + p.keep_top
         if full >= t:
@@ -285,8 +286,9 @@ class SignVQFormat(Format):
         alpha = centred.abs().amax(2).to(dtype)
         a = alpha.float()[:, :, None]
         norm = torch.where(a > 0, centred.abs() / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(centred))
-        kmag, kq = quantize(norm, p.bits, p.group, dtype)
-        vq, vqp = quantize(vc, p.bits, p.group, dtype)
+        group = min(p.group, d)
+        kmag, kq = quantize(norm, p.bits, group, dtype)
+        vq, vqp = quantize(vc, p.bits, group, dtype)
         sinks = torch.arange(s, device=k.device)
         window = torch.arange(t - w, t, device=k.device)
         if p.keep_top:
@@ -315,7 +317,7 @@ class SignVQFormat(Format):
         full = positions.shape[-1]
         meta = {
             "tokens": t, "compressed_tokens": tc, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),
-            "bits": p.bits, "group": p.group, "center": p.center, "gqa": p.gqa,
+            "bits": p.bits, "group": group, "center": p.center, "gqa": p.gqa,
             "sinks": s, "keep_top": p.keep_top, "dense_window": w, "full_tokens": full,
             "budget": budget, "select": max(0, min(budget - full, tc - p.keep_top)),
         }
