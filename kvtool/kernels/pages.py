@@ -192,9 +192,12 @@ def paged_attention(
     page_size: int,
     scale: float | None = None,
     splits: int | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention over the listed pages (see the module docstring). ``pages`` int32
-    ``[B, Hkv, Tq, n]`` (any strides; entries must be distinct and in range: checked here)."""
+    ``[B, Hkv, Tq, n]`` (any strides; entries must be distinct and in range: checked here unless
+    ``check=False``, for lists that come from top-k, which are). ``splits``: programs per
+    (batch, KV head, query) row (default: about 4 programs per SM)."""
     if keys.ndim != 4 or values.shape != keys.shape:
         raise UsageError(f"keys/values must be [batch, kv_heads, tokens, head_dim] of one shape, got {list(keys.shape)} and {list(values.shape)}")
     b, hkv, t, d = keys.shape
@@ -209,8 +212,10 @@ def paged_attention(
     device = check_device(q=q, keys=keys, values=values, pages=pages)
     npages = -(-t // page_size)
     n = pages.shape[3]
-    if n and (int(pages.min()) < 0 or int(pages.max()) >= npages):
+    if check and n and (int(pages.min()) < 0 or int(pages.max()) >= npages):
         raise UsageError(f"pages holds an index outside 0..{npages - 1}")
+    if check and n > 1 and bool((pages.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise UsageError("pages lists a page twice for one query")
     keys, values = keys.contiguous(), values.contiguous()
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
@@ -249,7 +254,7 @@ def pagestat_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None) -
     stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
     crit = page_criticality(q, stats, m["score"], m["lam"])
     pages = select_pages(crit, m["forced_pages"], m["select"]).to(torch.int32)
-    return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale)
+    return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale, check=False)
 
 
 def pagestat_decode_reference(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

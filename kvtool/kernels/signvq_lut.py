@@ -223,9 +223,11 @@ def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
     check_query(q, b, hkv, d, dtype)
 
 
-def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None, block_tokens: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (entries in
-    0..Tc-1, checked), dequantised in the kernel (see the module docstring)."""
+def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None, block_tokens: int = 32, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
+    entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
+    kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
+    (default: about 4 programs per SM); ``block_tokens``: tokens per inner step."""
     check_encoded(q, enc)
     t, m = enc.tensors, enc.meta
     b, hkv, tc = t["keys.mag"].shape[:3]
@@ -234,8 +236,10 @@ def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
         raise UsageError(f"idx must be int32 [{b}, {hkv}, {tq}, k], got {idx.dtype} {list(idx.shape)}")
     device = check_device(q=q, idx=idx, **{n.replace(".", "_"): t[n] for n in SIGNVQ_TENSORS})
     k = idx.shape[3]
-    if k and (int(idx.min()) < 0 or int(idx.max()) >= tc):
+    if check and k and (int(idx.min()) < 0 or int(idx.max()) >= tc):
         raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
+    if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise UsageError("idx lists a token twice for one query")
     ten = {n: t[n].contiguous() for n in SIGNVQ_TENSORS}
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
@@ -286,12 +290,12 @@ def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, gat
     tq = q.shape[2]
     scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], gather=gather)
     idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
-    part = signvq_attention(q, enc, idx, scale)
+    part = signvq_attention(q, enc, idx, scale, check=False)
     f = t["full.keys"].shape[2]
     if f == 0:
         return part
     pages = torch.arange(-(-f // FULL_PAGE), dtype=torch.int32, device=q.device).expand(b, hkv, tq, -1)
-    full = paged_attention(q, t["full.keys"], t["full.values"], pages, FULL_PAGE, scale)
+    full = paged_attention(q, t["full.keys"], t["full.values"], pages, FULL_PAGE, scale, check=False)
     return merge_partials(part, full)
 
 
