@@ -275,3 +275,17 @@ def test_matrix_shapes_with_default_params():
     cc = compress_cache(cache, FMT, SignVQParams(), heldout=20)
     for enc in cc.layers.values():
         assert enc.meta["budget"] == 25 and enc.meta["select"] == 21
+
+
+def test_oracle_recall_bounds_the_selection(tmp_path):
+    from kvtool.commands.compress import build_report
+    from kvtool.formats.pagestat import PageStatParams
+
+    cache = synthetic_cache(tokens=100, head_dim=16, heads=6, kv_heads=2)
+    for fmt, params in ((FMT, SignVQParams(group=16, budget=30)), (get_format("pagestat"), PageStatParams(page_size=8, budget=32))):
+        cc = compress_cache(cache, fmt, params, heldout=20)
+        d = build_report(cc, cache)["details"]
+        assert d["recall"] <= d["recall_oracle_same_budget"] + 1e-6 <= 1 + 1e-6
+        full = compress_cache(cache, fmt, type(params)(**{**params.to_dict(), "budget": 80}), heldout=20)
+        d = build_report(full, cache)["details"]
+        assert d["recall"] == 1.0 and d["recall_oracle_same_budget"] == 1.0

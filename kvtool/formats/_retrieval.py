@@ -73,3 +73,29 @@ def selection_recall(fmt: "Format", cc: "CompressedCache", source: "KVCache | No
         count += rec.numel()
         low = min(low, float(rec.min()))
     return {"overall": round(total / count, 4), "min": round(low, 4), "per_layer": per, "queries": count}
+
+
+def oracle_recall(cc: "CompressedCache", source: "KVCache | None", budget: int) -> float | None:
+    """Best attention-mass recall any per-KV-head selection of ``budget`` prefix tokens can reach on
+    the held-out queries: per query token and KV head, the tokens with the largest sum over the
+    group's query heads of (probability / that head's prefix mass), which maximises the mean
+    recall exactly (an upper bound for the formats' recall). None without queries."""
+    if source is None:
+        return None
+    total, count = 0.0, 0
+    for i in cc.layer_indices:
+        got = heldout_queries(cc, source, i)
+        if got is None:
+            return None
+        _, probs = got
+        b, h, tq, t = probs.shape
+        hkv = source.layers[i].keys.shape[1]
+        share = probs / probs.sum(-1, keepdim=True).clamp_min(1e-30)
+        grouped = share.reshape(b, hkv, h // hkv, tq, t).sum(2)
+        top = torch.topk(grouped, min(budget, t), dim=-1).indices
+        sel = torch.zeros_like(grouped, dtype=torch.bool).scatter_(-1, top, True)
+        sel = sel[:, :, None].expand(b, hkv, h // hkv, tq, t).reshape(b, h, tq, t)
+        rec = recall_from_mask(sel, probs)
+        total += float(rec.sum())
+        count += rec.numel()
+    return round(total / count, 4)

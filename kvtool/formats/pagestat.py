@@ -22,7 +22,7 @@ import torch
 from ..attention import attend_partial, expand_kv
 from ..cache import KVCache, LayerKV
 from ..errors import BadDataError, UsageError
-from ._retrieval import resolve_budget, selection_recall
+from ._retrieval import oracle_recall, resolve_budget, selection_recall
 from .base import CompressedCache, Encoded, Format, FormatParams, register
 
 SCORES = ("unique", "quest", "mean")
@@ -266,6 +266,7 @@ class PageStatFormat(Format):
             out["recall"] = recall["overall"]
             out["recall_min"] = recall["min"]
             out["recall_per_layer"] = recall["per_layer"]
+            out["recall_oracle_same_budget"] = oracle_recall(cc, source, first["budget"])
             out["recall_by_score"] = self.compare_scores(cc, source)
         return out
 

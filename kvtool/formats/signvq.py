@@ -30,7 +30,7 @@ import torch
 from ..attention import attend_partial, expand_kv, merge_partials
 from ..cache import KVCache, LayerKV
 from ..errors import BadDataError, UsageError
-from ._retrieval import resolve_budget, selection_recall
+from ._retrieval import oracle_recall, resolve_budget, selection_recall
 from .base import CompressedCache, Encoded, Format, FormatParams, register
 
 ALLOWED_BITS = (2, 4, 8)
@@ -512,4 +512,5 @@ class SignVQFormat(Format):
                 out["recall"] = recall["overall"]
                 out["recall_min"] = recall["min"]
                 out["recall_per_layer"] = recall["per_layer"]
+                out["recall_oracle_same_budget"] = oracle_recall(cc, source, first["budget"])
         return out
