@@ -48,8 +48,8 @@ def _criticality_kernel(
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = tl.program_id(2)
-    b = pid_bh // HKV
-    kh = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     n = pid_n * BN + tl.arange(0, BN)
@@ -159,8 +159,8 @@ def _paged_attention_kernel(
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = tl.program_id(2)
-    b = pid_bh // HKV
-    kh = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     dmask = d < D

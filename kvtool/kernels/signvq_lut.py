@@ -61,8 +61,8 @@ def _lut_score_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_q = tl.program_id(2)
-    b = pid_bh // HKV
-    kh = pid_bh % HKV
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
     n = tl.arange(0, BG)
     c = tl.arange(0, 16)
     j = tl.arange(0, 4)
@@ -94,9 +94,10 @@ def _lut_score_kernel(
     tl.store(out_ptr + b * so_b + kh * so_h + pid_q * so_t + t, score, mask=tmask)
 
 
-def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", gather: bool = True, block_tokens: int = 64) -> torch.Tensor:
+def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", gather: bool = True, block_tokens: int | None = None) -> torch.Tensor:
     """LUT scores ``[B, Hkv, Tq, Tc]`` float32 (see the module docstring). With ``gqa="sum"`` the
-    table is built once from the summed query of the group (the sum of the per-head tables)."""
+    table is built once from the summed query of the group (the sum of the per-head tables).
+    ``block_tokens``: tokens per program (default 128 with gather, 32 with the one-hot sum)."""
     if gqa not in ("sum", "max"):
         raise UsageError(f"gqa must be sum or max, got {gqa!r}")
     if codebook.ndim != 5 or tuple(codebook.shape[3:]) != (16, 4):
@@ -114,6 +115,7 @@ def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
     if tc == 0 or tq == 0:
         return out
     bg = max(2, triton.next_power_of_2(g4))
+    block_tokens = block_tokens or (128 if gather else 32)
     bt = max(16, min(triton.next_power_of_2(block_tokens), triton.next_power_of_2(tc)))
     grid = (triton.cdiv(tc, bt), b * hkv, tq)
     _lut_score_kernel[grid](
@@ -129,15 +131,15 @@ def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
 
 
 @triton.jit
-def _to_dtype(x, dtype, UPCAST: tl.constexpr):
-    """float32 x rounded to ``dtype`` (nearest even). UPCAST (bfloat16 on the CPU interpreter, whose
+def _to_dtype(x, like, UPCAST: tl.constexpr):
+    """float32 x rounded to the dtype of tensor ``like`` (nearest even). UPCAST (bfloat16 on the CPU interpreter, whose
     float32 -> bfloat16 cast truncates) rounds with integer arithmetic and keeps float32 storage."""
     if UPCAST:
         bits = x.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
     else:
-        return x.to(dtype)
+        return x.to(like.dtype)
 
 
 @triton.jit
@@ -183,10 +185,10 @@ def _signvq_attention_kernel(
         mcode = ((tl.load(mag_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
         pk = kqp_ptr + (r * NGRP + qgrp) * 2
         mag = mcode * tl.load(pk, mask=lm, other=0.0).to(tl.float32) + tl.load(pk + 1, mask=lm, other=0.0).to(tl.float32)
-        k = _to_dtype(center[None, :] + sign * alpha[None, :] * mag, q.dtype, UPCAST)  # [BT, DP]
+        k = _to_dtype(center[None, :] + sign * alpha[None, :] * mag, q, UPCAST)  # [BT, DP]
         vcode = ((tl.load(vq_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
         pv = vqp_ptr + (r * NGRP + qgrp) * 2
-        v = _to_dtype(vcode * tl.load(pv, mask=lm, other=0.0).to(tl.float32) + tl.load(pv + 1, mask=lm, other=0.0).to(tl.float32), q.dtype, UPCAST)
+        v = _to_dtype(vcode * tl.load(pv, mask=lm, other=0.0).to(tl.float32) + tl.load(pv + 1, mask=lm, other=0.0).to(tl.float32), q, UPCAST)
         m_i, l_i, acc = _attend_block(q, tl.trans(k), v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     prow = (pid_bh * TQ + pid_t) * S + pid_s
     _store_partial(out_ptr, lse_ptr, prow, acc, m_i, l_i, g, d, GP, DP)
