@@ -142,3 +142,18 @@ def test_bad_input_raises_before_launch(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(UsageError, match="need CUDA tensors"):
         pagestat_decode(q2, enc2)
+
+
+def test_full_budget_kernels_equal_dense_attention_over_decode():
+    from kvtool.attention import attend_partial
+
+    q, enc = make_signvq_inputs(batch=1, heads=6, kv_heads=2, tokens=45, head_dim=16, dtype=torch.float16, device="cpu", group=16, budget=45, sinks=3, dense_window=2)
+    assert enc.meta["select"] == 40
+    dec = SIGNVQ.decode(enc)
+    out, lse = signvq_decode(q, enc)
+    ref = attend_partial(q, dec.keys, dec.values)
+    assert rel_l2(out, ref[0]) < 1e-2 and torch.allclose(lse, ref[1], atol=1e-3, rtol=1e-3)
+    q, enc = make_pagestat_inputs(batch=1, heads=6, kv_heads=2, tokens=45, head_dim=16, dtype=torch.float16, device="cpu", page_size=8, budget=45)
+    out, lse = pagestat_decode(q, enc)
+    ref = attend_partial(q, enc.tensors["keys"], enc.tensors["values"])
+    assert rel_l2(out, ref[0]) < 1e-2 and torch.allclose(lse, ref[1], atol=1e-3, rtol=1e-3)
