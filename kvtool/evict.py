@@ -53,7 +53,10 @@ class EvictParams:
 
 
 def check_evict(tokens: int, budget: int, sinks: int, recent: int, window: int, pool: int, policy: str, queries: torch.Tensor | None) -> None:
-    """Raise UsageError (one line naming the option) if the parameters cannot apply to ``tokens`` tokens."""
+    """Raise UsageError (one line naming the option) if the parameters cannot apply to ``tokens`` tokens.
+
+    The window and the queries are checked only for ``snapkv``; the window only when there is
+    something to evict (tokens > budget)."""
     if policy not in POLICIES:
         raise UsageError(f"--policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if sinks < 0 or recent < 0:
@@ -67,7 +70,7 @@ def check_evict(tokens: int, budget: int, sinks: int, recent: int, window: int, 
             raise UsageError(f"--pool must be an odd number >= 1 (1 = no pooling), got {pool}")
         if window < 1:
             raise UsageError(f"--window must be at least 1, got {window}")
-        if window > tokens:
+        if window > tokens and tokens > budget:  # only a selection needs the observation window
             raise UsageError(f"--window {window} is longer than the {tokens} tokens being compressed; lower --window")
         if queries is None:
             raise UsageError("SnapKV selection needs the captured queries; recapture without --no-queries (or use policy streaming)")
