@@ -115,7 +115,7 @@ def candidate_positions(layer: LayerKV, budget: int, sinks: int = 4, recent: int
     check_evict(t, budget, sinks, recent, window, pool, policy, layer.queries)
     c = max(t - sinks - recent, 0)
     k = min(budget - sinks - recent, c)
-    if policy == "streaming":
+    if policy == "streaming" or k == c:  # StreamingLLM, or every candidate fits: nothing to score
         start = sinks + c - k
         return torch.arange(start, start + k, device=layer.keys.device).expand(b, hkv, k).clone()
     scores = snapkv_scores(layer.queries, layer.keys, sinks, recent, window, pool, scale)

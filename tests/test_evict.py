@@ -164,6 +164,8 @@ def test_layout_and_attend_mask_padding():
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(lse, ref_lse)
     assert torch.equal(fmt.decode(enc).keys, layer.keys)
+    _, short = encode(layer, budget=12, sinks=2, recent=5)  # default window 32 > 9 tokens: nothing to evict, fine
+    assert torch.equal(short.tensors["positions"], enc.tensors["positions"])
 
 
 def test_ring_buffer_many_steps_matches_slice_and_concatenate():
