@@ -289,3 +289,12 @@ def test_oracle_recall_bounds_the_selection(tmp_path):
         full = compress_cache(cache, fmt, type(params)(**{**params.to_dict(), "budget": 80}), heldout=20)
         d = build_report(full, cache)["details"]
         assert d["recall"] == 1.0 and d["recall_oracle_same_budget"] == 1.0
+
+
+def test_report_ratio_against_fp16_for_a_float32_capture():
+    from kvtool.commands.compress import build_report
+
+    cache = synthetic_cache(tokens=100, head_dim=16, heads=4, kv_heads=2, dtype=torch.float32)
+    cc = compress_cache(cache, FMT, SignVQParams(group=16), heldout=20)
+    d = build_report(cc, cache)["details"]
+    assert d["times_smaller_than_fp16"] == pytest.approx(d["times_smaller_than_dense"] / 2, rel=1e-3)
