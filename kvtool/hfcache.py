@@ -15,10 +15,16 @@ with the file's ``token_ids`` (:func:`continuation_ids` builds them), as with an
   command's attention function), else :func:`prefix_attention` here. The placeholder keeps lengths,
   positions and masks right; it is never read while the cache is in use. Any other cache used with
   the same model gets the model's SDPA attention unchanged.
+- Formats with a decode-time ring buffer (their module offers ``append_token(enc, key, value,
+  inplace)``, as snapstream does): a cache whose layers are :class:`RingLayer` s holding only the
+  format's fixed-size slots. The held-out tail and every new token are written into the ring with
+  ``append_token`` (overwriting the oldest recent token), and each new query attends to the slots
+  through ``fmt.attend`` right after its own token is written, so nothing grows with the sequence.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +89,82 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise UsageError(f"layer {idx}: soft-capped or sliding-window attention is not supported on a compressed prefix")
-    out = _layer_attention(pending[0], idx, query, key, value, kwargs.get("scaling"))
+    if isinstance(pending[0], RingState):
+        out = pending[0].attend_new(query, key, value, kwargs.get("scaling"))
+    else:
+        out = _layer_attention(pending[0], idx, query, key, value, kwargs.get("scaling"))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def ring_append_of(fmt: Format) -> Any:
+    """The format module's ``append_token`` (a decode-time ring buffer), or None."""
+    return getattr(importlib.import_module(type(fmt).__module__), "append_token", None)
+
+
+@dataclass
+class RingState:
+    """One layer's ring: the format, its ``append_token`` and the encoded slots (updated in place)."""
+
+    fmt: Format
+    append: Any
+    enc: Encoded
+
+    @property
+    def length(self) -> int:
+        """Tokens seen so far (= the next token's position)."""
+        return int(self.enc.meta["length"])
+
+    def push(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write tokens ``[B, Hkv, N, D]`` into the ring one by one."""
+        for j in range(keys.shape[2]):
+            self.enc = self.append(self.enc, keys[:, :, j], values[:, :, j], inplace=True)
+
+    def attend_new(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Queries ``[B, H, N, D]`` of N new tokens (keys/values ``[B, Hkv, N, D]``): token j is
+        written, then query j attends to the ring. Returns ``[B, H, N, D]`` float32."""
+        outs = []
+        for j in range(query.shape[2]):
+            self.push(keys[:, :, j : j + 1], values[:, :, j : j + 1])
+            outs.append(self.fmt.attend(query[:, :, j : j + 1], self.enc, scale)[0].float())
+        return torch.cat(outs, dim=2)
+
+
+def _ring_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class RingLayer(DynamicLayer):
+        """A transformers cache layer that is a format's ring buffer: fixed size, never grows.
+        ``update`` hands the new tokens to the ``kvtool_export`` attention function, which writes
+        them into the ring query by query; ``get_seq_length`` is the tokens seen (positions)."""
+
+        is_croppable = False
+
+        def __init__(self, layer_idx: int, ring: RingState) -> None:
+            super().__init__()
+            self.layer_idx, self.ring = layer_idx, ring
+            self.keys, self.values = ring.enc.tensors["keys"], ring.enc.tensors["values"]
+            self.dtype, self.device = self.keys.dtype, self.keys.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not hasattr(_pending, "items"):
+                _pending.items = {}
+            _pending.items[self.layer_idx] = (self.ring, key_states)
+            return key_states, value_states
+
+        def get_seq_length(self) -> int:
+            return self.ring.length
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.ring.length + query_length, 0
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise UsageError("a ring-buffer cache cannot drop tokens (they were overwritten in place)")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise UsageError("a ring-buffer cache cannot be expanded for beam search or sampling several sequences")
+
+    return RingLayer
 
 
 def use_kvtool_attention(model: Any) -> None:
@@ -151,27 +231,47 @@ def check_model(model: Any, facts: ModelFacts, path: Path | str) -> None:
         raise UsageError(f"{path}: the model does not match: {problem}")
 
 
-def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<memory>", mode: str = "auto") -> Any:
+MODES = ("auto", "dense", "attend", "ring")
+
+
+def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<memory>", mode: str = "auto", hold_last: bool = False) -> Any:
     """The transformers cache for a loaded kvtool object (see :func:`to_hf_cache`). ``mode``:
-    ``auto`` (dense when a dense cache can stand in for the file), ``dense``, or ``attend`` (the
-    compressed prefix through kvtool's attention function; compressed files only)."""
+    ``auto`` (dense when a dense cache can stand in for the file, else ``ring`` when the format has a
+    ring buffer, else ``attend``), ``dense``, ``attend`` (the compressed prefix through kvtool's
+    attention function, new tokens dense) or ``ring`` (new tokens through the format's ring buffer).
+    ``hold_last``: leave the file's last token out of the cache so it can be fed again (a
+    continuation without new prompt tokens)."""
     from transformers import DynamicCache
 
     path = Path(str(path))
-    if mode not in ("auto", "dense", "attend"):
-        raise UsageError(f"mode must be auto, dense or attend, got {mode!r}")
-    if mode == "attend" and not isinstance(obj, CompressedCache):
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode in ("attend", "ring") and not isinstance(obj, CompressedCache):
         raise UsageError(f"{path} is a capture: it has no compressed prefix to attend through")
+    if mode == "ring" and ring_append_of(obj.fmt) is None:
+        raise UsageError(f"{path}: format {obj.format} has no ring buffer (its module offers no append_token); use attend")
     if mode == "dense" and isinstance(obj, CompressedCache) and obj.fmt.selects:
         raise UsageError(f"{path}: format {obj.format} selects tokens per query; a dense cache cannot stand in for it")
     check_model(model, obj.facts, path)
     check_all_layers(obj.layer_indices, obj.facts.num_layers, path)
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
-    if mode == "dense" or (mode == "auto" and (isinstance(obj, KVCache) or not needs_attention(obj))):
+    if mode == "auto":
+        if isinstance(obj, KVCache) or not needs_attention(obj):
+            mode = "dense"
+        else:
+            mode = "ring" if ring_append_of(obj.fmt) is not None else "attend"
+    if mode == "dense":
         dense = dense_of(obj, path, "hf")
         data = [(dense.layers[i].keys.to(device, dtype), dense.layers[i].values.to(device, dtype)) for i in range(obj.facts.num_layers)]
-        return DynamicCache(ddp_cache_data=data, config=model.config)
+        cache = DynamicCache(ddp_cache_data=data, config=model.config)
+        if hold_last:
+            cache.crop(-1)
+        return cache
+    if hold_last and not any(t.keys.shape[2] for t in obj.tails.values()):
+        raise UsageError(f"{path} has no held-out tokens after its compressed prefix: give --prompt text to continue from")
+    if mode == "ring":
+        return ring_cache(obj, model, hold_last)
     f = obj.facts
     b = int(obj.token_ids.shape[0])
     data = []
@@ -185,11 +285,34 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
         data.append((keys, values))
     cache = _dynamic_cache_class()(ddp_cache_data=data, config=model.config)
     cache.kvtool_prefix = Prefix(obj.fmt, obj.layers, obj.prefix_tokens).to(device)
+    if hold_last:
+        cache.crop(-1)
     use_kvtool_attention(model)
     return cache
 
 
-def to_hf_cache(path: str | Path, model: Any, mode: str = "auto") -> Any:
+def ring_cache(cc: CompressedCache, model: Any, hold_last: bool = False) -> Any:
+    """A ``DynamicCache`` whose layers are :class:`RingLayer` s: the format's slots, with the
+    held-out tail already written into the ring (all but its last token with ``hold_last``)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    append = ring_append_of(cc.fmt)
+    cache = DynamicCache(config=model.config)
+    ring_layer = _ring_layer_class()
+    for i in range(cc.facts.num_layers):
+        enc = cc.layers[i]
+        ring = RingState(cc.fmt, append, Encoded({n: t.to(device).clone() for n, t in enc.tensors.items()}, dict(enc.meta)))
+        tail = cc.tails.get(i)
+        if tail is not None:
+            stop = tail.keys.shape[2] - (1 if hold_last else 0)
+            ring.push(tail.keys[:, :, :stop].to(device), tail.values[:, :, :stop].to(device))
+        cache.layers[i] = ring_layer(i, ring)
+    use_kvtool_attention(model)
+    return cache
+
+
+def to_hf_cache(path: str | Path, model: Any, mode: str = "auto", hold_last: bool = False) -> Any:
     """A transformers cache from a kvtool file (capture, compressed, or ``export --to hf``) for
     ``model`` (a transformers causal LM whose shapes match the file's model facts).
 
@@ -197,7 +320,7 @@ def to_hf_cache(path: str | Path, model: Any, mode: str = "auto") -> Any:
     (a capture that lacks layers is refused). Continue with
     ``model.generate(continuation_ids(path, new_ids), past_key_values=cache)``. For selection
     formats the model is switched to kvtool's attention function (module docstring)."""
-    return cache_from(read_kv_file(Path(path)), model, path, mode)
+    return cache_from(read_kv_file(Path(path)), model, path, mode, hold_last)
 
 
 def continuation_ids(token_ids: torch.Tensor, new_ids: list[int] | torch.Tensor) -> torch.Tensor:
@@ -222,13 +345,13 @@ def model_spec(obj: KVCache | CompressedCache, path: Path) -> str | None:
     raise UsageError(f"{path} was made by {f.name}, which is not found here; pass --model with a local copy")
 
 
-def crop_last(cache: Any) -> None:
-    """Drop the last position of every layer so the file's last token can be fed again (a
-    continuation with no new prompt). Refused when a layer holds only its placeholder."""
-    prefix = getattr(cache, "kvtool_prefix", None)
-    if prefix is not None and cache.get_seq_length() <= prefix.prefix_tokens:
-        raise UsageError("this file has no held-out tokens after its compressed prefix: give --prompt text to continue from")
-    cache.crop(-1)
+def cache_mode(cache: Any) -> str:
+    """``dense``, ``attend`` or ``ring``: how a cache from :func:`cache_from` carries the file."""
+    if getattr(cache, "kvtool_prefix", None) is not None:
+        return "attend"
+    if any(isinstance(getattr(layer, "ring", None), RingState) for layer in cache.layers):
+        return "ring"
+    return "dense"
 
 
 @torch.no_grad()
@@ -250,10 +373,8 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         model_name = getattr(mdl.config, "_name_or_path", "") or type(mdl).__name__
     check_model(mdl, obj.facts, path)
     new_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
-    cache = cache_from(obj, mdl, path, mode)
+    cache = cache_from(obj, mdl, path, mode, hold_last=not new_ids)
     ids = continuation_ids(obj.token_ids, new_ids)
-    if not new_ids:
-        crop_last(cache)
     dev = next(mdl.parameters()).device
     out = mdl.generate(
         ids.to(dev),
@@ -270,7 +391,7 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
     return {
         "file": str(path),
         "model": model_name,
-        "mode": "attend" if getattr(cache, "kvtool_prefix", None) is not None else "dense",
+        "mode": cache_mode(cache),
         "format": getattr(obj, "format", "capture"),
         "cached_tokens": int(obj.token_ids.shape[1]),
         "prompt": prompt,

@@ -4,6 +4,7 @@ prefixes attended through kvtool's attention function; bad input."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ import kvtool
 from kvtool import models
 from kvtool.cli import app
 from kvtool.export import export_file
-from kvtool.formats.base import FORMATS, compress_cache, save_compressed
+from kvtool.cache import LayerKV
+from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, save_compressed
 from kvtool.hfcache import continuation_ids, generate, to_hf_cache
 
 from .test_export import KeepLast, KeepLastParams
@@ -154,3 +156,100 @@ def test_embedded_model_generates_like_its_live_cache(tmp_path):
     ref, _ = greedy(model, ids, live_cache(model, cap), n=8)
     assert ours.tolist() == ref.tolist()
     assert "Rome" in tok.decode(ours[0])
+
+
+# ----------------------------------------------------------------------------- ring buffers
+
+
+@dataclass
+class RingParams(FormatParams):
+    recent: int = 6
+
+
+def append_token(enc, key, value, inplace=False):
+    """Test ring: token at position p goes to slot p mod R (the interface snapstream offers)."""
+    r, length = int(enc.meta["recent"]), int(enc.meta["length"])
+    t = enc.tensors if inplace else {n: x.clone() for n, x in enc.tensors.items()}
+    t["keys"][:, :, length % r] = key.reshape(t["keys"][:, :, 0].shape)
+    t["values"][:, :, length % r] = value.reshape(t["values"][:, :, 0].shape)
+    t["positions"][:, :, length % r] = length
+    meta = {**enc.meta, "length": length + 1}
+    if inplace:
+        enc.meta = meta
+        return enc
+    return Encoded(t, meta)
+
+
+class RingFormat(Format):
+    """Test format: only the last R tokens, in a ring of R slots."""
+
+    name = "test-ring"
+    summary = "test only"
+    Params = RingParams
+    selects = True
+
+    def encode(self, layer, params):
+        t, r = layer.num_tokens, params.recent
+        pos = torch.arange(t - r, t)
+        slots = pos % r
+        keys = torch.empty_like(layer.keys[:, :, :r])
+        values = torch.empty_like(keys)
+        keys[:, :, slots], values[:, :, slots] = layer.keys[:, :, pos], layer.values[:, :, pos]
+        positions = torch.empty(*keys.shape[:2], r, dtype=torch.int32)
+        positions[:, :, slots] = pos.to(torch.int32)
+        return Encoded({"keys": keys, "values": values, "positions": positions}, {"recent": r, "length": t})
+
+    def decode(self, enc):
+        order = enc.tensors["positions"][0, 0].argsort()
+        return LayerKV(keys=enc.tensors["keys"][:, :, order], values=enc.tensors["values"][:, :, order])
+
+
+@pytest.fixture
+def ring_file(tiny_cap, tmp_path):
+    FORMATS[RingFormat.name] = RingFormat()
+    try:
+        cc = compress_cache(kvtool.load(tiny_cap), FORMATS[RingFormat.name], RingParams(recent=6), heldout=4)
+        yield cc, save_compressed(cc, tmp_path / "ring.safetensors")
+    finally:
+        FORMATS.pop(RingFormat.name)
+
+
+def test_ring_cache_writes_new_tokens_into_the_ring(tiny, ring_file):
+    from transformers import DynamicCache
+
+    model, tok = tiny
+    cc, path = ring_file
+    cache = to_hf_cache(path, model)
+    layer = cache.layers[0]
+    t = cc.token_ids.shape[1]
+    assert type(layer).__name__ == "RingLayer" and cache.get_seq_length() == t
+    # the 4 held-out tokens went through the ring: it holds positions t-6..t-1
+    assert sorted(layer.ring.enc.tensors["positions"][0, 0].tolist()) == list(range(t - 6, t))
+    new = torch.tensor([tok("!", add_special_tokens=False)["input_ids"]])
+    out = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+    assert layer.keys.shape[2] == 6 and cache.get_seq_length() == t + 1  # fixed size, one more position
+    # reference: the slots the new token did not overwrite, in a plain cache, new token at position t
+    slots = [s for s in range(6) if s != t % 6]
+    before = to_hf_cache(path, model).layers
+    kept = [(before[i].ring.enc.tensors["keys"][:, :, slots], before[i].ring.enc.tensors["values"][:, :, slots]) for i in range(2)]
+    ref = model(input_ids=new, past_key_values=DynamicCache(ddp_cache_data=kept, config=model.config), position_ids=torch.tensor([[t]]), use_cache=True).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_ring_chunk_equals_token_by_token(tiny, ring_file):
+    model, tok = tiny
+    _, path = ring_file
+    new = torch.tensor([tok("abcdefgh", add_special_tokens=False)["input_ids"]])
+    chunk = model(input_ids=new, past_key_values=to_hf_cache(path, model), use_cache=True).logits
+    cache = to_hf_cache(path, model)
+    steps = torch.cat([model(input_ids=new[:, j : j + 1], past_key_values=cache, use_cache=True).logits for j in range(new.shape[1])], 1)
+    torch.testing.assert_close(chunk, steps, rtol=1e-4, atol=1e-4)
+
+
+def test_generate_through_the_ring(tiny, ring_file):
+    model, tok = tiny
+    cc, path = ring_file
+    result = generate(path, " x", max_new_tokens=5, loaded=(model, tok))
+    assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 5
+    empty = generate(path, "", max_new_tokens=3, loaded=(model, tok))  # the last held-out token is fed again
+    assert empty["mode"] == "ring" and len(empty["new_tokens"][0]) == 3
