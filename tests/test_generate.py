@@ -57,7 +57,7 @@ def test_exported_capture_generates_like_the_live_cache(tiny, tiny_cap, tmp_path
     assert export_file(tiny_cap, "hf", hf)["mode"] == "dense"
     cap = kvtool.load(tiny_cap)
     ids = continuation_ids(cap.token_ids, tok(" more", add_special_tokens=False)["input_ids"])
-    cache = to_hf_cache(hf, model)
+    cache = kvtool.to_hf_cache(hf, model)
     assert type(cache).__name__ == "DynamicCache" and cache.layers[1].keys.shape == (1, 2, cap.num_tokens, 16)
     ours, our_logits = greedy(model, ids, cache)
     ref, ref_logits = greedy(model, ids, live_cache(model, cap))
