@@ -50,7 +50,7 @@ def default_output(source: Path, target: str) -> Path:
 def read_kv_file(path: Path) -> KVCache | CompressedCache:
     """A capture (:class:`KVCache`) or a compressed file (:class:`CompressedCache`), validated."""
     meta, _ = io.read_header(path)
-    schema = io.check_schema(path, meta)
+    schema = io.check_schema(path, meta, (io.CAPTURE_SCHEMA, io.COMPRESSED_SCHEMA))
     return io.load(path) if schema == io.CAPTURE_SCHEMA else load_compressed(path)
 
 

@@ -32,7 +32,7 @@ from ._version import __version__
 from .cache import KVCache, ModelFacts
 from .errors import BadDataError, UsageError
 
-PAGED_SCHEMA = "kvtool.paged"
+from .io import PAGED_SCHEMA  # one name for the schema, shared with kvtool info
 LAYOUTS = ("NHD", "HND")
 TABLE_NAMES = ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens", "block_table")
 

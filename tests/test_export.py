@@ -238,3 +238,15 @@ def test_flashinfer_check_script_reference_matches_kvtool_attention():
     for b, (k, v) in enumerate(seqs):
         want = dense_attention(q[b, :, None][None], k[None], v[None])[0, :, 0]
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_info_describes_a_paged_file(tmp_path):
+    src = kvtool.save(synthetic_cache(tokens=8), tmp_path / "c.safetensors")
+    out = tmp_path / "c.paged.safetensors"
+    export_file(src, "paged", out, page_size=4, layout="HND")
+    res = runner.invoke(app, ["info", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["schema"] == "kvtool.paged" and data["metadata"]["kvtool.paged"]["layout"] == "HND"
+    res = runner.invoke(app, ["export", str(out), "--to", "npz"])
+    assert res.exit_code == 1 and "is a kvtool.paged file; expected kvtool.capture or kvtool.compressed" in res.output
