@@ -35,7 +35,7 @@ def register(app: typer.Typer) -> None:
         to: Annotated[str, typer.Option("--to", "-t", help=f"Target: {', '.join(TARGETS)}.", show_default=False)],
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: next to the input, e.g. NAME.paged.safetensors).", dir_okay=False)] = None,
         page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page (paged).")] = 16,
-        layout: Annotated[str, typer.Option("--layout", help="Page layout: NHD [pages, page, heads, dim] or HND [pages, heads, page, dim] (paged).")] = "NHD",
+        layout: Annotated[str, typer.Option("--layout", help="Page layout (paged): NHD = pages x page x heads x dim, HND = pages x heads x page x dim.")] = "NHD",
         force: ForceOpt = False,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
