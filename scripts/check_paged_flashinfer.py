@@ -74,7 +74,7 @@ def flashinfer_decode(paged: PagedKV, q: torch.Tensor, layer: int, dtype: torch.
             wrapper.plan(*table, *shape, pos_encoding_mode="NONE", data_type=dtype)
         run = wrapper.run
     else:  # flashinfer < 0.2
-        wrapper.begin_forward(*table, *shape, pos_encoding_mode="NONE", data_type=dtype)
+        wrapper.begin_forward(*table, *shape, data_type=dtype)  # no positional encoding by default
         run = wrapper.forward
     kv = (paged.k_pages[layer].to(dev, dtype), paged.v_pages[layer].to(dev, dtype))
     return run(q.to(dtype), kv).float()
