@@ -66,6 +66,13 @@ def needs_attention(cc: CompressedCache) -> bool:
     return bool(cc.fmt.selects) or not keeps_every_token(cc)
 
 
+def ring_append_of(fmt: Any) -> Any:
+    """The format module's ``append_token`` (a decode-time ring buffer, as snapstream has), or None."""
+    import importlib
+
+    return getattr(importlib.import_module(type(fmt).__module__), "append_token", None)
+
+
 def dense_of(obj: KVCache | CompressedCache, path: Path, target: str) -> KVCache:
     """The dense keys/values an object represents (a capture as it is, a compressed file decoded
     with its held-out tail appended). UsageError naming the targets that can hold the format when its
@@ -98,9 +105,10 @@ def export_hf(obj: KVCache | CompressedCache, source: Path, output: Path, force:
     check_all_layers(obj.layer_indices, obj.facts.num_layers, source)
     provenance = {"export": "hf", "source_path": str(source), "source_sha256": io.sha256_file(source)}
     if isinstance(obj, CompressedCache) and needs_attention(obj):
-        cc = CompressedCache(obj.facts, obj.format, obj.params, obj.layers, obj.tails, obj.token_ids, {**obj.info, **provenance, "hf_mode": "attend"})
-        path = save_compressed(cc, output, force=force)
-        return {"mode": "attend", "format": obj.format, "tokens": int(obj.token_ids.shape[1]), "prefix_tokens": obj.prefix_tokens}
+        mode = "ring" if ring_append_of(obj.fmt) is not None else "attend"
+        cc = CompressedCache(obj.facts, obj.format, obj.params, obj.layers, obj.tails, obj.token_ids, {**obj.info, **provenance, "hf_mode": mode})
+        save_compressed(cc, output, force=force)
+        return {"mode": mode, "format": obj.format, "tokens": int(obj.token_ids.shape[1]), "prefix_tokens": obj.prefix_tokens}
     cache = dense_of(obj, source, "hf")
     layers = {i: LayerKV(keys=l.keys, values=l.values) for i, l in cache.layers.items()}
     info = {**cache.info, **provenance, "hf_mode": "dense"}

@@ -24,7 +24,6 @@ with the file's ``token_ids`` (:func:`continuation_ids` builds them), as with an
 
 from __future__ import annotations
 
-import importlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from . import models
 from .attention import attend_partial, merge_partials
 from .cache import KVCache, ModelFacts
 from .errors import UsageError
-from .export import check_all_layers, dense_of, needs_attention, read_kv_file
+from .export import check_all_layers, dense_of, needs_attention, read_kv_file, ring_append_of
 from .formats.base import CompressedCache, Encoded, Format
 
 ATTN_NAME = "kvtool_export"
@@ -94,11 +93,6 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     else:
         out = _layer_attention(pending[0], idx, query, key, value, kwargs.get("scaling"))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-def ring_append_of(fmt: Format) -> Any:
-    """The format module's ``append_token`` (a decode-time ring buffer), or None."""
-    return getattr(importlib.import_module(type(fmt).__module__), "append_token", None)
 
 
 @dataclass

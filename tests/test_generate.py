@@ -246,10 +246,11 @@ def test_ring_chunk_equals_token_by_token(tiny, ring_file):
     torch.testing.assert_close(chunk, steps, rtol=1e-4, atol=1e-4)
 
 
-def test_generate_through_the_ring(tiny, ring_file):
+def test_generate_through_the_ring(tiny, ring_file, tmp_path):
     model, tok = tiny
     cc, path = ring_file
-    result = generate(path, " x", max_new_tokens=5, loaded=(model, tok))
+    assert export_file(path, "hf", tmp_path / "ring.hf.safetensors")["mode"] == "ring"
+    result = generate(tmp_path / "ring.hf.safetensors", " x", max_new_tokens=5, loaded=(model, tok))
     assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 5
     empty = generate(path, "", max_new_tokens=3, loaded=(model, tok))  # the last held-out token is fed again
     assert empty["mode"] == "ring" and len(empty["new_tokens"][0]) == 3

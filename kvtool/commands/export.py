@@ -45,7 +45,11 @@ def register(app: typer.Typer) -> None:
             emit_json(report)
             return
         detail = {
-            "hf": lambda r: f"{r['mode']} cache of {r['tokens']} tokens" + (f" ({r['format']} prefix of {r['prefix_tokens']} tokens attended through kvtool's attention)" if r["mode"] == "attend" else ""),
+            "hf": lambda r: f"{r['mode']} cache of {r['tokens']} tokens" + {
+                "dense": "",
+                "attend": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens attended through kvtool's attention function)",
+                "ring": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens; later tokens go through its ring buffer)",
+            }[r["mode"]],
             "paged": lambda r: f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, sequence lengths {r['seq_lens']}, {len(r['layers'])} layers",
             "npz": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
             "dense": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
