@@ -254,3 +254,34 @@ def test_generate_through_the_ring(tiny, ring_file, tmp_path):
     assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 5
     empty = generate(path, "", max_new_tokens=3, loaded=(model, tok))  # the last held-out token is fed again
     assert empty["mode"] == "ring" and len(empty["new_tokens"][0]) == 3
+
+
+def test_snapstream_continues_through_its_ring(tiny, tiny_cap, tmp_path):
+    """The real snapstream format: held-out and new tokens go to SnapStream's ring slots; the new
+    token's logits equal a plain cache of the filled slots it did not overwrite."""
+    from transformers import DynamicCache
+
+    from kvtool.formats.snapstream import ring_slot
+
+    model, tok = tiny
+    fmt = FORMATS["snapstream"]
+    cap = kvtool.load(tiny_cap)
+    cc = compress_cache(cap, fmt, fmt.Params(budget=40, sinks=4, recent=16, window=8), heldout=8)
+    path = save_compressed(cc, tmp_path / "snap.safetensors")
+    assert export_file(path, "hf", tmp_path / "snap.hf.safetensors")["mode"] == "ring"
+    cache = to_hf_cache(tmp_path / "snap.hf.safetensors", model)
+    t = cap.num_tokens
+    ring = cache.layers[0].ring
+    assert ring.length == t and cache.get_seq_length() == t
+    pos = ring.enc.tensors["positions"][0, 0]
+    assert set(range(t - 16, t)) <= set(pos.tolist()) and set(range(4)) <= set(pos.tolist())  # recent ring and sinks
+    victim = ring_slot(t, 4, 16)
+    keep = [s for s in range(40) if s != victim and int(pos[s]) >= 0]
+    kept = [(cache.layers[i].ring.enc.tensors["keys"][:, :, keep].float(), cache.layers[i].ring.enc.tensors["values"][:, :, keep].float()) for i in range(2)]
+    new = torch.tensor([tok("?", add_special_tokens=False)["input_ids"]])
+    ref = model(input_ids=new, past_key_values=DynamicCache(ddp_cache_data=kept, config=model.config), position_ids=torch.tensor([[t]]), use_cache=True).logits
+    out = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert int(cache.layers[0].ring.enc.tensors["positions"][0, 0, victim]) == t and cache.layers[0].keys.shape[2] == 40
+    result = generate(path, "", max_new_tokens=4, loaded=(model, tok))
+    assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 4
