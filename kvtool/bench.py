@@ -35,7 +35,7 @@ RECORD_FIELDS = (
     "kernel", "provider", "device", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype",
     "sparsity", "budget", "k", "median_us", "p10_us", "p90_us", "runs", "bytes_read",
     "bandwidth_gbps", "bandwidth_fraction", "rel_err", "status", "speedup", "timing_valid", "cold_l2",
-    "versions", "data",
+    "method", "versions", "data",
 )
 
 MODEL_SHAPES = {
@@ -232,6 +232,7 @@ class Timing:
     p10_us: float
     p90_us: float
     runs: int
+    method: str = "stream"
 
 
 def _percentile(sorted_vals: list[float], q: float) -> float:
@@ -256,12 +257,18 @@ class Timer:
     buffer (several times any current L2) is overwritten before each run, outside the events. With
     ``hide_launch`` (default) a GPU sleep of about ``sleep_us`` precedes each start event so that the
     host has queued the callable's kernels before the GPU reaches them: the figure is device time,
-    without Python / launch overhead (which a CUDA graph removes in a real decode loop).
+    without Python / launch overhead (which a CUDA graph removes in a real decode loop), as long as
+    the callable does not wait for the GPU itself. With ``cuda_graph`` the callable is captured in a
+    CUDA graph and its replays are timed (``Timing.method`` says which way each figure was taken;
+    callables that cannot be captured fall back to plain launches).
     CPU (interpreter): ``cpu_runs`` wall-clock runs, meaningless as speed."""
 
     def __init__(self, env: BenchEnv, warmup_ms: float = 25.0, rep_ms: float = 200.0, min_runs: int = 10,
-                 max_runs: int = 500, cpu_runs: int = 1, hide_launch: bool = True, sleep_us: float = 300.0) -> None:
+                 max_runs: int = 500, cpu_runs: int = 1, hide_launch: bool = True, sleep_us: float = 300.0,
+                 cuda_graph: bool = False) -> None:
         self.env = env
+        self.cuda_graph = cuda_graph and env.device_type == "cuda"
+        self.graph_errors: list[str] = []
         self.hide_launch = hide_launch and env.device_type == "cuda"
         self.sleep_cycles = int(sleep_us * 1.0e3 * 2.0)  # about sleep_us at 2 GHz; only needs to exceed host time
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
@@ -270,6 +277,26 @@ class Timer:
         if env.device_type == "cuda" and env.cold_l2:
             self.flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
 
+    def _graphed(self, fn: Callable[[], Any]) -> Callable[[], Any] | None:
+        """``fn`` captured in a CUDA graph (its replay), or None when it cannot be captured (host
+        syncs, CPU work on device values); the reason goes to ``graph_errors``."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # capture is refused by many host-side operations: say which
+            torch.cuda.synchronize()
+            self.graph_errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            return None
+        return graph.replay
+
     def time(self, fn: Callable[[], Any]) -> Timing:
         if self.env.device_type != "cuda":
             times = []
@@ -277,7 +304,14 @@ class Timer:
                 t0 = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - t0) * 1e6)
-            return summarize(times)
+            timing = summarize(times)
+            timing.method = "wall-clock (interpreter)"
+            return timing
+        method = "stream"
+        if self.cuda_graph:
+            replay = self._graphed(fn)
+            if replay is not None:
+                fn, method = replay, "cuda-graph"
         fn()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -303,7 +337,9 @@ class Timer:
             fn()
             ends[i].record()
         torch.cuda.synchronize()
-        return summarize([st.elapsed_time(en) * 1e3 for st, en in zip(starts, ends)])
+        timing = summarize([st.elapsed_time(en) * 1e3 for st, en in zip(starts, ends)])
+        timing.method = method
+        return timing
 
 
 # --------------------------------------------------------------------------- inputs
@@ -467,7 +503,8 @@ def make_record(env: BenchEnv, kernel: str, provider: str, shape: ModelShape, ba
         "median_us": median, "p10_us": timing.p10_us if timing else None, "p90_us": timing.p90_us if timing else None,
         "runs": timing.runs if timing else 0, "bytes_read": int(bytes_read), "bandwidth_gbps": gbps,
         "bandwidth_fraction": frac, "rel_err": rel, "status": status, "speedup": {},
-        "timing_valid": env.timing_valid, "cold_l2": env.cold_l2, "versions": env.versions, "data": data,
+        "timing_valid": env.timing_valid, "cold_l2": env.cold_l2, "method": timing.method if timing else None,
+        "versions": env.versions, "data": data,
     }
 
 

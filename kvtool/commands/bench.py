@@ -86,7 +86,7 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: str, seq: str, sparsity: str, budget: str,
                   k: str | None, dtype: str, capture: Path | None, layer: int | None, cold_l2: bool, warmup_ms: float,
-                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, step=None):
+                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None):
     import torch
 
     from ..bench_suites import BenchContext
@@ -102,7 +102,7 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
     ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
     if any(x > shape.heads for x in ks):
         raise UsageError(f"--k {max(ks)} is more than the {shape.heads} query heads")
-    timer = B.Timer(env, warmup_ms=warmup_ms, rep_ms=rep_ms, hide_launch=not host_overhead)
+    timer = B.Timer(env, warmup_ms=warmup_ms, rep_ms=rep_ms, hide_launch=not host_overhead, cuda_graph=cuda_graph)
     if env.device_type == "cuda":
         env.notes.append("timings include host launch overhead" if host_overhead else "device time: launches queued behind a GPU sleep before each start event")
     return BenchContext(
@@ -121,6 +121,9 @@ def run_suite(sub: str, ctx) -> dict[str, Any]:
         raise B.BenchUnavailable(f"kvtool bench {sub}: no suite for it in this checkout")
     suite, primary = SUITES[sub]
     records = suite(ctx)
+    if ctx.timer.graph_errors:
+        ctx.env.notes.append(f"{len(ctx.timer.graph_errors)} provider(s) could not be captured in a CUDA graph and were timed "
+                             f"as launches (method 'stream'); first reason: {ctx.timer.graph_errors[0]}")
     import datetime
 
     return {
@@ -193,6 +196,7 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
         layer: Annotated[int | None, typer.Option("--layer", help="Capture layer to use (default: the first captured).")] = None,
         cold_l2: Annotated[bool, typer.Option("--cold-l2/--no-cold-l2", help="Overwrite a buffer larger than L2 before each timed run.")] = True,
         host_overhead: Annotated[bool, typer.Option("--host-overhead/--device-time", help="Include Python and launch overhead in the timings (default: device time only).")] = False,
+        cuda_graph: Annotated[bool, typer.Option("--cuda-graph", help="Time CUDA-graph replays of each provider (multi-kernel steps without host syncs); falls back to launches when capture fails.")] = False,
         warmup_ms: Annotated[float, typer.Option("--warmup-ms", help="Warm-up time per provider.")] = 25.0,
         rep_ms: Annotated[float, typer.Option("--rep-ms", help="Timed kernel time per provider (10 to 500 runs).")] = 200.0,
         page_size: Annotated[int, typer.Option("--page-size", help="Page size of the paged layouts (FlashInfer, pages).")] = 16,
@@ -208,7 +212,7 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
             io.check_output(plot, force)
         quiet = json_path == "-"
         ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
-                            cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead,
+                            cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph,
                             step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")))
         doc = run_suite(sub, ctx)
         if json_path == "-":
