@@ -62,8 +62,9 @@ def encode_torch(x: torch.Tensor, kind: str) -> BitmapTensor:
         pad = nb * TILE - tc
         bits = torch.cat([bits, bits.new_zeros(b, h, pad, dt * TILE)], 2) if pad else bits
         data = torch.cat([data, data.new_zeros(b, h, pad, dt * TILE)], 2) if pad else data
-    bits = bits.reshape(b * h * nb, -1)
-    data = data.reshape(b * h * nb, -1)
+    slots = TILE * (d if kind == "keys" else dt * TILE)
+    bits = bits.reshape(b * h * nb, slots)
+    data = data.reshape(b * h * nb, slots)
     offsets = _offsets(bits.sum(-1), align_elements(x.dtype))
     nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
     addr = offsets[:-1, None] + bits.to(torch.int64).cumsum(-1) - 1

@@ -111,23 +111,23 @@ class BitmapTensor:
         b, h, nb = self.batch, self.kv_heads, self.blocks
         bits = words_to_bits(self.bitmaps)
         if self.kind == "keys":
-            return bits.reshape(b * h * nb, -1)
+            return bits.reshape(b * h * nb, self.head_dim * TILE)
         pad = nb * TILE - self.tokens
         if pad:
             bits = torch.cat([bits, bits.new_zeros(b, h, pad, *bits.shape[3:])], dim=2)
-        return bits.reshape(b * h * nb, -1)
+        return bits.reshape(b * h * nb, TILE * self.bitmaps.shape[3] * TILE)
 
     def block_counts(self) -> torch.Tensor:
         """Stored elements per block, int64 ``[B * Hkv * NB]``, from the bitmaps' popcounts."""
         b, h, nb = self.batch, self.kv_heads, self.blocks
         pc = popcount64(self.bitmaps)
         if self.kind == "keys":
-            return pc.reshape(b * h * nb, -1).sum(-1)
+            return pc.reshape(b * h * nb, self.head_dim).sum(-1)
         pad = nb * TILE - self.tokens
         per_token = pc.sum(-1)
         if pad:
             per_token = torch.cat([per_token, per_token.new_zeros(b, h, pad)], dim=2)
-        return per_token.reshape(b * h * nb, -1).sum(-1)
+        return per_token.reshape(b * h * nb, TILE).sum(-1)
 
     def pad_bits(self) -> int:
         """Bitmap bits that stand for padding positions (tokens past Tc for keys, channels past D

@@ -1,0 +1,270 @@
+"""Decode attention over a bitmap-compressed cache plus its dense window (Triton), and the torch
+reference of the same maths.
+
+Entry point: :func:`bitmap_decode_attention` ``(q, cache, scale=None, num_splits=None,
+validate=True) -> (out, lse)``
+
+- ``q``: ``[B, H, Tq, D]`` float16 / bfloat16 (float32 works too), the cache's dtype and device; H a
+  multiple of the cache's Hkv (query head h reads KV head ``h // G``). Decode is Tq = 1; Tq > 1 scores
+  several queries against the same cache (no causal mask: every cached token precedes them).
+- ``cache``: :class:`~.bitmap_layout.BitmapCache` (make one with
+  :func:`~.bitmap_compress.encode_cache`).
+- returns the partial of :mod:`kvtool.attention`: ``out`` ``[B, H, Tq, D]`` float32 (softmax-weighted
+  values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
+
+How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks token blocks ``s * BPS ..`` of KV
+head bh, BPS = ceil(NB / S): it expands each block's key bitmaps (prefix sums of the bits give every
+element's place in the packed run), gathers K^T ``[D, 64]``, computes the scores of all G * Tq query
+rows of the group at once (one pass over the group's data), runs an online softmax, expands the
+value bitmaps the same way and accumulates P.V in float32. Program (bh, S) does the same over the
+dense window. A second kernel merges the S + 1 partials (flash-decoding combine). Every load is
+masked; the offsets are validated before launch (``validate=True``) so no gather leaves ``nz``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import attend_partial, default_scale
+from ..errors import UsageError
+from .bitmap_compress import _check_device
+from .bitmap_layout import TILE, BitmapCache
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One block of 64 tokens: kt [DP, 64], v [64, DP]; online softmax in base 2. UPCAST runs the
+    products in float32 (the CPU interpreter computes bfloat16 tl.dot wrongly)."""
+    if UPCAST:
+        q = q.to(tl.float32)
+        kt = kt.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _bitmap_attention_kernel(
+    q_ptr,  # [B*Hkv, R, D]: the R = G*Tq query rows of each KV head, contiguous
+    kbm_ptr,  # int32 view of keys.bitmaps [B*Hkv, NB, D, 2]
+    knz_ptr,  # keys.nz
+    koff_ptr,  # keys.offsets int64 [B*Hkv*NB + 1]
+    vbm_ptr,  # int32 view of values.bitmaps [B*Hkv, Tc, DT, 2]
+    vnz_ptr,  # values.nz
+    voff_ptr,  # values.offsets
+    wk_ptr,  # window keys [B*Hkv, W, D]
+    wv_ptr,  # window values [B*Hkv, W, D]
+    acc_ptr,  # float32 [B*Hkv, S+1, RP, DP]
+    m_ptr,  # float32 [B*Hkv, S+1, RP]
+    l_ptr,  # float32 [B*Hkv, S+1, RP]
+    scale_log2,
+    Tc,
+    W,
+    D,
+    DT,
+    NB,
+    R,
+    BPS,
+    S,
+    RP: tl.constexpr,
+    DP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    rows = tl.arange(0, RP)
+    c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
+    cmask = c < D
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
+    m_i = tl.full([RP], float("-inf"), tl.float32)
+    l_i = tl.zeros([RP], tl.float32)
+    acc = tl.zeros([RP, DP], tl.float32)
+    if split < S:
+        blk_start = split * BPS
+        blk_end = tl.minimum(blk_start + BPS, NB)
+        khalf = (t >= 32).to(tl.int64)
+        kshift = t % 32
+        vhalf = ((c % 64) >= 32).to(tl.int64)
+        vshift = c % 32
+        for blk in range(blk_start, blk_end):
+            g = bh * NB + blk
+            tok = blk * 64 + t
+            tmask = tok < Tc
+            # keys: tile c = channel c of the 64 tokens; bit t of its word (low 32 bits first)
+            kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + khalf[None, :], mask=cmask[:, None], other=0)
+            kbit = (kw >> kshift[None, :]) & 1
+            krow = tl.sum(kbit, axis=1)
+            kpos = (tl.cumsum(krow, axis=0) - krow)[:, None] + tl.cumsum(kbit, axis=1) - kbit
+            kstart = tl.load(koff_ptr + g)
+            kt = tl.load(knz_ptr + kstart + kpos.to(tl.int64), mask=kbit != 0, other=0.0)  # [DP, 64]
+            # values: tile (token, c // 64); bit c % 64
+            vw = tl.load(
+                vbm_ptr + ((bh * Tc + tok[:, None]) * DT + (c // 64)[None, :]) * 2 + vhalf[None, :],
+                mask=tmask[:, None] & cmask[None, :],
+                other=0,
+            )
+            vbit = (vw >> vshift[None, :]) & 1
+            vrow = tl.sum(vbit, axis=1)
+            vpos = (tl.cumsum(vrow, axis=0) - vrow)[:, None] + tl.cumsum(vbit, axis=1) - vbit
+            vstart = tl.load(voff_ptr + g)
+            v = tl.load(vnz_ptr + vstart + vpos.to(tl.int64), mask=vbit != 0, other=0.0)  # [64, DP]
+            m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    else:
+        for w0 in range(0, W, 64):
+            tw = w0 + t
+            wmask = tw < W
+            kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
+            v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    slot = bh * (S + 1) + split
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc)
+    tl.store(m_ptr + slot * RP + rows, m_i)
+    tl.store(l_ptr + slot * RP + rows, l_i)
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, R, D, S, RP: tl.constexpr, DP: tl.constexpr):
+    """Merge the S + 1 partials of one KV head's query rows: out [B*Hkv, R, D], lse [B*Hkv, R]."""
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, RP)
+    c = tl.arange(0, DP)
+    m_max = tl.full([RP], float("-inf"), tl.float32)
+    for s in range(0, S + 1):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + (bh * (S + 1) + s) * RP + rows))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([RP], tl.float32)
+    out = tl.zeros([RP, DP], tl.float32)
+    for s in range(0, S + 1):
+        slot = bh * (S + 1) + s
+        w = tl.exp2(tl.load(m_ptr + slot * RP + rows) - m_safe)
+        total += tl.load(l_ptr + slot * RP + rows) * w
+        out += tl.load(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :]) * w[:, None]
+    nonempty = total > 0
+    out = out / tl.where(nonempty, total, 1.0)[:, None]
+    lse = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    rmask = rows < R
+    tl.store(out_ptr + (bh * R + rows[:, None]) * D + c[None, :], out, mask=rmask[:, None] & (c[None, :] < D))
+    tl.store(lse_ptr + bh * R + rows, lse, mask=rmask)
+
+
+def check_query(q: torch.Tensor, cache: BitmapCache) -> None:
+    """Shapes, dtype and device of ``q`` against the cache; UsageError naming what disagrees."""
+    k = cache.keys
+    if q.ndim != 4:
+        raise UsageError(f"q must be [batch, heads, query_tokens, head_dim], got shape {list(q.shape)}")
+    b, h, _, d = q.shape
+    if b != k.batch or d != k.head_dim or h % k.kv_heads:
+        raise UsageError(
+            f"q has shape {list(q.shape)}; expected [{k.batch}, a multiple of {k.kv_heads} heads, query_tokens, {k.head_dim}] for this cache"
+        )
+    if q.dtype != k.dtype:
+        raise UsageError(f"q is {q.dtype} but the cache is {k.dtype}")
+    for name, t in (("keys.nz", k.nz), ("keys.bitmaps", k.bitmaps), ("values.nz", cache.values.nz), ("window.keys", cache.window_keys)):
+        if t.device != q.device:
+            raise UsageError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def default_splits(bh: int, blocks: int, device: torch.device) -> int:
+    """Token-axis splits so that about 4 programs per SM run (1 on the CPU interpreter)."""
+    if blocks == 0:
+        return 1
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, math.ceil(4 * sms / max(bh, 1)))
+    return max(1, min(blocks, want))
+
+
+def bitmap_decode_attention(
+    q: torch.Tensor,
+    cache: BitmapCache,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[B, H, Tq, D]`` over the compressed tokens and the dense window of
+    ``cache``: the partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). See the module
+    docstring. ``validate=False`` skips the layout check (only for a cache validated before: the
+    kernel trusts the offsets)."""
+    check_query(q, cache)
+    _check_device(q, "q")
+    if validate:
+        cache.validate()
+    k, v = cache.keys, cache.values
+    b, h, tq, d = q.shape
+    hkv = k.kv_heads
+    rows = (h // hkv) * tq
+    bh = b * hkv
+    nb = k.blocks
+    w = cache.window_keys.shape[2]
+    out = torch.empty(b, h, tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, tq, dtype=torch.float32, device=q.device)
+    if bh == 0 or rows == 0:
+        return out, lse
+    splits = default_splits(bh, nb, q.device) if num_splits is None else int(num_splits)
+    if splits < 1:
+        raise UsageError(f"num_splits must be at least 1, got {num_splits}")
+    bps = max(1, -(-nb // splits))
+    splits = max(1, -(-nb // bps)) if nb else 1
+    rp = max(16, triton.next_power_of_2(rows))
+    dp = max(64, triton.next_power_of_2(d))
+    acc = torch.empty(bh, splits + 1, rp, dp, dtype=torch.float32, device=q.device)
+    m = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    l = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    scale = default_scale(d) if scale is None else scale
+    qc = q.contiguous()
+    # the interpreter gets bfloat16 tl.dot wrong: there, bfloat16 products run in float32
+    upcast = q.dtype == torch.bfloat16 and not q.is_cuda
+    prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    empty = torch.zeros(1, dtype=q.dtype, device=q.device)
+    _bitmap_attention_kernel[(bh, splits + 1)](
+        qc,
+        k.bitmaps.view(torch.int32),
+        k.nz if k.nz.numel() else empty,
+        k.offsets,
+        v.bitmaps.view(torch.int32),
+        v.nz if v.nz.numel() else empty,
+        v.offsets,
+        cache.window_keys.contiguous() if w else empty,
+        cache.window_values.contiguous() if w else empty,
+        acc,
+        m,
+        l,
+        float(scale) * LOG2E,
+        k.tokens,
+        w,
+        d,
+        -(-d // TILE),
+        nb,
+        rows,
+        bps,
+        splits,
+        RP=rp,
+        DP=dp,
+        DOT_PREC=prec,
+        UPCAST=upcast,
+        num_warps=4,
+    )
+    _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
+    return out, lse
+
+
+def bitmap_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: decode the layout and run :func:`kvtool.attention.attend_partial`."""
+    keys, values = cache.decode()
+    return attend_partial(q, keys, values, scale)
