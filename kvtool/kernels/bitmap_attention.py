@@ -97,7 +97,7 @@ def _bitmap_attention_kernel(
     if split < S:
         blk_start = split * BPS
         blk_end = tl.minimum(blk_start + BPS, NB)
-        khalf = (t >= 32).to(tl.int64)
+        khigh = t >= 32
         kshift = t % 32
         vhalf = ((c % 64) >= 32).to(tl.int64)
         vshift = c % 32
@@ -106,7 +106,9 @@ def _bitmap_attention_kernel(
             tok = blk * 64 + t
             tmask = tok < Tc
             # keys: tile c = channel c of the 64 tokens; bit t of its word (low 32 bits first)
-            kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + khalf[None, :], mask=cmask[:, None], other=0)
+            klo = tl.load(kbm_ptr + (g * D + c) * 2, mask=cmask, other=0)
+            khi = tl.load(kbm_ptr + (g * D + c) * 2 + 1, mask=cmask, other=0)
+            kw = tl.where(khigh[None, :], khi[:, None], klo[:, None])
             kbit = (kw >> kshift[None, :]) & 1
             krow = tl.sum(kbit, axis=1)
             kpos = (tl.cumsum(krow, axis=0) - krow)[:, None] + tl.cumsum(kbit, axis=1) - kbit
@@ -262,6 +264,15 @@ def bitmap_decode_attention(
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
+
+
+def kernel_bytes(cache: BitmapCache, q: torch.Tensor | None = None) -> int:
+    """Bytes one call of :func:`bitmap_decode_attention` must read from memory: every tensor of the
+    cache (packed elements, bitmaps, offsets, window) plus ``q`` when given (outputs not counted)."""
+    parts = [cache.keys.nz, cache.keys.bitmaps, cache.keys.offsets, cache.values.nz, cache.values.bitmaps, cache.values.offsets, cache.window_keys, cache.window_values]
+    if q is not None:
+        parts.append(q)
+    return sum(t.numel() * t.element_size() for t in parts)
 
 
 def bitmap_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
