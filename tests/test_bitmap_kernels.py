@@ -118,3 +118,39 @@ def test_bad_inputs_are_refused_before_launch(monkeypatch):
         bitmap_decode_attention(torch.randn(1, 2, 1, 64).half(), cache)
     with pytest.raises(UsageError, match="need CUDA tensors"):
         encode_triton(keys, "keys")
+
+
+AOT_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from kvtool.kernels import bitmap_attention as A, bitmap_compress as C
+
+def build(fn, sig, consts, warps=4):
+    src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert len(k.asm["cubin"]) > 0
+
+for dt, dp in (("fp16", 128), ("bf16", 64)):
+    sig = dict(q_ptr=f"*{dt}", kbm_ptr="*i32", knz_ptr=f"*{dt}", koff_ptr="*i64", vbm_ptr="*i32", vnz_ptr=f"*{dt}",
+               voff_ptr="*i64", wk_ptr=f"*{dt}", wv_ptr=f"*{dt}", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
+               scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
+    build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DOT_PREC="tf32", UPCAST=False))
+build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
+csig = dict(x_ptr="*i16", bitmap_ptr="*i64", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
+build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True))
+build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=False))
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_h100(tmp_path):
+    """The interpreter does not compile: build the kernels for sm_90 with the bundled ptxas (no GPU
+    needed) so that a kernel the GPU would refuse fails here."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

@@ -13,12 +13,15 @@ validate=True) -> (out, lse)``
   values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
 
 How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks token blocks ``s * BPS ..`` of KV
-head bh, BPS = ceil(NB / S): it expands each block's key bitmaps (prefix sums of the bits give every
-element's place in the packed run), gathers K^T ``[D, 64]``, computes the scores of all G * Tq query
-rows of the group at once (one pass over the group's data), runs an online softmax, expands the
-value bitmaps the same way and accumulates P.V in float32. Program (bh, S) does the same over the
-dense window. A second kernel merges the S + 1 partials (flash-decoding combine). Every load is
-masked; the offsets are validated before launch (``validate=True``) so no gather leaves ``nz``.
+head bh, BPS = ceil(NB / S), 32 tokens at a time (one 32-bit half of every key bitmap): the key
+tiles' popcounts give each channel's run start in the block, a prefix sum of the expanded bits gives
+every element's place, so it gathers K^T ``[D, 32]`` and scores all G * Tq query rows of the group at
+once (one pass over the group's data); an online softmax (base 2, float32) follows; the value bitmaps
+of the same 32 tokens are expanded the same way, V ``[32, D]`` gathered and P.V accumulated in
+float32. Program (bh, S) does the same over the dense window. A second kernel merges the S + 1
+partials (flash-decoding combine). Every load is masked; the offsets are validated before launch
+(``validate=True``) so no gather leaves ``nz``. Built for sm_90 without spills at D = 64 and 128
+(checked by the tests with the bundled ptxas).
 """
 
 from __future__ import annotations
@@ -38,8 +41,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _popc32(x):
+    """Set bits of each int32 (SWAR on the unsigned view)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """One block of 64 tokens: kt [DP, 64], v [64, DP]; online softmax in base 2. UPCAST runs the
+    """32 tokens: kt [DP, 32], v [32, DP]; online softmax in base 2. UPCAST runs the
     products in float32 (the CPU interpreter computes bfloat16 tl.dot wrongly)."""
     if UPCAST:
         q = q.to(tl.float32)
@@ -88,47 +101,52 @@ def _bitmap_attention_kernel(
     split = tl.program_id(1)
     rows = tl.arange(0, RP)
     c = tl.arange(0, DP)
-    t = tl.arange(0, 64)
     cmask = c < D
     q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
+    h32 = tl.arange(0, 32)
     if split < S:
         blk_start = split * BPS
         blk_end = tl.minimum(blk_start + BPS, NB)
-        khigh = t >= 32
-        kshift = t % 32
-        vhalf = ((c % 64) >= 32).to(tl.int64)
-        vshift = c % 32
+        j = tl.arange(0, DP // 64)
+        i64 = tl.arange(0, 64)
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
-            tok = blk * 64 + t
-            tmask = tok < Tc
-            # keys: tile c = channel c of the 64 tokens; bit t of its word (low 32 bits first)
+            kstart = tl.load(koff_ptr + g)
+            vstart = tl.load(voff_ptr + g)
+            # key tile c = channel c of the block's 64 tokens: low word = tokens 0-31, high = 32-63
             klo = tl.load(kbm_ptr + (g * D + c) * 2, mask=cmask, other=0)
             khi = tl.load(kbm_ptr + (g * D + c) * 2 + 1, mask=cmask, other=0)
-            kw = tl.where(khigh[None, :], khi[:, None], klo[:, None])
-            kbit = (kw >> kshift[None, :]) & 1
-            krow = tl.sum(kbit, axis=1)
-            kpos = (tl.cumsum(krow, axis=0) - krow)[:, None] + tl.cumsum(kbit, axis=1) - kbit
-            kstart = tl.load(koff_ptr + g)
-            kt = tl.load(knz_ptr + kstart + kpos.to(tl.int64), mask=kbit != 0, other=0.0)  # [DP, 64]
-            # values: tile (token, c // 64); bit c % 64
-            vw = tl.load(
-                vbm_ptr + ((bh * Tc + tok[:, None]) * DT + (c // 64)[None, :]) * 2 + vhalf[None, :],
-                mask=tmask[:, None] & cmask[None, :],
-                other=0,
-            )
-            vbit = (vw >> vshift[None, :]) & 1
-            vrow = tl.sum(vbit, axis=1)
-            vpos = (tl.cumsum(vrow, axis=0) - vrow)[:, None] + tl.cumsum(vbit, axis=1) - vbit
-            vstart = tl.load(voff_ptr + g)
-            v = tl.load(vnz_ptr + vstart + vpos.to(tl.int64), mask=vbit != 0, other=0.0)  # [64, DP]
-            m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            plo = _popc32(klo)
+            kcnt = plo + _popc32(khi)
+            ktile = tl.cumsum(kcnt, axis=0) - kcnt  # start of each channel's run in the block
+            vbase = tl.zeros([], tl.int32)  # value elements of the block before the current half
+            for half in range(0, 2):
+                kw = tl.where(half == 0, klo, khi)
+                kfirst = ktile + plo * half
+                kbit = (kw[:, None] >> h32[None, :]) & 1  # [DP, 32]
+                kpos = kfirst[:, None] + tl.cumsum(kbit, axis=1) - kbit
+                kt = tl.load(knz_ptr + kstart + kpos, mask=kbit != 0, other=0.0)  # K^T [DP, 32]
+                tok = blk * 64 + half * 32 + h32
+                tmask = tok < Tc
+                # value tiles (token, j): words [32, DP/64], bits expanded to [32, DP]
+                wptr = vbm_ptr + ((bh * Tc + tok[:, None]) * DT + j[None, :]) * 2
+                wmask = tmask[:, None] & (j[None, :] < DT)
+                vlo = tl.load(wptr, mask=wmask, other=0)
+                vhi = tl.load(wptr + 1, mask=wmask, other=0)
+                vrow = tl.sum(_popc32(vlo) + _popc32(vhi), axis=1)  # [32]
+                vfirst = vbase + tl.cumsum(vrow, axis=0) - vrow
+                vw = tl.where((i64 < 32)[None, None, :], vlo[:, :, None], vhi[:, :, None])  # [32, DP/64, 64]
+                vbit = tl.reshape((vw >> (i64 % 32)[None, None, :]) & 1, (32, DP))
+                vpos = vfirst[:, None] + tl.cumsum(vbit, axis=1) - vbit
+                v = tl.load(vnz_ptr + vstart + vpos, mask=vbit != 0, other=0.0)  # [32, DP]
+                vbase = vbase + tl.sum(vrow, axis=0)
+                m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
-        for w0 in range(0, W, 64):
-            tw = w0 + t
+        for w0 in range(0, W, 32):
+            tw = w0 + h32
             wmask = tw < W
             kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
             v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
@@ -198,11 +216,13 @@ def bitmap_decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     validate: bool = True,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over the compressed tokens and the dense window of
     ``cache``: the partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). See the module
     docstring. ``validate=False`` skips the layout check (only for a cache validated before: the
-    kernel trusts the offsets)."""
+    kernel trusts the offsets). ``num_splits`` (token-axis programs per KV head) and ``num_warps``
+    are tuning knobs; the result does not depend on them beyond rounding."""
     check_query(q, cache)
     _check_device(q, "q")
     if validate:
@@ -260,7 +280,7 @@ def bitmap_decode_attention(
         DP=dp,
         DOT_PREC=prec,
         UPCAST=upcast,
-        num_warps=4,
+        num_warps=num_warps,
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
