@@ -13,20 +13,22 @@ validate=True) -> (out, lse)``
   values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
 
 How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks token blocks ``s * BPS ..`` of KV
-head bh, BPS = ceil(NB / S), 32 tokens at a time (one 32-bit half of every key bitmap): the key
-tiles' popcounts give each channel's run start in the block, a prefix sum of the expanded bits gives
-every element's place, so it gathers K^T ``[D, 32]`` and scores all G * Tq query rows of the group at
-once (one pass over the group's data); an online softmax (base 2, float32) follows; the value bitmaps
-of the same 32 tokens are expanded the same way, V ``[32, D]`` gathered and P.V accumulated in
-float32. Program (bh, S) does the same over the dense window. A second kernel merges the S + 1
-partials (flash-decoding combine). Every load is masked; the offsets are validated before launch
-(``validate=True``) so no gather leaves ``nz``. Built for sm_90 without spills at D = 64 and 128
-(checked by the tests with the bundled ptxas).
+head bh, BPS = ceil(NB / S), 32 tokens at a time (one 32-bit half of every key bitmap). An element's
+place in its block's packed run is ``run start + popcount(word & bits below it)``: run starts come
+from a 1-D prefix sum of per-tile popcounts (per channel for keys, per token for values), the rest is
+one ``popc.b32`` per element on CUDA (SWAR arithmetic under the interpreter); there are no 2-D prefix
+sums. It gathers K^T ``[D, 32]`` and scores all G * Tq query rows of the group at once (one pass over
+the group's data), runs an online softmax (base 2, float32), gathers V ``[32, D]`` the same way and
+accumulates P.V in float32. Program (bh, S) does the same over the dense window. A second kernel
+merges the S + 1 partials (flash-decoding combine). Every load is masked; the offsets are validated
+before launch (``validate=True``) so no gather leaves ``nz``. Built for sm_90 without register spills
+at D = 64 and 128 (the tests compile it with the bundled ptxas).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -41,13 +43,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _popc32(x):
-    """Set bits of each int32 (SWAR on the unsigned view)."""
-    u = x.to(tl.uint32, bitcast=True)
-    u = u - ((u >> 1) & 0x55555555)
-    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
-    u = (u + (u >> 4)) & 0x0F0F0F0F
-    return ((u * 0x01010101) >> 24).to(tl.int32)
+def _popc32(x, USE_ASM: tl.constexpr):
+    """Set bits of each int32: one ``popc.b32`` on CUDA, SWAR on the unsigned view otherwise."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -96,6 +101,7 @@ def _bitmap_attention_kernel(
     DP: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_ASM: tl.constexpr,
 ):
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -112,6 +118,10 @@ def _bitmap_attention_kernel(
         blk_end = tl.minimum(blk_start + BPS, NB)
         j = tl.arange(0, DP // 64)
         i64 = tl.arange(0, 64)
+        kbelow = ((tl.full([32], 1, tl.int32) << h32) - 1)[None, :]  # the bits under each position
+        vshift = (i64 % 32)[None, None, :]
+        vbelow = (tl.full([64], 1, tl.int32) << (i64 % 32)) - 1
+        vlow = (i64 < 32)[None, None, :]
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
             kstart = tl.load(koff_ptr + g)
@@ -119,28 +129,32 @@ def _bitmap_attention_kernel(
             # key tile c = channel c of the block's 64 tokens: low word = tokens 0-31, high = 32-63
             klo = tl.load(kbm_ptr + (g * D + c) * 2, mask=cmask, other=0)
             khi = tl.load(kbm_ptr + (g * D + c) * 2 + 1, mask=cmask, other=0)
-            plo = _popc32(klo)
-            kcnt = plo + _popc32(khi)
+            plo = _popc32(klo, USE_ASM)
+            kcnt = plo + _popc32(khi, USE_ASM)
             ktile = tl.cumsum(kcnt, axis=0) - kcnt  # start of each channel's run in the block
             vbase = tl.zeros([], tl.int32)  # value elements of the block before the current half
             for half in range(0, 2):
-                kw = tl.where(half == 0, klo, khi)
-                kfirst = ktile + plo * half
-                kbit = (kw[:, None] >> h32[None, :]) & 1  # [DP, 32]
-                kpos = kfirst[:, None] + tl.cumsum(kbit, axis=1) - kbit
-                kt = tl.load(knz_ptr + kstart + kpos, mask=kbit != 0, other=0.0)  # K^T [DP, 32]
+                # keys: element (c, token) sits at run start + set bits below it in its word
+                kw = tl.where(half == 0, klo, khi)[:, None]  # [DP, 1]
+                kset = ((kw >> h32[None, :]) & 1) != 0  # [DP, 32]
+                kpos = (ktile + plo * half)[:, None] + _popc32(kw & kbelow, USE_ASM)
+                kt = tl.load(knz_ptr + kstart + kpos, mask=kset, other=0.0)  # K^T [DP, 32]
                 tok = blk * 64 + half * 32 + h32
                 tmask = tok < Tc
-                # value tiles (token, j): words [32, DP/64], bits expanded to [32, DP]
+                # values: tile (token, j) words [32, DP/64] as low/high halves
                 wptr = vbm_ptr + ((bh * Tc + tok[:, None]) * DT + j[None, :]) * 2
                 wmask = tmask[:, None] & (j[None, :] < DT)
                 vlo = tl.load(wptr, mask=wmask, other=0)
                 vhi = tl.load(wptr + 1, mask=wmask, other=0)
-                vrow = tl.sum(_popc32(vlo) + _popc32(vhi), axis=1)  # [32]
-                vfirst = vbase + tl.cumsum(vrow, axis=0) - vrow
-                vw = tl.where((i64 < 32)[None, None, :], vlo[:, :, None], vhi[:, :, None])  # [32, DP/64, 64]
-                vbit = tl.reshape((vw >> (i64 % 32)[None, None, :]) & 1, (32, DP))
-                vpos = vfirst[:, None] + tl.cumsum(vbit, axis=1) - vbit
+                plo_v = _popc32(vlo, USE_ASM)
+                ptile = plo_v + _popc32(vhi, USE_ASM)
+                tile_pre = tl.cumsum(ptile, axis=1) - ptile  # elements of the token before tile j
+                vrow = tl.sum(ptile, axis=1)
+                vfirst = vbase + tl.cumsum(vrow, axis=0) - vrow  # [32] each token's run start
+                vw = tl.where(vlow, vlo[:, :, None], vhi[:, :, None])  # [32, DP/64, 64]
+                vpre = vfirst[:, None, None] + tile_pre[:, :, None] + tl.where(vlow, 0, plo_v[:, :, None])
+                vbit = tl.reshape((vw >> vshift) & 1, (32, DP))
+                vpos = tl.reshape(vpre + _popc32(vw & vbelow[None, None, :], USE_ASM), (32, DP))
                 v = tl.load(vnz_ptr + vstart + vpos, mask=vbit != 0, other=0.0)  # [32, DP]
                 vbase = vbase + tl.sum(vrow, axis=0)
                 m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
@@ -280,6 +294,7 @@ def bitmap_decode_attention(
         DP=dp,
         DOT_PREC=prec,
         UPCAST=upcast,
+        USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
         num_warps=num_warps,
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
