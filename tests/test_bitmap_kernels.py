@@ -136,9 +136,10 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
     build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DOT_PREC="tf32", UPCAST=False, USE_ASM=True))
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
-csig = dict(x_ptr="*i16", bitmap_ptr="*i64", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
-build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True))
-build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=False))
+csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
+build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True, USE_ASM=True), warps=8)
+build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=False, USE_ASM=True), warps=8)
+build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=True, USE_ASM=True), warps=8)
 print("compiled")
 """
 

@@ -5,7 +5,7 @@ Two encoders that produce identical bytes:
 - :func:`encode_torch` (plain torch, any device);
 - :func:`encode_triton` (Triton, two passes over the data: pass 1 writes each block's bitmaps and
   popcount, the host turns the padded counts into offsets with one cumsum, pass 2 packs the
-  non-zeros). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+  non-zeros, each at its run start + the popcount of the bits below it in its 32-bit half-word). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -73,9 +73,22 @@ def encode_torch(x: torch.Tensor, kind: str) -> BitmapTensor:
 
 
 @triton.jit
+def _popc32(x, USE_ASM: tl.constexpr):
+    """Set bits of each int32: one ``popc.b32`` on CUDA, SWAR on the unsigned view otherwise."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
 def _bitmap_compress_kernel(
     x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
-    bitmap_ptr,  # int64: keys [B*Hkv, NB, D]; values [B*Hkv, Tc, DT]
+    bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
     count_ptr,  # int64 [B*Hkv*NB] (pass 1 writes)
     offset_ptr,  # int64 [B*Hkv*NB + 1] (pass 2 reads)
     nz_ptr,  # int view [total] (pass 2 writes)
@@ -86,44 +99,50 @@ def _bitmap_compress_kernel(
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
+    USE_ASM: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     bh = g // NB
     blk = g % NB
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
+    i32 = tl.arange(0, 32)
     tok = blk * 64 + t
     base = x_ptr + bh * Tc * D
+    # The block as [rows, columns] in storage order, columns cut into 32-bit half-words:
+    # keys rows = channels, columns = 64 tokens (2 half-words); values rows = tokens, columns = DP
+    # channels (DP / 32 half-words, two per 64-channel tile).
     if IS_KEY:
-        # rows = channels, columns = tokens: storage order (channel, token)
         m = (c[:, None] < D) & (tok[None, :] < Tc)
-        raw = tl.load(base + tok[None, :] * D + c[:, None], mask=m, other=0)
+        raw = tl.load(base + tok[None, :] * D + c[:, None], mask=m, other=0)  # [DP, 64]
+        bits = tl.reshape((raw != 0).to(tl.int32), (DP, 2, 32))
     else:
-        # rows = tokens, columns = channels: storage order (token, channel)
         m = (tok[:, None] < Tc) & (c[None, :] < D)
-        raw = tl.load(base + tok[:, None] * D + c[None, :], mask=m, other=0)
-    bit = raw != 0
-    bit_i = bit.to(tl.int32)
+        raw = tl.load(base + tok[:, None] * D + c[None, :], mask=m, other=0)  # [64, DP]
+        bits = tl.reshape((raw != 0).to(tl.int32), (64, DP // 32, 32))
+    words = tl.sum(bits << i32[None, None, :], axis=2)  # half-words (distinct bits: no overflow)
+    pc = _popc32(words, USE_ASM)
     if not WRITE:
-        bit64 = bit.to(tl.int64)
         if IS_KEY:
-            words = tl.sum(bit64 << t[None, :].to(tl.int64), axis=1)  # [DP]
-            tl.store(bitmap_ptr + g * D + c, words, mask=c < D)
+            h = tl.arange(0, 2)
+            tl.store(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], words, mask=(c[:, None] < D) & (h[None, :] < 2))
         else:
-            shifted = bit64 << (c % 64)[None, :].to(tl.int64)
-            words = tl.sum(tl.reshape(shifted, (64, DP // 64, 64)), axis=2)  # [64, DP/64]
-            j = tl.arange(0, DP // 64)
-            wmask = (tok[:, None] < Tc) & (j[None, :] < DT)
-            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * DT + j[None, :], words, mask=wmask)
-        total = tl.sum(tl.sum(bit_i, axis=1), axis=0)
-        tl.store(count_ptr + g, total.to(tl.int64))
+            p = tl.arange(0, DP // 32)
+            wmask = (tok[:, None] < Tc) & (p[None, :] < 2 * DT)
+            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * (2 * DT) + p[None, :], words, mask=wmask)
+        tl.store(count_ptr + g, tl.sum(tl.sum(pc, axis=1), axis=0).to(tl.int64))
     else:
         start = tl.load(offset_ptr + g)
-        row = tl.sum(bit_i, axis=1)
+        row = tl.sum(pc, axis=1)
         row_off = tl.cumsum(row, axis=0) - row
-        rank = tl.cumsum(bit_i, axis=1) - bit_i
-        addr = start + (row_off[:, None] + rank).to(tl.int64)
-        tl.store(nz_ptr + addr, raw, mask=bit)
+        piece_off = tl.cumsum(pc, axis=1) - pc
+        below = ((tl.full([32], 1, tl.int32) << i32) - 1)[None, None, :]
+        pos3 = row_off[:, None, None] + piece_off[:, :, None] + _popc32(words[:, :, None] & below, USE_ASM)
+        if IS_KEY:
+            pos = tl.reshape(pos3, (DP, 64))
+        else:
+            pos = tl.reshape(pos3, (64, DP))
+        tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=raw != 0)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -151,12 +170,16 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     counts = torch.zeros(nblocks, dtype=torch.int64, device=x.device)
     if nblocks == 0:
         return BitmapTensor(kind, x.new_zeros(0), bitmaps, counts.new_zeros(1), tc, d)
-    args = dict(IS_KEY=kind == "keys", DP=_dp(d), num_warps=4)
+    dp = _dp(d)
+    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    # 32 elements of the [64, DP] block per thread: no register spills on sm_90
+    args = dict(IS_KEY=kind == "keys", DP=dp, USE_ASM=use_asm, num_warps=min(16, max(4, dp // 16)))
+    bm32 = bitmaps.view(torch.int32)
     dummy = counts
-    _bitmap_compress_kernel[(nblocks,)](xi, bitmaps, counts, dummy, xi, tc, d, nb, dt, WRITE=False, **args)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, dummy, xi, tc, d, nb, dt, WRITE=False, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
     nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
-    _bitmap_compress_kernel[(nblocks,)](xi, bitmaps, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, dt, WRITE=True, **args)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, dt, WRITE=True, **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
