@@ -131,10 +131,12 @@ class BitmapFormat(Format):
         if layer.keys.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise BadDataError(f"bitmap stores float16, bfloat16 or float32 caches, got {layer.keys.dtype}")
 
-    def encode(self, layer: LayerKV, params: FormatParams, backend: str = "torch") -> Encoded:
+    def encode(self, layer: LayerKV, params: FormatParams, backend: str = "auto") -> Encoded:
         """Prune ``layer`` (keys/values ``[B, Hkv, T, D]``) and store it; ``backend`` picks the
-        torch or the Triton encoder (identical bytes)."""
+        torch or the Triton encoder (identical bytes); ``auto``: Triton for CUDA tensors."""
         assert isinstance(params, BitmapParams)
+        if backend == "auto":
+            backend = "triton" if layer.keys.is_cuda else "torch"
         res = prune_layer(layer, params.keys, params.values, params.method, params.dense_window)
         tc = layer.num_tokens - res.window
         cache = BitmapCache(
