@@ -312,9 +312,33 @@ def suite_compress(ctx: BenchContext) -> list[dict]:
                                           sparsity=sp, rel=0.0, data=data))
                 del x, ref, got
                 _free(ctx)
+        recs += _retrieval_encode_records(ctx, shape, b, t, k, v, data)
         del k, v
         _free(ctx)
     _speedups_per_kernel(recs, ["bitmap_torch"])
+    return recs
+
+
+def _retrieval_encode_records(ctx: BenchContext, shape: ModelShape, b: int, t: int, k, v, data: str) -> list[dict]:
+    """Encoding throughput of the sign-VQ and page-statistics formats (their encoders are torch, run
+    on the device of the tensors): bytes = dense keys + values read + every encoded tensor written."""
+    from .cache import LayerKV
+
+    recs = []
+    for name, module, fmt_cls, params_cls in (("signvq_encode", "signvq", "SignVQFormat", "SignVQParams"),
+                                              ("pagestat_encode", "pagestat", "PageStatFormat", "PageStatParams")):
+        try:
+            mod = importlib.import_module(f"kvtool.formats.{module}")
+        except ImportError:
+            continue
+        fmt, params = getattr(mod, fmt_cls)(), getattr(mod, params_cls)()
+        layer = LayerKV(k, v)
+        ctx.step(f"{name} b={b} T={t}")
+        enc = fmt.encode(layer, params)
+        moved = B.tensor_bytes(k, v) + enc.tensor_bytes()
+        del enc
+        tm = ctx.timer.time(lambda: fmt.encode(layer, params))
+        recs.append(B.make_record(ctx.env, name, "torch", shape, b, t, ctx.dtype, tm, moved, data=data))
     return recs
 
 
