@@ -62,6 +62,7 @@ class BenchContext:
         """(shape, q, keys, values, data label) for one configuration, random or from ``--capture``."""
         if self.capture is not None:
             shape, q, k, v = B.capture_decode_inputs(self.capture, self.layer, batch, seq, self.dtype, self.device)
+            B.check_size(self.env, batch, shape.kv_heads, seq, shape.head_dim)
             return shape, q, k, v, f"capture:{Path(self.capture).name}"
         B.check_size(self.env, batch, self.shape.kv_heads, seq, self.shape.head_dim)
         q, k, v = B.random_decode_inputs(self.shape, batch, seq, self.dtype, self.device, seed)

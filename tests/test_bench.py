@@ -128,3 +128,23 @@ def test_bad_options(monkeypatch):
     assert res.exit_code == 2 and "--dtype" in res.output
     res = runner.invoke(app, ["bench", "heads", "--k", "99"])
     assert res.exit_code == 2 and "--k 99" in res.output
+
+
+def test_capture_tensors_are_tiled(monkeypatch, sample_capture):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = runner.invoke(app, ["bench", "dense", "--capture", str(sample_capture), "--layer", "7", "--batch", "2", "--seq", "300",
+                              "--rep-ms", "1", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["shape"] == {"name": f"capture:{sample_capture.name}", "heads": 9, "kv_heads": 3, "head_dim": 64}
+    assert {r["data"] for r in doc["records"]} == {f"capture:{sample_capture.name}"}
+    assert all(r["seq"] == 300 and r["batch"] == 2 for r in doc["records"])
+    assert all(r["status"] == "ok" for r in doc["records"] if not r["provider"].startswith("flashinfer"))
+
+
+def test_capture_decode_inputs_repeat_the_layer(sample_capture):
+    shape, q, k, v = B.capture_decode_inputs(sample_capture, 0, 3, 600, torch.float16, "cpu")
+    assert (shape.heads, shape.kv_heads, shape.head_dim) == (9, 3, 64)
+    assert tuple(k.shape) == (3, 3, 600, 64) and tuple(q.shape) == (3, 9, 64)
+    assert torch.equal(k[:, :, 512:], k[:, :, :88]) and torch.equal(v[:, :, 512:], v[:, :, :88])
+    assert torch.equal(k[2], k[0]) and torch.equal(q[1], q[0])

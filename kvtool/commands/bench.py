@@ -132,10 +132,18 @@ def run_suite(sub: str, ctx) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "kvtool " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtool", "__main__.py")) else None,
         "env": ctx.env.to_dict(),
-        "shape": {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim},
+        "shape": _shape_of(ctx, records),
         "primary_baselines": list(primary),
         "records": records,
     }
+
+
+def _shape_of(ctx, records: list[dict]) -> dict[str, Any]:
+    """The attention shape timed: the model shape, or with --capture the captured model's."""
+    if ctx.capture is not None and records:
+        r = records[0]
+        return {"name": r["data"], "heads": r["heads"], "kv_heads": r["kv_heads"], "head_dim": r["head_dim"]}
+    return {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim}
 
 
 def print_result(doc: dict[str, Any]) -> None:
