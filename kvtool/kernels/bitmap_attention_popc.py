@@ -15,7 +15,7 @@ exclusive prefix sum of per-tile popcounts (D tiles for keys, 2 * ceil(D / 64) h
 for values). ``popcount`` is one ``popc.b32`` instruction on CUDA (a bit-twiddling fallback under
 ``TRITON_INTERPRET=1``). Everything else (grid ``(B * Hkv, S + 1)`` with the dense window in the
 last split, GQA rows of a KV head in one pass, online softmax in base 2, the combine kernel) is the
-owner's design, imported from :mod:`.bitmap_attention`.
+owner's design, imported from :mod:`.bitmap_attention` (the split count is chosen here: :func:`popc_splits`).
 
 Entry point: :func:`bitmap_decode_attention_popc` ``(q, cache, scale=None, num_splits=None,
 validate=True, num_warps=4) -> (out, lse)``; shapes and dtypes as
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..attention import default_scale
 from ..errors import UsageError
-from .bitmap_attention import LOG2E, _attend_block, _combine_kernel, check_query, default_splits
+from .bitmap_attention import LOG2E, _attend_block, _combine_kernel, check_query
 from .bitmap_compress import _check_device
 from .bitmap_layout import TILE, BitmapCache
 
@@ -201,6 +201,19 @@ def _bitmap_attention_popc3_kernel(
     tl.store(l_ptr + slot * RP + rows, l_i)
 
 
+def popc_splits(bh: int, blocks: int, device: torch.device) -> int:
+    """Token-axis splits per KV head: about 4 programs per SM when there are few KV heads (under 32:
+    batch 1 of an 8-KV-head model), else about 16, at least 2 blocks per program; 1 on the CPU.
+    Measured on the H100 (Llama-3-8B shapes, 32k tokens, 70%): at batch 1, 4 per SM took 129 µs and
+    16 per SM 191 µs (the combine walks the S + 1 partials serially); at batch 8, 16 per SM took
+    567 µs and 4 per SM 631 µs."""
+    if blocks == 0 or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = 4 if bh < 32 else 16
+    return max(1, min(-(-blocks // 2), -(-per_sm * sms // max(bh, 1))))
+
+
 def bitmap_decode_attention_popc(
     q: torch.Tensor,
     cache: BitmapCache,
@@ -233,7 +246,7 @@ def bitmap_decode_attention_popc(
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=q.device)
     if bh == 0 or rows == 0:
         return out, lse
-    splits = default_splits(bh, nb, q.device) if num_splits is None else int(num_splits)
+    splits = popc_splits(bh, nb, q.device) if num_splits is None else int(num_splits)
     if splits < 1:
         raise UsageError(f"num_splits must be at least 1, got {num_splits}")
     bps = max(1, -(-nb // splits))
@@ -339,7 +352,7 @@ def bitmap_pv(p: torch.Tensor, values, num_splits: int | None = None) -> torch.T
     nb = values.blocks
     if tc == 0:
         return torch.zeros(b, h, d, dtype=torch.float32, device=p.device)
-    splits = default_splits(b * hkv, nb, p.device) if num_splits is None else int(num_splits)
+    splits = popc_splits(b * hkv, nb, p.device) if num_splits is None else int(num_splits)
     bps = max(1, -(-nb // max(1, splits)))
     splits = max(1, -(-nb // bps))
     rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
