@@ -191,6 +191,14 @@ def code_entropy(codes: torch.Tensor, num_codes: int = 16) -> torch.Tensor:
     return torch.where(p > 0, -p * torch.log2(p), torch.zeros_like(p)).sum(-1).float()
 
 
+def channel_median(x: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` -> ``[D]``: each channel's median over the rows (mean of the two middle values for
+    even N, unlike ``torch.median`` which takes the lower one)."""
+    ordered = x.sort(0).values
+    n = x.shape[0]
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+
+
 def center_channels(x: torch.Tensor, how: str) -> torch.Tensor:
     """``[N, D]`` minus each channel's ``mean`` or ``median`` over the N rows (``how``), or ``x``
     itself for ``raw``."""
@@ -199,7 +207,7 @@ def center_channels(x: torch.Tensor, how: str) -> torch.Tensor:
     if how == "mean":
         return x - x.mean(0, keepdim=True)
     if how == "median":
-        return x - x.median(0, keepdim=True).values
+        return x - channel_median(x)[None]
     raise ValueError(f"unknown centring {how!r}: use raw, mean or median")
 
 
