@@ -1,4 +1,4 @@
-"""Figures of a capture (matplotlib, Agg backend, no pyplot global state).
+"""Figures of a capture (matplotlib, Agg canvas, no pyplot and no global backend state).
 
 Every ``*_figure`` function builds and returns a :class:`matplotlib.figure.Figure` of
 :data:`FIGSIZE` inches (saved at :data:`DPI`, so PNGs are ``FIGSIZE * DPI`` pixels), titled with the
@@ -12,16 +12,10 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import matplotlib
-
-matplotlib.use("Agg")
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from . import io
 from .cache import KVCache, ModelFacts
@@ -46,9 +40,16 @@ KINDS = ("heatmap", "profile", "histogram", "outliers", "concentration", "heads"
 QUERY_KINDS = ("concentration", "heads")
 HEATMAP_CMAP = "magma"  # luminance rises monotonically with the value
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def new_figure(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Figure, Any]:
-    """A figure of FIGSIZE with a subplot grid, constrained layout, and an Agg canvas."""
+    """A figure of FIGSIZE with a subplot grid, constrained layout, and an Agg canvas (matplotlib is
+    imported here, not at module import, so the CLI starts fast)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=True, **kwargs)

@@ -126,7 +126,7 @@ def register(app: typer.Typer) -> None:
     @kvtool_command
     def plot(
         path: CaptureArg,
-        out: Annotated[Path | None, typer.Option("--out", "-o", help="Folder for the figures (default: <capture name>-plots; created if missing).", file_okay=False)] = None,
+        out: Annotated[Path | None, typer.Option("--out", "-o", help="Folder for the figures (default: <capture name>-plots; created if missing).")] = None,
         fmt: Annotated[str, typer.Option("--format", help="png, svg or pdf.")] = "png",
         layer: Annotated[int | None, typer.Option("--layer", help="Layer for single plots (default: the middle captured layer).")] = None,
         head: Annotated[int | None, typer.Option("--head", help="KV head for single plots (default 0).")] = None,
