@@ -67,14 +67,14 @@ def title(facts: ModelFacts, what: str, layer: int | None = None, head: int | st
     return " · ".join(parts)
 
 
-def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, part: str) -> Figure:
+def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, part: str, token_label: str = "token") -> Figure:
     """Magnitude heatmap of one KV head: x ``[N, D]`` (token rows) drawn as |x|, tokens down, channels
-    across, colour bar in |x| units."""
+    across, colour bar in |x| units; ``token_label`` names the row axis."""
     fig, ax = new_figure()
     data = x.float().abs().numpy()
     im = ax.imshow(data, aspect="auto", cmap=HEATMAP_CMAP, interpolation="nearest", vmin=0.0, vmax=float(data.max()) or 1.0)
     ax.set_xlabel("channel")
-    ax.set_ylabel("token")
+    ax.set_ylabel(token_label)
     ax.set_title(title(facts, f"|{part}| per token and channel", layer, head), fontsize=10)
     fig.colorbar(im, ax=ax, label=f"|{part[0].upper()}|")
     return fig
@@ -274,6 +274,7 @@ def write_plot_set(
     prepare_folder(out_dir, targets + list(extra_targets), force)
     facts = cache.facts
     mask = token_mask(cache)
+    token_label = "token" if cache.batch_size == 1 else f"token ({cache.batch_size} sequences stacked, padding dropped)"
     attention: dict[int, LayerAttention] = {}
     rows_cache: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -293,7 +294,7 @@ def write_plot_set(
         for spec, path in zip(specs, targets):
             l, h = spec.layer, spec.head
             if spec.kind == "heatmap":
-                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part)
+                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part, token_label)
             elif spec.kind == "profile":
                 fig = profile_figure(rows(l, "keys")[h], rows(l, "values")[h], facts, l, h, settings.outlier_factor)
             elif spec.kind == "histogram":

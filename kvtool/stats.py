@@ -104,20 +104,46 @@ def excess_kurtosis(x: torch.Tensor) -> float:
     return excess_kurtosis_from_sums(moment_sums(x))
 
 
+class MagnitudeAccumulator:
+    """Pools magnitude statistics over many tensors without keeping them: exact mean |x|, max |x|
+    and excess kurtosis (from moment sums); |x| percentiles from every ``step``-th element of each
+    added tensor (``step`` 1: exact)."""
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = max(1, step)
+        self.sums = np.zeros(5)
+        self.abs_sum = 0.0
+        self.max_abs = 0.0
+        self.samples: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        """Pool the elements of ``x`` (any shape)."""
+        self.sums = self.sums + moment_sums(x)
+        self.abs_sum += x.double().abs().sum().item()
+        self.max_abs = max(self.max_abs, x.abs().max().item())
+        self.samples.append(x.reshape(-1)[:: self.step].float())
+
+    def summary(self) -> dict[str, float]:
+        """``mean_abs``, ``max_abs``, ``p50``, ``p90``, ``p99``, ``p99.9`` (of |x|), ``kurtosis``."""
+        out = {"mean_abs": self.abs_sum / max(self.sums[0], 1), "max_abs": self.max_abs}
+        for q, v in abs_percentiles(self.samples).items():
+            out[f"p{q:g}"] = v
+        out["kurtosis"] = excess_kurtosis_from_sums(self.sums)
+        return out
+
+
+def percentile_step(total_elements: int) -> int:
+    """The stride that keeps about :data:`PERCENTILE_SAMPLE` of ``total_elements`` for percentiles."""
+    return max(1, math.ceil(total_elements / PERCENTILE_SAMPLE))
+
+
 def magnitude_summary(parts: list[torch.Tensor]) -> dict[str, float]:
     """mean |x|, max |x|, |x| percentiles (``p50``, ``p90``, ``p99``, ``p99.9``) and excess kurtosis of
-    all elements of ``parts`` together (tensors of any shape)."""
-    sums = sum(moment_sums(p) for p in parts)
-    count = sum(p.numel() for p in parts)
-    abs_sum = sum(p.double().abs().sum().item() for p in parts)
-    out = {
-        "mean_abs": abs_sum / count,
-        "max_abs": max(p.abs().max().item() for p in parts),
-    }
-    for q, v in abs_percentiles(parts).items():
-        out[f"p{q:g}"] = v
-    out["kurtosis"] = excess_kurtosis_from_sums(sums)
-    return out
+    all elements of ``parts`` together (tensors of any shape); see :class:`MagnitudeAccumulator`."""
+    acc = MagnitudeAccumulator(percentile_step(sum(p.numel() for p in parts)))
+    for p in parts:
+        acc.add(p)
+    return acc.summary()
 
 
 def channel_mean_abs(x: torch.Tensor) -> torch.Tensor:
@@ -247,10 +273,11 @@ def tensor_head_stats(x: torch.Tensor, settings: StatsSettings) -> dict[str, Any
     return out
 
 
-def combine_head_stats(parts: list[torch.Tensor], heads: list[dict[str, Any]]) -> dict[str, Any]:
-    """Layer (or model) aggregate of per-head results: magnitudes over all elements of ``parts``,
-    outlier counts summed, the largest ratio, shares and sign numbers averaged over heads."""
-    out: dict[str, Any] = magnitude_summary(parts)
+def combine_head_stats(magnitudes: dict[str, float], heads: list[dict[str, Any]]) -> dict[str, Any]:
+    """Layer (or model) aggregate: ``magnitudes`` (a :func:`magnitude_summary` of all the elements)
+    plus, from the per-head results, outlier counts summed, the largest ratio, shares and sign numbers
+    averaged over heads (the minimum for ``*_min`` shares)."""
+    out: dict[str, Any] = dict(magnitudes)
     out["outliers"] = sum(h["outliers"] for h in heads)
     out["max_ratio"] = max(h["max_ratio"] for h in heads)
     for key in heads[0]:
@@ -501,8 +528,9 @@ def capture_stats(
     do_attention = cache.has_queries if attention is None else attention
     mask = token_mask(cache)
     result_layers = []
-    all_rows: dict[str, list[torch.Tensor]] = {"keys": [], "values": []}
-    all_layer_sums: dict[str, list[dict[str, Any]]] = {"keys": [], "values": []}
+    rows_per_head = cache.batch_size * cache.num_tokens if mask is None else int(mask.sum())
+    step = percentile_step(len(layers) * len(kv_heads) * rows_per_head * facts.head_dim)
+    model_acc = {"keys": MagnitudeAccumulator(step), "values": MagnitudeAccumulator(step)}
     outl: dict[str, dict[int, dict[int, list[int]]]] = {"keys": {}, "values": {}}
     att_layers = []
     for li in layers:
@@ -514,9 +542,9 @@ def capture_stats(
             picked = [rows[h] for h in kv_heads]
             head_stats = [tensor_head_stats(r, settings) for r in picked]
             per_part_heads[part] = head_stats
-            entry[part] = combine_head_stats(picked, head_stats)
-            all_rows[part].extend(picked)
-            all_layer_sums[part].append(entry[part])
+            entry[part] = combine_head_stats(magnitude_summary(picked), head_stats)
+            for r in picked:
+                model_acc[part].add(r)
             outl[part][li] = {h: s["outlier_channels"] for h, s in zip(kv_heads, head_stats)}
         att = attention_summary(layer_attention(layer, facts, settings, cache.attention_mask), settings) if do_attention else None
         for i, h in enumerate(kv_heads):
@@ -532,7 +560,7 @@ def capture_stats(
             progress(li)
     model_summary: dict[str, Any] = {}
     for part in ("keys", "values"):
-        model_summary[part] = combine_head_stats(all_rows[part], [h[part] for e in result_layers for h in e["heads"]])
+        model_summary[part] = combine_head_stats(model_acc[part].summary(), [h[part] for e in result_layers for h in e["heads"]])
     if att_layers:
         model_summary["attention"] = {k: float(np.mean([a[k] for a in att_layers])) for k in att_layers[0] if k != "queries"}
     return {

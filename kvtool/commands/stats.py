@@ -136,7 +136,7 @@ def print_stats(result: dict[str, Any]) -> None:
             rows.append((li, h, ",".join(map(str, a["query_heads"])), a["keys90"], _pct(a["keys90_frac"]), a["keys99"], _pct(a["keys99_frac"]), _pct(a["sink_share"]), a["out_norm"], _pct(a["out_norm_share"])))
         console.print(
             make_table(
-                f"attention of {s['max_queries']} sampled queries per sequence (second half, causal), means over each KV head's query heads",
+                f"attention of up to {s['max_queries']} sampled queries per sequence (second half, causal), means over each KV head's query heads",
                 ["layer", "head", "q heads", "keys@90%", "of seen", "keys@99%", "of seen", f"sink ({s['sink_tokens']})", "out norm", "norm share"],
                 rows,
             )
