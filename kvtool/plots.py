@@ -360,7 +360,7 @@ def write_index(out_dir: Path, files: list[dict[str, Any]], facts: ModelFacts, s
         f"<p>Capture <code>{html.escape(str(source))}</code>: {facts.num_layers} layers, {facts.num_heads} query heads, "
         f"{facts.num_kv_heads} KV heads, head_dim {facts.head_dim}, {html.escape(facts.dtype)}. Written by <code>kvtool plot</code>.</p>",
     ]
-    for kind in KINDS:
+    for kind in KIND_HEADINGS:  # the model-wide outlier map first
         group = [f for f in files if f["kind"] == kind]
         if not group:
             continue
