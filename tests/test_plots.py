@@ -60,10 +60,17 @@ def test_heatmap_pixels_follow_the_planted_channel(tmp_path):
     assert np.corrcoef(per_channel, x.abs().mean(0).numpy())[0, 1] > 0.9
 
 
-def test_each_figure_is_a_titled_image_of_the_expected_size(tmp_path):
+@pytest.fixture(scope="module")
+def plot_set(tmp_path_factory):
+    """Every kind for layer 1, KV heads 0 and 1 of :func:`small_cache`: (cache, folder, files)."""
     cache = small_cache()
-    specs = P.plan_plots([1], [0, 1], P.KINDS)
-    files = P.write_plot_set(cache, specs, tmp_path / "set", "png", StatsSettings(max_queries=8))
+    folder = tmp_path_factory.mktemp("set")
+    files = P.write_plot_set(cache, P.plan_plots([1], [0, 1], P.KINDS), folder, "png", StatsSettings(max_queries=8))
+    return cache, folder, files
+
+
+def test_each_figure_is_a_titled_image_of_the_expected_size(plot_set):
+    _, _, files = plot_set
     assert len(files) == 1 + 2 * 3 + 3  # outlier map; per head 2 heatmaps + profile; per layer 3
     for f in files:
         img = Image.open(f["path"])
@@ -147,17 +154,17 @@ def test_attention_plots_need_queries(tmp_path):
         P.write_plot_set(small_cache(), [], tmp_path, "gif")
 
 
-def test_index_shows_every_file(tmp_path):
-    cache = small_cache()
-    files = P.write_plot_set(cache, P.plan_plots([0], [0, 1], P.KINDS), tmp_path, "png", StatsSettings(max_queries=8))
-    index = P.write_index(tmp_path, files, cache.facts, Path("cap.safetensors"), "png")
+def test_index_shows_every_file(plot_set):
+    cache, folder, files = plot_set
+    index = P.write_index(folder, files, cache.facts, Path("cap.safetensors"), "png")
     text = index.read_text()
     assert text.startswith("<!doctype html>")
     for f in files:
         assert f'src="{Path(f["path"]).name}"' in text
     assert text.count("<figure>") == len(files)
+    assert text.index("outlier-map.png") < text.index("heatmap-keys-L01-H0.png")
     with pytest.raises(OutputExistsError):
-        P.write_index(tmp_path, files, cache.facts, Path("cap.safetensors"), "png")
+        P.write_index(folder, files, cache.facts, Path("cap.safetensors"), "png")
 
 
 # ----------------------------------------------------------------------------- CLI
