@@ -27,7 +27,6 @@ from .stats import (
     head_rows,
     heads_for_norm,
     layer_attention,
-    mass_tag,
     median,
     outlier_ratios,
     token_mask,
