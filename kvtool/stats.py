@@ -254,7 +254,8 @@ def sign_summary(x: torch.Tensor) -> dict[str, float]:
 
 def tensor_head_stats(x: torch.Tensor, settings: StatsSettings) -> dict[str, Any]:
     """Every element statistic of one head's rows ``[N, D]``: magnitudes, outlier channels (with their
-    ratios to the median channel), top-fraction L2-mass shares (mean and minimum over tokens), signs."""
+    ratios to the median channel), top-fraction L2-mass shares (mean and minimum over tokens), signs.
+    Per-channel lists (D values each): ``channel_mean_abs`` and ``sign_balance`` (share >= 0, raw)."""
     means = channel_mean_abs(x)
     ratios = outlier_ratios(means)
     channels = outlier_channels(means, settings.outlier_factor)
@@ -270,6 +271,8 @@ def tensor_head_stats(x: torch.Tensor, settings: StatsSettings) -> dict[str, Any
         out[f"top{round(f * 100)}_share"] = float(share.mean())
         out[f"top{round(f * 100)}_share_min"] = float(share.min())
     out.update(sign_summary(x))
+    out["channel_mean_abs"] = [round(float(v), 5) for v in means]
+    out["sign_balance"] = [round(float(v), 4) for v in sign_balance(x)]
     return out
 
 

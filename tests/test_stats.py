@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -323,3 +324,25 @@ def test_cli_stats_without_queries(no_query_capture, tmp_path):
     bad.write_bytes(b"not a capture")
     res = runner.invoke(app, ["stats", str(bad)])
     assert res.exit_code == 1 and "not a safetensors file" in res.output
+
+
+def test_magnitude_accumulator_pools_exactly_and_samples_large_inputs(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(300, 8, generator=g), 3 * torch.randn(100, 8, generator=g)]
+    pooled = S.magnitude_summary(parts)
+    whole = torch.cat([p.reshape(-1) for p in parts])
+    assert pooled["mean_abs"] == pytest.approx(float(whole.abs().mean()), rel=1e-6)
+    assert pooled["kurtosis"] == pytest.approx(S.excess_kurtosis(whole), rel=1e-9)
+    assert pooled["p99"] == pytest.approx(float(np.percentile(whole.abs().numpy(), 99)), rel=1e-6)
+    monkeypatch.setattr(S, "PERCENTILE_SAMPLE", 400)  # 3200 elements -> every 8th for percentiles
+    sampled = S.magnitude_summary(parts)
+    assert sampled["mean_abs"] == pooled["mean_abs"] and sampled["max_abs"] == pooled["max_abs"]
+    assert sampled["p50"] != pooled["p50"] and sampled["p50"] == pytest.approx(pooled["p50"], rel=0.15)
+
+
+def test_per_channel_lists_in_head_stats():
+    x = torch.tensor([[1.0, -2.0, 3.0, 0.0], [-1.0, -2.0, 5.0, 0.0]])
+    s = S.tensor_head_stats(x, S.StatsSettings())
+    assert s["channel_mean_abs"] == [1.0, 2.0, 4.0, 0.0]
+    assert s["sign_balance"] == [0.5, 0.0, 1.0, 1.0]
+    assert s["sign_imbalance_raw"] == pytest.approx((0 + 0.5 + 0.5 + 0.5) / 4)
