@@ -304,24 +304,34 @@ def query_positions(num_tokens: int, max_queries: int) -> torch.Tensor:
 
 
 def causal_probs(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Causal attention probabilities of one query head at sampled positions.
+    """Causal attention probabilities at sampled positions for the query heads of one KV head.
 
-    q ``[T, D]`` (the head's queries), keys ``[T, D]`` (its KV head's keys), positions ``[Q]`` ->
-    ``[Q, T]`` float32: query at position p attends to keys ``0..p`` (later keys get 0)."""
+    q ``[..., T, D]`` (the queries of one or more query heads), keys ``[T, D]`` (their KV head's keys),
+    positions ``[Q]`` -> ``[..., Q, T]`` float32: the query at position p attends to keys ``0..p``
+    (later keys get 0)."""
     from .attention import default_scale
 
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    scores = (q[positions].float() @ keys.float().T) * scale
+    scores = (q[..., positions, :].float() @ keys.float().T) * scale
     allowed = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+
+
+def sorted_cumsum(probs: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` -> ``[..., T]``: running sums of each row sorted largest first."""
+    return probs.sort(dim=-1, descending=True).values.cumsum(-1)
+
+
+def needed_from_cumsum(cum: torch.Tensor, mass: float) -> torch.Tensor:
+    """:func:`keys_for_mass` from :func:`sorted_cumsum` rows ``[..., T]`` -> ``[...]`` int64."""
+    need = (cum < mass * cum[..., -1:]).sum(-1) + 1
+    return need.clamp_max(cum.shape[-1])
 
 
 def keys_for_mass(probs: torch.Tensor, mass: float) -> torch.Tensor:
     """``[..., T]`` probabilities -> ``[...]`` int64: fewest keys (largest first) whose summed
     probability reaches ``mass`` of the row's total."""
-    cum = probs.sort(dim=-1, descending=True).values.cumsum(-1)
-    need = (cum < mass * cum[..., -1:]).sum(-1) + 1
-    return need.clamp_max(probs.shape[-1])
+    return needed_from_cumsum(sorted_cumsum(probs), mass)
 
 
 def sink_share(probs: torch.Tensor, sink_tokens: int) -> torch.Tensor:
@@ -329,12 +339,16 @@ def sink_share(probs: torch.Tensor, sink_tokens: int) -> torch.Tensor:
     return probs[..., :sink_tokens].sum(-1)
 
 
+def curve_from_cumsum(cum: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """:func:`mass_curve` from :func:`sorted_cumsum` rows ``[..., Q, T]`` -> ``[..., K]``."""
+    idx = (kept.clamp(1, cum.shape[-1]) - 1).long()
+    return cum[..., idx].mean(-2)
+
+
 def mass_curve(probs: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """``[Q, T]`` probabilities, ``kept`` ``[K]`` key counts -> ``[K]``: mean over rows of the mass held
-    by each row's ``kept`` largest probabilities."""
-    cum = probs.sort(dim=-1, descending=True).values.cumsum(-1)
-    idx = (kept.clamp(1, probs.shape[-1]) - 1).long()
-    return cum[:, idx].mean(0)
+    """``[..., Q, T]`` probabilities, ``kept`` ``[K]`` key counts -> ``[..., K]``: mean over the Q rows
+    of the mass held by each row's ``kept`` largest probabilities."""
+    return curve_from_cumsum(sorted_cumsum(probs), kept)
 
 
 def curve_points(num_tokens: int, count: int = 48) -> torch.Tensor:
@@ -370,7 +384,8 @@ class LayerAttention:
 def layer_attention(layer: LayerKV, facts: ModelFacts, settings: StatsSettings, attention_mask: torch.Tensor | None = None) -> LayerAttention:
     """Causal attention statistics for one layer from its captured queries (every query head).
 
-    One query head at a time, over ``Q`` sampled positions: memory ``O(Q x T)``, never ``T x T``.
+    One KV head's G query heads at a time, over ``Q`` sampled positions: memory ``O(G x Q x T)``,
+    never ``T x T``.
     With a padding mask, each sequence's real (non-padding) tokens are used alone."""
     if layer.queries is None:
         raise BadDataError("this capture has no queries: attention statistics need them; recapture without --no-queries")
@@ -390,20 +405,21 @@ def layer_attention(layer: LayerKV, facts: ModelFacts, settings: StatsSettings, 
             continue
         positions_all.append([int(p) + start for p in pos])
         visible.append(pos + 1)
-        per_head = {m: [] for m in masses}
+        per_group = {m: [] for m in masses}
         sk, nm, cv = [], [], []
-        for head in range(h):
-            probs = causal_probs(q_all[head], k_all[head // g], pos)
+        for kv in range(h // g):  # the G query heads of one KV head together: [G, Q, T]
+            probs = causal_probs(q_all[kv * g : (kv + 1) * g], k_all[kv], pos)
+            cum = sorted_cumsum(probs)
             for m in masses:
-                per_head[m].append(keys_for_mass(probs, m))
+                per_group[m].append(needed_from_cumsum(cum, m))
             sk.append(sink_share(probs, settings.sink_tokens))
-            nm.append((probs @ v_all[head // g].float()).norm(dim=-1))
-            cv.append(mass_curve(probs, kept.clamp_max(n)))
+            nm.append((probs @ v_all[kv].float()).norm(dim=-1))
+            cv.append(curve_from_cumsum(cum, kept.clamp_max(n)))
         for m in masses:
-            needed[m].append(torch.stack(per_head[m]))
-        sink.append(torch.stack(sk))
-        norms.append(torch.stack(nm))
-        curves.append(torch.stack(cv))
+            needed[m].append(torch.cat(per_group[m]))
+        sink.append(torch.cat(sk))
+        norms.append(torch.cat(nm))
+        curves.append(torch.cat(cv))
         weights.append(pos.numel())
     if not weights:
         raise BadDataError("the capture has too few tokens for attention statistics")
