@@ -113,22 +113,26 @@ def print_stats(result: dict[str, Any]) -> None:
     )
     index = {(e["layer"], h["kv_head"]): h for e in result["layers"] for h in e["heads"]}
     order = [(r["layer"], r["head"]) for r in result["rows"]]
-    kept = ", ".join(f"top {k}" for k in s["kept_elements"].values())
-    for part, label in (("keys", "keys"), ("values", "values")):
-        rows = []
-        for li, h in order:
+    kept = " and ".join(str(k) for k in s["kept_elements"].values())
+    mag_rows, shape_rows = [], []
+    for li, h in order:
+        for part, tag in (("keys", "K"), ("values", "V")):
             st = index[(li, h)][part]
-            rows.append(
-                (li, h, st["mean_abs"], st["max_abs"], st["p99"], st["p99.9"], st["kurtosis"], st["outliers"], _channels(st["outlier_channels"]) or "-",
-                 st["max_ratio"], st.get("top30_share"), st.get("top50_share"), st["code_entropy_raw"], st["code_entropy_mean"], st["code_entropy_median"])
+            mag_rows.append((li, h, tag, st["mean_abs"], st["max_abs"], st["p50"], st["p90"], st["p99"], st["p99.9"], st["kurtosis"]))
+            shape_rows.append(
+                (li, h, tag, st["outliers"], _channels(st["outlier_channels"]) or "-", st["max_ratio"], _pct(st.get("top30_share")), _pct(st.get("top50_share")),
+                 st["code_entropy_raw"], st["code_entropy_mean"], st["code_entropy_median"])
             )
-        console.print(
-            make_table(
-                f"{label}: magnitudes, outlier channels (mean |x| >= {s['outlier_factor']:g} x median channel), L2-mass share of the top 30%/50% elements ({kept} of {m['head_dim']}), sign-code entropy (bits of 4) raw / mean-centred / median-centred",
-                ["layer", "head", "mean|x|", "max|x|", "p99", "p99.9", "kurt", "outl", "channels", "max/med", "top30%", "top50%", "H raw", "H mean-c", "H med-c"],
-                rows,
-            )
+    console.print(make_table("magnitudes |x| per KV head (K keys, V values); kurt = excess kurtosis", ["layer", "head", "part", "mean", "max", "p50", "p90", "p99", "p99.9", "kurt"], mag_rows))
+    console.print(
+        make_table(
+            f"outlier channels (mean |x| >= {s['outlier_factor']:g} x median channel; max/med: largest ratio), "
+            f"share of a token's L2 mass in its top 30% / 50% elements ({kept} of {m['head_dim']}), "
+            "4-dim sign-code entropy in bits (of 4): raw, mean-centred, median-centred",
+            ["layer", "head", "part", "outl", "channels", "max/med", "top30%", "top50%", "H raw", "H mean", "H med"],
+            shape_rows,
         )
+    )
     if result["selection"]["attention"]:
         rows = []
         for li, h in order:
@@ -152,21 +156,36 @@ def _pct(x: float | None) -> str | None:
 
 
 def _print_layer_table(result: dict[str, Any]) -> None:
-    masses = [mass_tag(x) for x in result["settings"]["attention_masses"]]
-    att_on = result["selection"]["attention"]
-    columns = ["layer", "K outl", "K max/med", "V outl", "V max/med", "K top30%", "V top30%", "K H raw", "K H mean-c", "V H raw", "V H mean-c"]
-    if att_on:
-        columns += ["keys@90%", "sink"] + [f"heads@{t}%" for t in masses]
-    rows = []
-    entries = [(str(e["layer"]), e["keys"], e["values"], e.get("attention", {}).get("layer")) for e in result["layers"]]
     ms = result["model_summary"]
+    entries = [(str(e["layer"]), e["keys"], e["values"], e.get("attention", {}).get("layer")) for e in result["layers"]]
     entries.append(("all", ms["keys"], ms["values"], ms.get("attention")))
-    for name, k, v, a in entries:
-        row = [name, k["outliers"], k["max_ratio"], v["outliers"], v["max_ratio"], k.get("top30_share"), v.get("top30_share"), k["code_entropy_raw"], k["code_entropy_mean"], v["code_entropy_raw"], v["code_entropy_mean"]]
-        if att_on:
-            row += [_pct(a["keys90_frac"]), _pct(a["sink_share"])] + [f"{a[f'heads{t}']:.2f} of {result['model']['num_heads']}" for t in masses]
-        rows.append(row)
-    console.print(make_table("per layer (selected heads; heads@N%: query heads needed per query for N% of the summed output norm, over all heads)", columns, rows))
+    rows = [
+        (name, k["outliers"], k["max_ratio"], v["outliers"], v["max_ratio"], _pct(k.get("top30_share")), _pct(v.get("top30_share")),
+         k["code_entropy_raw"], k["code_entropy_mean"], v["code_entropy_raw"], v["code_entropy_mean"])
+        for name, k, v, _ in entries
+    ]
+    console.print(
+        make_table(
+            "per layer over the selected KV heads (outliers summed; H: sign-code entropy raw / mean-centred)",
+            ["layer", "K outl", "K max/med", "V outl", "V max/med", "K top30%", "V top30%", "K H raw", "K H mean", "V H raw", "V H mean"],
+            rows,
+        )
+    )
+    if not result["selection"]["attention"]:
+        return
+    masses = [mass_tag(x) for x in result["settings"]["attention_masses"]]
+    h = result["model"]["num_heads"]
+    rows = [
+        [name, a["mean_visible"]] + [_pct(a[f"keys{t}_frac"]) for t in masses] + [_pct(a["sink_share"])] + [f"{a[f'heads{t}']:.2f} of {h}" for t in masses]
+        for name, _, _, a in entries
+    ]
+    console.print(
+        make_table(
+            "attention per layer (keys@N%: share of the seen keys holding N% of a query's mass; heads@N%: query heads needed per query for N% of the summed output norm, over all heads)",
+            ["layer", "keys seen"] + [f"keys@{t}%" for t in masses] + ["sink"] + [f"heads@{t}%" for t in masses],
+            rows,
+        )
+    )
 
 
 def _print_consistency(result: dict[str, Any]) -> None:
