@@ -19,6 +19,7 @@ import torch
 
 from . import bench as B
 from .bench import BenchEnv, BenchUnavailable, ModelShape, Timer
+from .errors import KvtoolError
 
 # relative L2 error allowed against the fp32 reference (fp16 / bf16 operands, fp32 accumulation)
 TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4}
@@ -332,14 +333,20 @@ def _retrieval_encode_records(ctx: BenchContext, shape: ModelShape, b: int, t: i
             mod = importlib.import_module(f"kvtool.formats.{module}")
         except ImportError:
             continue
-        fmt, params = getattr(mod, fmt_cls)(), getattr(mod, params_cls)()
+        budget = min(max(ctx.budgets), t)
+        fmt, params = getattr(mod, fmt_cls)(), getattr(mod, params_cls)(budget=budget, budget_ratio=None)
         layer = LayerKV(k, v)
         ctx.step(f"{name} b={b} T={t}")
-        enc = fmt.encode(layer, params)
+        try:
+            enc = fmt.encode(layer, params)
+        except KvtoolError as exc:  # parameters that cannot apply at this size: say so, keep going
+            recs.append(B.make_record(ctx.env, name, "torch", shape, b, t, ctx.dtype, None, 0, budget=budget,
+                                      status=f"skipped: {exc}", data=data))
+            continue
         moved = B.tensor_bytes(k, v) + enc.tensor_bytes()
         del enc
         tm = ctx.timer.time(lambda: fmt.encode(layer, params))
-        recs.append(B.make_record(ctx.env, name, "torch", shape, b, t, ctx.dtype, tm, moved, data=data))
+        recs.append(B.make_record(ctx.env, name, "torch", shape, b, t, ctx.dtype, tm, moved, budget=budget, data=data))
     return recs
 
 

@@ -148,3 +148,21 @@ def test_capture_decode_inputs_repeat_the_layer(sample_capture):
     assert tuple(k.shape) == (3, 3, 600, 64) and tuple(q.shape) == (3, 9, 64)
     assert torch.equal(k[:, :, 512:], k[:, :, :88]) and torch.equal(v[:, :, 512:], v[:, :, :88])
     assert torch.equal(k[2], k[0]) and torch.equal(q[1], q[0])
+
+
+@pytest.mark.parametrize("sub,extra", [("attention", ["--sparsity", "0.7"]), ("spmv", ["--sparsity", "0.7"]), ("compress", ["--sparsity", "0.7", "--budget", "48"]),
+                                       ("heads", ["--k", "2"]), ("lut", ["--budget", "32"]), ("pages", ["--budget", "32"])])
+def test_every_kernel_suite_runs_tiny(sub, extra, monkeypatch):
+    """Each suite end to end on the CPU interpreter: kernels checked against their references (status
+    ok), baselines beside them, speedups filled in by name."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    args = ["--model-shape", "custom", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--batch", "1", "--seq", "80",
+            "--rep-ms", "1", "--window", "8", *extra]
+    res = runner.invoke(app, ["bench", sub, *args, "--json", "-"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    kernels = [r for r in doc["records"] if not r["provider"].startswith(("cublas", "torch_dense", "sdpa", "flashinfer"))]
+    assert kernels and all(r["status"] == "ok" for r in kernels), [(r["provider"], r["status"]) for r in kernels]
+    assert all(tuple(r) == B.RECORD_FIELDS for r in doc["records"])
+    if sub != "compress":
+        assert all(any(isinstance(v, float) for v in r["speedup"].values()) for r in kernels)
