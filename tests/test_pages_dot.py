@@ -43,3 +43,16 @@ def test_unknown_score_and_missing_statistic():
         page_criticality_dot(q, stats_of(enc), "best")
     with pytest.raises(UsageError, match="needs the page statistic 'max'"):
         page_criticality_dot(q, stats_of(enc), "quest")
+
+
+def test_device_page_choice_matches_the_format():
+    from kvtool.formats.pagestat import select_pages
+    from kvtool.kernels.pages_dot import forced_index, select_pages_device
+
+    scores = torch.randn(2, 3, 1, 50, generator=torch.Generator().manual_seed(0))
+    forced = [0, 47, 48, 49]
+    got = select_pages_device(scores, forced_index(forced, scores.device), 7)
+    ref = select_pages(scores, forced, 7)
+    assert torch.equal(got[..., :4], ref[..., :4])
+    assert torch.equal(got[..., 4:].sort(-1).values, ref[..., 4:].sort(-1).values)
+    assert forced_index(forced, scores.device) is forced_index(forced, scores.device)

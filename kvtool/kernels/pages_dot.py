@@ -21,7 +21,8 @@ fused tensor-core score: fp16 rounding of q is the only difference from the owne
 
 Entry points: :func:`page_criticality_dot` (same signature and result as
 :func:`.pages.page_criticality`: ``[B, Hkv, Tq, NP]`` float32) and :func:`pagestat_decode_dot`
-(criticality here, then the owner's top-k page choice and paged attention).
+(criticality here, the page choice on the device, then the owner's paged attention; no host
+copies, so the step can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import triton.language as tl
 
 from ..errors import UsageError
 from ..formats.base import Encoded
-from ..formats.pagestat import SCORES, select_pages
+from ..formats.pagestat import SCORES
 from .pages import SCORE_ID, paged_attention
 from .retrieval_common import check_device, check_query
 
@@ -121,13 +122,35 @@ def page_criticality_dot(q: torch.Tensor, stats: dict[str, torch.Tensor], score:
     return out
 
 
+_FORCED: dict[tuple, torch.Tensor] = {}
+
+
+def forced_index(forced: list[int], device: torch.device) -> torch.Tensor:
+    """The forced-page list as an int64 device tensor, made once per (list, device): the decode step
+    then copies nothing from the host, so it can be captured in a CUDA graph."""
+    key = (tuple(forced), str(device))
+    if key not in _FORCED:
+        _FORCED[key] = torch.tensor(forced, dtype=torch.int64, device=device)
+    return _FORCED[key]
+
+
+def select_pages_device(scores: torch.Tensor, forced: torch.Tensor, k: int) -> torch.Tensor:
+    """Page indices int64 ``[B, Hkv, Tq, len(forced) + k]``: the forced pages (int64 device tensor),
+    then the k best-scoring other pages of ``scores`` ``[B, Hkv, Tq, NP]`` float32 — the same choice
+    as :func:`kvtool.formats.pagestat.select_pages`, without a host-to-device copy."""
+    s = scores.index_fill(-1, forced, float("-inf"))
+    top = torch.topk(s, k, dim=-1, sorted=False).indices
+    return torch.cat([forced.expand(*scores.shape[:3], -1), top], -1)
+
+
 def pagestat_decode_dot(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pagestat`` decode step with :func:`page_criticality_dot`, then the owner's page choice
-    (``select_pages``) and :func:`.pages.paged_attention`: the partial (out ``[B, H, Tq, D]``
-    float32, lse ``[B, H, Tq]`` float32), as :func:`.pages.pagestat_decode`."""
+    """``pagestat`` decode step with :func:`page_criticality_dot`, the page choice on the device
+    (:func:`select_pages_device`) and the owner's :func:`.pages.paged_attention`: the partial (out
+    ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32), as :func:`.pages.pagestat_decode`. No host
+    copies or syncs, so the whole step can be captured in a CUDA graph."""
     m = enc.meta
     stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
     crit = page_criticality_dot(q, stats, m["score"], m["lam"])
-    pages = select_pages(crit, m["forced_pages"], m["select"]).to(torch.int32)
+    pages = select_pages_device(crit, forced_index(m["forced_pages"], q.device), m["select"]).to(torch.int32)
     # top-k page lists are distinct and in range: skip the checks (and their device-to-host syncs)
     return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale, check=False)
