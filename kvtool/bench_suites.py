@@ -465,6 +465,13 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
     from .formats.signvq import SignVQFormat, SignVQParams, lut_scores
 
     fmt = SignVQFormat()
+    score_fns = [("lut_scores", sv.lut_scores_kernel)]
+    try:
+        from .kernels.signvq_lut_fast import lut_scores_fast
+
+        score_fns.append(("lut_scores_fast", lut_scores_fast))
+    except ImportError:
+        pass
     recs = []
     for b, t in ctx.configs():
         shape, q, k, v, data = ctx.inputs(b, t)
@@ -480,11 +487,14 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
             enc = fmt.encode(LayerKV(k, v), SignVQParams(budget=budget, budget_ratio=None))
             codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
             if i == 0:
-                ctx.step(f"signvq_lut scores b={b} T={t}")
-                fn = lambda: sv.lut_scores_kernel(q4, codes, book, gqa)  # noqa: E731
-                tm, rel, st = _timed(ctx, fn, fn(), lut_scores(q4, codes, book, gqa))
-                recs.append(B.make_record(ctx.env, "signvq", "lut_scores", shape, b, t, ctx.dtype, tm,
-                                          B.tensor_bytes(codes, book, q), rel=rel, status=st, data=data))
+                score_ref = lut_scores(q4, codes, book, gqa)
+                for provider, scorer in score_fns:
+                    ctx.step(f"{provider} b={b} T={t}")
+                    fn = lambda scorer=scorer: scorer(q4, codes, book, gqa)  # noqa: E731
+                    tm, rel, st = _timed(ctx, fn, fn(), score_ref)
+                    recs.append(B.make_record(ctx.env, "signvq", provider, shape, b, t, ctx.dtype, tm,
+                                              B.tensor_bytes(codes, book, q), rel=rel, status=st, data=data))
+                del score_ref
             ctx.step(f"signvq_decode b={b} T={t} budget={budget}")
             ref = fmt.attend(q4, enc, ctx.scale)[0][:, :, 0]
             fn = lambda enc=enc: sv.signvq_decode(q4, enc, ctx.scale)  # noqa: E731
