@@ -97,7 +97,14 @@ def signvq(b, hkv, g, t, d, budget, dtype):
 
     q, enc = make_signvq_inputs(b, hkv * g, hkv, t, d, dtype=dtype, device="cuda", budget=budget)
     codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
-    report(f"lut_scores b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa), lut_scores(q, codes, book, gqa), dtype)
+    ref_scores = lut_scores(q, codes, book, gqa)
+    report(f"lut_scores b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa), ref_scores, dtype)
+    try:
+        from kvtool.kernels.signvq_lut_fast import lut_scores_fast
+    except ImportError:
+        lut_scores_fast = None
+    if lut_scores_fast is not None:
+        report(f"lut_scores_fast b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_fast(q, codes, book, gqa), ref_scores, dtype)
     out, lse = signvq_decode(q, enc)
     ref, ref_lse = SignVQFormat().attend(q, enc)
     report(f"signvq_decode b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} {dtype}", out, ref, dtype, lse, ref_lse)
@@ -111,6 +118,12 @@ def pages(b, hkv, g, t, d, budget, page, dtype, score):
     out, lse = pagestat_decode(q, enc)
     ref, ref_lse = pagestat_decode_reference(q, enc)
     report(f"pagestat_decode b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} page{page} {score} {dtype}", out, ref, dtype, lse, ref_lse)
+    try:
+        from kvtool.kernels.pages_dot import pagestat_decode_dot
+    except ImportError:
+        return
+    out, lse = pagestat_decode_dot(q, enc)
+    report(f"pagestat_decode_dot b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} page{page} {score} {dtype}", out, ref, dtype, lse, ref_lse)
 
 
 def main() -> int:
