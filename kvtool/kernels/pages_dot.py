@@ -67,7 +67,8 @@ def _criticality_dot_kernel(
         if UPCAST:
             c_t = c_t.to(tl.float32)
         zero = tl.zeros_like(q)
-        s = tl.dot(tl.maximum(q, zero), a_t) + tl.dot(tl.minimum(q, zero), c_t)
+        # max/min may promote 16-bit operands: cast back so both dot operands share the dtype
+        s = tl.dot(tl.maximum(q, zero).to(a_t.dtype), a_t) + tl.dot(tl.minimum(q, zero).to(c_t.dtype), c_t)
     else:
         s = tl.dot(q, a_t)
         if SCORE == 0:

@@ -82,7 +82,8 @@ def _lut_fast_kernel(
 def lut_scores_fast(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", block_tokens: int = 64,
                     iters: int = 16, num_warps: int = 4) -> torch.Tensor:
     """LUT scores ``[B, Hkv, Tq, Tc]`` float32 (see the module docstring); ``block_tokens`` tokens per
-    step, ``iters`` steps per program (one table per program)."""
+    step, at most ``iters`` steps per program (one table per program; fewer when that would leave
+    under about 4 programs per SM)."""
     if gqa not in ("sum", "max"):
         raise UsageError(f"gqa must be sum or max, got {gqa!r}")
     if codebook.ndim != 5 or tuple(codebook.shape[3:]) != (16, 4):
@@ -106,6 +107,10 @@ def lut_scores_fast(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor
     bw = triton.next_power_of_2(nw)
     bg = bw * 8
     bt = max(16, min(triton.next_power_of_2(block_tokens), triton.next_power_of_2(tc)))
+    if device.type == "cuda":
+        # keep about 4 programs per SM: fewer token blocks per program when there are few heads
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        iters = min(iters, max(1, triton.cdiv(tc, bt) * b * hkv * tq // (4 * sms)))
     iters = max(1, min(iters, triton.cdiv(tc, bt)))
     grid = (triton.cdiv(tc, bt * iters), b * hkv, tq)
     _lut_fast_kernel[grid](
