@@ -111,7 +111,7 @@ def pool_recall(per_layer: list[dict[str, float]]) -> dict[str, float] | None:
 
 def nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Mean negative log-likelihood (nats/token) of ``targets`` ``[B, N]`` under ``logits`` ``[B, N, V]``."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.log_softmax(logits.detach().float(), dim=-1)
     return float(-lp.gather(-1, targets[..., None].long()).mean())
 
 
@@ -126,6 +126,7 @@ def compare_logits(dense: torch.Tensor, lossy: torch.Tensor, targets: torch.Tens
     ``ppl_ratio`` = exp(nll_lossy - nll_dense)."""
     if dense.shape != lossy.shape:
         raise ValueError(f"logits shapes differ: {tuple(dense.shape)} vs {tuple(lossy.shape)}")
+    dense, lossy = dense.detach(), lossy.detach()
     lp_d = torch.log_softmax(dense.float(), dim=-1)
     lp_l = torch.log_softmax(lossy.float(), dim=-1)
     kl = (lp_d.exp() * (lp_d - lp_l)).sum(-1).clamp_min(0.0)
