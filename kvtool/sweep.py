@@ -26,30 +26,38 @@ from .formats.base import FORMATS, get_format, make_params
 DEFAULT_SWEEPS: dict[str, list[str]] = {
     "dense": ["dense"],
     "bitmap": ["bitmap:sparsity=0.5,0.7,0.9"],
+    "bitmapq": ["bitmapq:sparsity=0.5,0.7,bits=4"],
     "signvq": ["signvq:bits=2,4"],
-    "pagestat": ["pagestat:budget=128,256"],
-    "snapstream": ["snapstream:budget=128,256"],
+    "pagestat": ["pagestat:budget=64,128,256"],
+    "snapstream": ["snapstream:budget=64,128,256"],
     "heads": ["heads:k=1,2"],
     "quant": ["quant:bits=2,4,8"],
 }
 
 # The papers' comparisons, as rows: (comparison, label, spec). A row whose format or parameter is
 # not available in this kvtool is reported as skipped with the reason.
+_M50 = "pruning method, keys+values at 50% (Mustafar Tab. 1/2/12)"
+_M70 = "pruning method, keys+values at 70% (Mustafar Tab. 1/2)"
+_KV = "what is pruned at 70% (Mustafar)"
 PAPER_ROWS: list[tuple[str, str, str]] = [
-    ("pruning method at 50% (Mustafar Tab. 1/2/12)", "per-token unstructured", "bitmap:sparsity=0.5,method=per-token"),
-    ("pruning method at 50% (Mustafar Tab. 1/2/12)", "ThinK-like structured keys", "bitmap:sparsity=0.5,method=think"),
-    ("pruning method at 50% (Mustafar Tab. 1/2/12)", "2:4 semi-structured", "bitmap:sparsity=0.5,method=2:4"),
-    ("pruning method at 70% (Mustafar Tab. 1/2)", "per-token unstructured", "bitmap:sparsity=0.7,method=per-token"),
-    ("pruning method at 70% (Mustafar Tab. 1/2)", "ThinK-like structured keys", "bitmap:sparsity=0.7,method=think"),
-    ("what is pruned at 70% (Mustafar)", "keys only", "bitmap:key_sparsity=0.7,value_sparsity=0"),
-    ("what is pruned at 70% (Mustafar)", "values only", "bitmap:key_sparsity=0,value_sparsity=0.7"),
-    ("what is pruned at 70% (Mustafar)", "keys and values", "bitmap:sparsity=0.7"),
+    (_M50, "per-token unstructured", "bitmap:sparsity=0.5,method=per-token"),
+    (_M50, "per-channel unstructured", "bitmap:sparsity=0.5,method=per-channel"),
+    (_M50, "ThinK-like structured channels", "bitmap:sparsity=0.5,method=think"),
+    (_M50, "2:4 semi-structured", "bitmap:sparsity=0.5,method=2:4"),
+    (_M70, "per-token unstructured", "bitmap:sparsity=0.7,method=per-token"),
+    (_M70, "per-channel unstructured", "bitmap:sparsity=0.7,method=per-channel"),
+    (_M70, "output-aware", "bitmap:sparsity=0.7,method=output-aware"),
+    (_M70, "ThinK-like structured channels", "bitmap:sparsity=0.7,method=think"),
+    (_KV, "keys only", "bitmap:key_sparsity=0.7,value_sparsity=0"),
+    (_KV, "values only", "bitmap:key_sparsity=0,value_sparsity=0.7"),
+    (_KV, "keys and values", "bitmap:sparsity=0.7"),
     ("sign-VQ key centring (Self-Indexing)", "centred (mean)", "signvq:center=mean"),
+    ("sign-VQ key centring (Self-Indexing)", "centred (median)", "signvq:center=median"),
     ("sign-VQ key centring (Self-Indexing)", "not centred", "signvq:center=none"),
     ("page scoring at budget 128 (UNIQUE vs Quest)", "UNIQUE", "pagestat:budget=128,score=unique"),
     ("page scoring at budget 128 (UNIQUE vs Quest)", "Quest", "pagestat:budget=128,score=quest"),
-    ("eviction at budget 128 (SnapStream)", "SnapKV + sink/recent", "snapstream:budget=128"),
-    ("eviction at budget 128 (SnapStream)", "sink + recent only (StreamingLLM)", "snapstream:budget=128,method=streaming"),
+    ("eviction at budget 128 (SnapStream)", "SnapKV + sinks + recent", "snapstream:budget=128,policy=snapkv"),
+    ("eviction at budget 128 (SnapStream)", "sinks + recent only (StreamingLLM)", "snapstream:budget=128,policy=streaming"),
 ]
 
 
