@@ -136,9 +136,10 @@ def resolve_points(specs: list[str], paper: bool = False) -> list[Point]:
     return unique
 
 
-def point_key(capture_sha: str, point: Point, heldout: int, model: str | None, generate: int) -> str:
-    """A stable key for resuming: capture, format, resolved parameters, held-out count, model, generate."""
-    return json.dumps([capture_sha[:16], point.format, point.params, heldout, model or "", generate], sort_keys=True)
+def point_key(capture_sha: str, point: Point, heldout: int, model: str | None, generate: int, layers: list[int] | None = None) -> str:
+    """A stable key for resuming: capture, format, resolved parameters, held-out count, model,
+    generate, and the layers compressed."""
+    return json.dumps([capture_sha[:16], point.format, point.params, heldout, model or "", generate, layers or []], sort_keys=True)
 
 
 def load_results(path: Path) -> dict[str, dict[str, Any]]:

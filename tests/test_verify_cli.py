@@ -211,3 +211,13 @@ def test_verify_sample_defaults_to_the_embedded_model(sample_capture, tmp_path):
     # the capture stores fp16 keys/values, the model runs in fp32: dense storage is near-lossless, not bit-exact
     assert rep["model"]["agreement"] == 1.0 and abs(rep["model"]["nll_increase"]) < 1e-3
     assert rep["attention"]["overall"]["rel_l2"] < 1e-5 and rep["model"]["first_divergence"] == 4
+
+
+def test_eval_layer_subset_and_paper_rows_skip_missing_formats(tiny_capture, tmp_path):
+    res = runner.invoke(app, ["eval", str(tiny_capture), "--formats", "dense", "--layers", "1", "--heldout", "16",
+                              "--no-model", "--paper", "-o", str(tmp_path / "e"), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["points"]
+    assert list(rows[0]["per_layer_rel_l2"]) == ["1"] and rows[0]["rel_l2"] < 1e-6
+    paper = [r for r in rows if r["comparison"]]
+    assert paper and all(r.get("skipped") or r.get("rel_l2") is not None for r in paper)

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from .. import io
+from ..cache import parse_indices
 from ..errors import KvtoolError, UsageError
 from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, model_fidelity
 from ..formats.base import FORMATS, compress_cache, make_params
@@ -62,6 +63,7 @@ def run_eval(
     force: bool = False,
     quiet: bool = True,
     debug: bool = False,
+    layers: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
     ``out_dir``; return ``{"rows", "files", "resumed"}``."""
@@ -87,7 +89,7 @@ def run_eval(
     with progress_bar(quiet) as bar:
         task = bar.add_task("eval", total=total)
         for cap_path in captures:
-            cache = io.load(cap_path)
+            cache = _load_capture(cap_path, layers)
             if cache.num_tokens <= heldout:
                 raise UsageError(f"capture {cap_path} has {cache.num_tokens} tokens, too short for --heldout {heldout} (lower --heldout or capture a longer prompt)")
             if not cache.has_queries:
@@ -99,7 +101,7 @@ def run_eval(
             reference = None
             for p in points:
                 bar.update(task, description=f"{cap_path.name} {p.spec}"[:60])
-                key = point_key(sha, p, heldout, spec, generate)
+                key = point_key(sha, p, heldout, spec, generate, cache.layer_indices)
                 row: dict[str, Any] = {"key": key, "capture": str(cap_path), "comparison": p.comparison, "label": p.label,
                                        "format": p.format, "params": p.params, "params_text": params_text(p), "spec": p.spec}
                 if p.skipped:
@@ -137,6 +139,18 @@ def run_eval(
         plot_frontier(own, out_dir / name, metric, x_key, title=f"{cap_path.name}: {METRICS[metric][0]} vs bytes, {heldout} held-out queries")
         files[f"plot:{cap_path.name}"] = str(out_dir / name)
     return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key}
+
+
+def _load_capture(path: Path, layers: str | None):
+    """The capture (keys, values, queries), optionally only the ``--layers`` selection (the model
+    runs the other layers densely)."""
+    parts = ("keys", "values", "queries")
+    if layers is None:
+        return io.load(path, parts=parts)
+    meta, _ = io.read_header(path)
+    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(path, meta)
+    return io.load(path, layers=parse_indices(layers, facts.num_layers), parts=parts)
 
 
 def _load_model(spec: str, facts) -> tuple[Any, str]:
@@ -209,10 +223,11 @@ def print_results(result: dict[str, Any]) -> None:
     if sweep:
         console.print(make_table("sweep (attention on held-out queries; model on the continuation)", cols, [cells(r) for r in sweep]))
     paper = [r for r in rows if r.get("comparison") is not None and not r.get("skipped")]
-    if paper:
-        pcols = (["capture"] if multi else []) + ["comparison", "variant", "stored %", "rel L2", "cosine", "recall", "NLL +", "agreement"]
-        prow = [([Path(r["capture"]).name] if multi else []) + [r["comparison"], r["label"], _pct(r.get("storage_ratio")), r.get("rel_l2"), r.get("cosine"), r.get("recall"), r.get("nll_increase"), r.get("agreement")] for r in paper]
-        console.print(make_table("paper comparisons", pcols, prow))
+    pcols = (["capture"] if multi else []) + ["variant", "stored %", "rel L2", "cosine", "recall", "NLL +", "agreement"]
+    for comparison in dict.fromkeys(r["comparison"] for r in paper):
+        prow = [([Path(r["capture"]).name] if multi else []) + [r["label"], _pct(r.get("storage_ratio")), r.get("rel_l2"), r.get("cosine"), r.get("recall"), r.get("nll_increase"), r.get("agreement")]
+                for r in paper if r["comparison"] == comparison]
+        console.print(make_table(comparison, pcols, prow))
     absent = sorted({r["format"] for r in rows if r.get("skipped", "").endswith("is not in this kvtool")})
     if absent:
         n = sum(1 for r in rows if r["format"] in absent)
@@ -252,6 +267,7 @@ def register(app: typer.Typer) -> None:
         generate: Annotated[int, typer.Option(help="Greedy tokens to compare after the continuation.")] = 0,
         metric: Annotated[str | None, typer.Option(help=f"Frontier y axis: {'|'.join(METRICS)} (default: agreement with a model, else rel_l2).")] = None,
         x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
+        layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
@@ -259,7 +275,7 @@ def register(app: typer.Typer) -> None:
         captures, specs = split_inputs(inputs, formats or [])
         use_paper = (not specs) if paper is None else paper
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
-        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug))
+        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:
