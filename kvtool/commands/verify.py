@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from .. import io
-from ..errors import UsageError
+from ..errors import BadDataError, UsageError
 from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, find_source, model_fidelity
 from ..formats.base import CompressedCache, load_compressed
 from ._common import DebugOpt, JsonOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
@@ -71,7 +71,12 @@ def verify_file(
             f"the capture came from {cc.facts.name} ({cc.facts.source}); pass --model to score the continuation"
         )
         return report
-    mdl, name = load_model(spec, cc.facts)
+    try:
+        mdl, name = load_model(spec, cc.facts)
+    except BadDataError as exc:
+        if model:
+            raise
+        raise BadDataError(f"{exc} (or pass --no-model for attention-level fidelity only)") from None
     with progress_bar(quiet) as bar:
         task = bar.add_task("model", total=2)
         ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
