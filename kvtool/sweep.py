@@ -53,7 +53,6 @@ PAPER_ROWS: list[tuple[str, str, str]] = [
     (_KV, "keys and values", "bitmap:sparsity=0.7"),
     ("sign-VQ key centring (Self-Indexing)", "centred (mean)", "signvq:center=mean"),
     ("sign-VQ key centring (Self-Indexing)", "centred (median)", "signvq:center=median"),
-    ("sign-VQ key centring (Self-Indexing)", "not centred", "signvq:center=none"),
     ("page scoring at budget 128 (UNIQUE vs Quest)", "UNIQUE", "pagestat:budget=128,score=unique"),
     ("page scoring at budget 128 (UNIQUE vs Quest)", "Quest", "pagestat:budget=128,score=quest"),
     ("eviction at budget 128 (SnapStream)", "SnapKV + sinks + recent", "snapstream:budget=128,policy=snapkv"),
