@@ -310,3 +310,22 @@ def test_source_checks(cache, tmp_path):
     cc.info["source_sha256"] = "ab" * 32
     with pytest.raises(BadDataError, match="pass it with --capture"):
         find_source(cc, tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("spec", ["bitmap:sparsity=0.7", "signvq:bits=2", "pagestat:budget=32,page_size=8"])
+def test_registered_kernels_agree_with_torch(spec, monkeypatch):
+    """Every merged format with a Triton kernel: the verify backends agree under TRITON_INTERPRET=1."""
+    from kvtool.formats.base import parse_spec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    name, values = parse_spec(spec)
+    if name not in load_all():
+        pytest.fail(f"format {name} is expected to be merged")
+    small = synthetic_cache(tokens=72, head_dim=64, heads=6, kv_heads=2, layers=(0,))
+    fmt = get_format(name)
+    assert fmt.has_kernel
+    cc = compress_cache(small, fmt, make_params(fmt, values), heldout=8)
+    tri = attention_fidelity(cc, small, backend="triton")
+    ref = attention_fidelity(cc, small, backend="torch")
+    assert tri["kernel_vs_torch"]["rel_l2"] < 1e-2
+    assert tri["overall"]["rel_l2"] == pytest.approx(ref["overall"]["rel_l2"], abs=1e-2)
