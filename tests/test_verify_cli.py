@@ -221,3 +221,14 @@ def test_eval_layer_subset_and_paper_rows_skip_missing_formats(tiny_capture, tmp
     assert list(rows[0]["per_layer_rel_l2"]) == ["1"] and rows[0]["rel_l2"] < 1e-6
     paper = [r for r in rows if r["comparison"]]
     assert paper and all(r.get("skipped") or r.get("rel_l2") is not None for r in paper)
+
+
+@pytest.mark.parametrize("spec", ["snapstream:budget=48", "pagestat:budget=48,page_size=8", "signvq:bits=2"])
+def test_verify_selection_formats_inside_attention(spec, tiny_capture, tiny_llama_dir, tmp_path):
+    comp = _compress(tiny_capture, tmp_path / "s.safetensors", spec)
+    res = runner.invoke(app, ["verify", str(comp), "--backend", "torch", "--model", str(tiny_llama_dir), "--generate", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    recall = rep["attention"]["recall"]["recall"]
+    assert 0 < recall <= 1 and rep["attention"]["traffic_ratio"] < 1
+    assert rep["attention"]["overall"]["rel_l2"] > 0 and rep["model"]["kl"] > 0
