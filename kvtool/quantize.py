@@ -44,10 +44,16 @@ def packed_length(n: int, bits: int) -> int:
     return (n * bits + 7) // 8
 
 
+def _check_pack_bits(bits: int) -> None:
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"codes pack at 1, 2, 4 or 8 bits, not {bits}")
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``uint8 [..., n]`` codes (each below ``2**bits``) along the last axis into ``uint8
-    [..., ceil(n * bits / 8)]`` (layout in the module docstring)."""
-    check_bits(bits)
+    [..., ceil(n * bits / 8)]`` (layout in the module docstring; ``bits=1`` packs bitmaps, element
+    ``j`` in bit ``j % 8`` of byte ``j // 8``)."""
+    _check_pack_bits(bits)
     codes = codes.to(torch.uint8)
     if bits == 8:
         return codes.contiguous()
@@ -63,7 +69,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``uint8 [..., m]`` -> ``uint8 [..., n]`` (``n <= m * 8 / bits``)."""
-    check_bits(bits)
+    _check_pack_bits(bits)
     if bits == 8:
         return packed[..., :n]
     per = 8 // bits
