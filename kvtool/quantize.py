@@ -62,7 +62,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % per
     if pad:
         codes = torch.cat([codes, codes.new_zeros(*codes.shape[:-1], pad)], dim=-1)
-    grouped = codes.reshape(*codes.shape[:-1], -1, per).to(torch.int32)
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per).to(torch.int32)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (grouped << shifts).sum(-1).to(torch.uint8)
 
@@ -75,7 +75,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
     codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n].to(torch.uint8)
 
 
 def scale_dtype_for(x: torch.Tensor) -> torch.dtype:
