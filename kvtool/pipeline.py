@@ -19,7 +19,10 @@ How steps compose (:func:`plan`):
 - pruning + any other format (dense, signvq, pagestat, ...) stores the pruned tensors with that format.
 
 A composed file's format is ``pipeline``; its parameters are the step specs (``kvtool info`` shows
-them) and each layer's metadata names the storage format that holds the tensors.
+them) and each layer's metadata names the storage format that holds the tensors. The ``pipeline``
+format can also be named directly, with ``;`` between a step's own parameters:
+``pipeline:evict=snapkv:budget=128,prune=per-token:k=0.5;v=0.7,format=quant:bits=4`` (the form a
+``kvtool eval`` sweep spec takes).
 """
 
 from __future__ import annotations
@@ -114,6 +117,12 @@ def split_chain(spec: str) -> tuple[str | None, str | None, str]:
     return found.get("evict"), found.get("prune"), found.get("format", "dense")
 
 
+def unsemi(spec: str | None) -> str | None:
+    """Step specs may separate their parameters with ``;`` instead of ``,`` (so that a whole
+    pipeline fits in one ``pipeline:evict=...,prune=...,format=...`` spec): ``;`` -> ``,``."""
+    return spec.replace(";", ",") if spec else spec
+
+
 @dataclass
 class Plan:
     """What a pipeline runs: the eviction parameters (or None), the generic pruning step (or None,
@@ -141,6 +150,7 @@ def plan(evict: str | None, prune: str | None, fmt_spec: str, extra: dict[str, A
     from .evict import parse_evict
     from .formats.base import get_format, make_params, parse_spec
 
+    evict, prune, fmt_spec = (unsemi(s) for s in (evict, prune, fmt_spec))
     name, values = parse_spec(fmt_spec)
     values.update({k: v for k, v in (extra or {}).items() if v is not None})
     fmt = get_format(name)

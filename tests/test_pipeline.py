@@ -175,3 +175,14 @@ def test_cli_pipeline_info_and_errors(tmp_path):
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "prunes by itself" in res.output
     res = runner.invoke(app, ["compress", str(src), "--format", "quant", "--bits", "5", "-o", str(tmp_path / "y.safetensors")])
     assert res.exit_code == 2 and "--bits must be one of 2, 4, 8" in res.output
+
+
+def test_pipeline_spec_with_semicolons_and_bits_per_element(cache):
+    fmt, params, _ = resolve("pipeline:evict=snapkv:budget=64;window=16,prune=per-token:k=0.5;v=0.7,format=quant:bits=2;group=16", {})
+    assert fmt.name == "pipeline" and params.evict == "snapkv:budget=64;window=16"
+    pl = plan(params.evict, params.prune, params.format)
+    assert pl.evict.window == 16 and pl.storage_params.group == 16 and pl.storage_params.value_sparsity == 0.7
+    cc = compress_cache(cache, fmt, params, heldout=32)
+    stored = sum(e.tensor_bytes() for e in cc.layers.values())
+    elements = 2 * 2 * 128 * 32 * len(cc.layers)  # kv_heads * prefix tokens * head_dim, keys and values
+    assert fmt.report(cc)["bits_per_element"] == pytest.approx(8 * stored / elements)

@@ -162,10 +162,9 @@ class PipelineFormat(Format):
         if "achieved_key_sparsity" in first.meta:
             out["achieved_key_sparsity"] = sum(e.meta["achieved_key_sparsity"] for e in encs.values()) / len(encs)
             out["achieved_value_sparsity"] = sum(e.meta["achieved_value_sparsity"] for e in encs.values()) / len(encs)
-        bits = out.get("bits_per_element")
-        if bits is not None and KEPT in first.tensors:
-            # the storage format's figure is over the kept tokens; restate it over the original ones
-            stored = sum(sum(self.nbytes(e).values()) for e in encs.values())
-            b, hkv, d = cc.token_ids.shape[0], cc.facts.num_kv_heads, cc.facts.head_dim
-            out["bits_per_element"] = 8.0 * stored / sum(2 * b * hkv * e.meta["tokens"] * d for e in encs.values())
+        # over the original tokens (a storage format's own figure would count only the kept ones)
+        stored = sum(sum(self.nbytes(e).values()) for e in encs.values())
+        b, hkv, d = cc.token_ids.shape[0], cc.facts.num_kv_heads, cc.facts.head_dim
+        elements = sum(2 * b * hkv * e.meta["tokens"] * d for e in encs.values())
+        out["bits_per_element"] = 8.0 * stored / elements if elements else float("nan")
         return out
