@@ -285,3 +285,15 @@ def test_sample_bits_order_and_ratio(sample_capture):
     # 448 tokens, 32 residual, group 32: codes + 2 float16 per 32 elements + residual share
     assert ratios["kivi2"] < ratios["kivi4"] < ratios["kivi8"] < 0.7
     assert ratios["int88"] == pytest.approx((64 + 2) / 128)
+
+
+def test_bitmapq_key_groups_are_tiles_of_64_tokens():
+    # P = 70 tokens -> two key tiles per channel (64 + 6 tokens); groups never cross a tile
+    src = layer(t=74, d=4, seed=5)
+    enc = encode_masked(src.keys, src.values, torch.ones(1, 2, 74, 4, dtype=torch.bool), torch.ones(1, 2, 74, 4, dtype=torch.bool), 8, 64, 4)
+    assert enc.tensors["scales.keys"].numel() == 1 * 2 * 2 * 4 and enc.tensors["scales.values"].numel() == 2 * 70
+    # the first tile of channel 0 of head 0 is quantised over tokens 0..63 only
+    tile = src.keys[0, 0, :64, 0].float()
+    assert float(enc.tensors["zeros.keys"][0]) <= float(tile.min()) and float(enc.tensors["zeros.keys"][0]) > float(tile.min()) - 0.01
+    out = get_format("bitmapq").decode(enc)
+    assert (out.keys.float() - src.keys.float()).abs().max() < 0.2

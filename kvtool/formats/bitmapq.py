@@ -5,14 +5,15 @@ The layer is pruned with :func:`kvtool.prune.prune_layer` (``method``, ``key_spa
 
 - ``bitmap.keys`` / ``bitmap.values``: ``uint8 [B, Hkv, P, ceil(D/8)]``, the keep mask of the first P
   tokens, packed along channels (channel j in bit ``j % 8`` of byte ``j // 8``; unused high bits 0).
-- ``codes.keys``: the kept key elements in ``(b, h, channel, token)`` order (per channel, as KIVI
-  quantises keys), ``codes.values`` the kept value elements in ``(b, h, token, channel)`` order (per
-  token), each a flat ``uint8`` stream of ``bits``-bit codes packed as :mod:`kvtool.quantize` packs
-  (``ceil(kept * bits / 8)`` bytes).
+- ``codes.keys``: the kept key elements in ``(b, h, block of 64 tokens, channel, token)`` order (the
+  bitmap format's key tiles: one channel of 64 tokens, quantised per channel as KIVI quantises keys),
+  ``codes.values`` the kept value elements in ``(b, h, token, channel)`` order (per token); the same
+  element order as the bitmap format's packed non-zeros. Each is a flat ``uint8`` stream of
+  ``bits``-bit codes packed as :mod:`kvtool.quantize` packs (``ceil(kept * bits / 8)`` bytes).
 - ``scales.*`` / ``zeros.*``: one scale and zero point per group of ``group`` consecutive kept
-  elements of a row (a key row is one channel of one head over the P tokens, a value row one token of
-  one head over the D channels; the last group of a row shorter), flat in row order. The number of
-  groups of a row, ``ceil(kept_in_row / group)``, follows from the bitmap, so no offsets are stored.
+  elements of a row (a key row is one key tile, a value row one token of one head over the D
+  channels; the last group of a row shorter), flat in row order. The number of groups of a row,
+  ``ceil(kept_in_row / group)``, follows from the bitmap, so no offsets are stored.
 - ``residual.keys`` / ``residual.values``: ``[B, Hkv, R, D]`` the most recent tokens as the pruning
   left them (unpruned when ``dense_window >= residual``), capture dtype, not quantised.
 
@@ -88,15 +89,28 @@ def dequantize_kept(packed: torch.Tensor, mask: torch.Tensor, scales: torch.Tens
     return out
 
 
+TILE = 64  # tokens per key tile (one channel of 64 consecutive tokens), as in the bitmap format
+
+
 def _rows(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """``[B, Hkv, P, D]`` -> rows: keys ``[B*Hkv*D, P]`` (channels), values ``[B*Hkv*P, D]`` (tokens)."""
+    """``[B, Hkv, P, D]`` -> rows. Keys: one row per key tile, ``[B*Hkv*NB*D, 64]`` in order (b, h,
+    block of 64 tokens, channel), tokens past P padded with zeros (False in a mask); values: one row
+    per token, ``[B*Hkv*P, D]``."""
     b, h, p, d = x.shape
-    return x.transpose(-1, -2).reshape(b * h * d, p) if kind == "keys" else x.reshape(b * h * p, d)
+    if kind == "values":
+        return x.reshape(b * h * p, d)
+    nb = -(-p // TILE)
+    if nb * TILE > p:
+        x = torch.cat([x, x.new_zeros(b, h, nb * TILE - p, d)], dim=2)
+    return x.reshape(b, h, nb, TILE, d).transpose(-1, -2).reshape(b * h * nb * d, TILE)
 
 
 def _unrows(rows: torch.Tensor, kind: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
     b, h, p, d = shape
-    return rows.reshape(b, h, d, p).transpose(-1, -2) if kind == "keys" else rows.reshape(b, h, p, d)
+    if kind == "values":
+        return rows.reshape(b, h, p, d)
+    nb = -(-p // TILE)
+    return rows.reshape(b, h, nb, d, TILE).transpose(-1, -2).reshape(b, h, nb * TILE, d)[:, :, :p]
 
 
 def encode_masked(keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor, value_mask: torch.Tensor, bits: int, group: int, residual: int) -> Encoded:
