@@ -153,6 +153,8 @@ def plan(evict: str | None, prune: str | None, fmt_spec: str, extra: dict[str, A
     evict, prune, fmt_spec = (unsemi(s) for s in (evict, prune, fmt_spec))
     name, values = parse_spec(fmt_spec)
     values.update({k: v for k, v in (extra or {}).items() if v is not None})
+    if name == "pipeline":
+        raise UsageError("a pipeline's storage format cannot be another pipeline; give --evict/--prune with a plain --format")
     fmt = get_format(name)
     ev = parse_evict(evict) if evict else None
     pr = parse_prune(prune) if prune else None
@@ -207,8 +209,9 @@ def resolve(spec: str, options: dict[str, Any] | None = None):
         return fmt, make_params(fmt, values), name
     from .formats.pipeline import PipelineParams
 
-    merged = spec if not options else ":".join([name, ",".join([f"{k}={v}" for k, v in values.items()] + [f"{k}={v}" for k, v in options.items() if v is not None])])
-    params = PipelineParams(evict=evict, prune=prune, format=merged.rstrip(":"))
+    values.update({k: v for k, v in options.items() if v is not None})
+    merged = name + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
+    params = PipelineParams(evict=evict, prune=prune, format=merged)
     plan(params.evict, params.prune, params.format)  # refuse early, before any data is read
     short = "+".join(s.partition(":")[0].replace("/", "-") for s in (evict, prune) if s) + f"+{name}"
     return get_format("pipeline"), params, short
