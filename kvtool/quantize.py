@@ -147,14 +147,15 @@ def masked_row_groups(mask: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return gidx[mask], per_row
 
 
-def quantize_symmetric(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_symmetric(x: torch.Tensor, kind: str, scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric quantisation of ``x [..., L]`` (one scale per row of the last axis).
 
     ``kind="int8"``: codes ``int8 [..., L]``; ``kind="fp8"``: codes ``uint8 [..., L]`` holding
-    float8 e4m3fn bit patterns. Scales ``[...]`` in the dtype :func:`scale_dtype_for` picks."""
+    float8 e4m3fn bit patterns. Scales ``[...]`` in ``scale_dtype`` (default: the dtype
+    :func:`scale_dtype_for` picks for ``x``)."""
     top = 127.0 if kind == "int8" else FP8_MAX
     xf = x.float()
-    sdt = scale_dtype_for(x)
+    sdt = scale_dtype_for(x) if scale_dtype is None else scale_dtype
     scale = round_to_dtype(xf.abs().amax(-1) / top, sdt, "up") if xf.shape[-1] else torch.zeros(xf.shape[:-1], dtype=sdt)
     s = scale.float()[..., None]
     y = xf / torch.where(s > 0, s, torch.ones_like(s))

@@ -297,3 +297,21 @@ def test_bitmapq_key_groups_are_tiles_of_64_tokens():
     assert float(enc.tensors["zeros.keys"][0]) <= float(tile.min()) and float(enc.tensors["zeros.keys"][0]) > float(tile.min()) - 0.01
     out = get_format("bitmapq").decode(enc)
     assert (out.keys.float() - src.keys.float()).abs().max() < 0.2
+
+
+@pytest.mark.parametrize("scheme", ["kivi", "int8"])
+def test_bfloat16_and_float32_scales_when_values_exceed_float16(scheme):
+    fmt = get_format("quant")
+    p = make_params(fmt, {"scheme": scheme, "residual": "4"})
+    src = layer(t=40, d=16, dtype=torch.bfloat16)
+    enc = fmt.encode(src, p)
+    fmt.validate(enc)
+    assert enc.meta["scale_dtype"] == "float16" and fmt.decode(enc).keys.dtype == torch.bfloat16
+    big = LayerKV(src.keys * 1e5, src.values)
+    enc = fmt.encode(big, p)
+    fmt.validate(enc)
+    assert enc.meta["scale_dtype"] == "float32" and enc.tensors["scales.keys"].dtype == torch.float32
+    out = fmt.decode(enc).keys.float()
+    assert bool(torch.isfinite(out).all())
+    rel = (out - big.keys.float()).norm() / big.keys.float().norm()
+    assert rel < (0.1 if scheme == "kivi" else 0.02)

@@ -133,13 +133,14 @@ def decode_kivi(enc: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
 def encode_symmetric(keys: torch.Tensor, values: torch.Tensor, p: QuantParams) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Per-token int8 / fp8 encoding; returns (tensors, meta)."""
     n, _ = split_tokens(keys.shape[2], p)
+    sdt = scale_dtype_for(torch.cat([keys[:, :, :n].reshape(-1), values[:, :, :n].reshape(-1)]))
     tensors: dict[str, torch.Tensor] = {}
     for kind, x in (("keys", keys), ("values", values)):
-        codes, scale = quantize_symmetric(x[:, :, :n], p.scheme)
+        codes, scale = quantize_symmetric(x[:, :, :n], p.scheme, sdt)
         tensors[f"codes.{kind}"] = codes.contiguous()
         tensors[f"scales.{kind}"] = scale.contiguous()
         tensors[f"residual.{kind}"] = x[:, :, n:].contiguous()
-    return tensors, {"scale_dtype": str(tensors["scales.keys"].dtype).removeprefix("torch."), "key_tokens": n, "value_tokens": n}
+    return tensors, {"scale_dtype": dtype_name(sdt), "key_tokens": n, "value_tokens": n}
 
 
 def decode_symmetric(enc: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
