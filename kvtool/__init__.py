@@ -7,6 +7,7 @@ The Python API mirrors the CLI:
 >>> kvtool.save(cache, "cap.safetensors")
 >>> cache = kvtool.load("cap.safetensors")
 >>> cache.layers[0].keys.shape          # [batch, kv_heads, tokens, head_dim]
+>>> past = kvtool.to_hf_cache("cap.safetensors", model)   # a transformers cache for model.generate
 
 See :class:`kvtool.cache.KVCache` for the container.
 """
@@ -20,7 +21,7 @@ from .cache import KVCache, LayerKV, ModelFacts
 from .errors import BadDataError, KvtoolError, UsageError
 from .io import load, save
 
-__all__ = ["__version__", "KVCache", "LayerKV", "ModelFacts", "KvtoolError", "BadDataError", "UsageError", "load", "save", "capture"]
+__all__ = ["__version__", "KVCache", "LayerKV", "ModelFacts", "KvtoolError", "BadDataError", "UsageError", "load", "save", "capture", "to_hf_cache"]
 
 
 def capture(*args: Any, **kwargs: Any) -> KVCache:
@@ -28,3 +29,11 @@ def capture(*args: Any, **kwargs: Any) -> KVCache:
     from .capturing import capture as _capture
 
     return _capture(*args, **kwargs)
+
+
+def to_hf_cache(path: Any, model: Any, mode: str = "auto", hold_last: bool = False) -> Any:
+    """A transformers cache (``model.generate(..., past_key_values=cache)``) from a kvtool file; see
+    :func:`kvtool.hfcache.to_hf_cache`."""
+    from .hfcache import to_hf_cache as _to_hf_cache
+
+    return _to_hf_cache(path, model, mode=mode, hold_last=hold_last)

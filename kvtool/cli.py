@@ -44,6 +44,23 @@ def _root(
     set_global_debug(debug)
 
 
+SHORT_HELP = {
+    "capture": "Run a model on a prompt; save keys, values, queries per layer",
+    "info": "Show what a kvtool file holds: schema, model facts, tensors, bytes",
+    "stats": "Magnitudes, outlier channels, sign entropy, attention concentration",
+    "plot": "Heatmaps, channel profiles, histograms, attention and head figures",
+    "prune": "Prune keys/values to an exact sparsity (Mustafar, ThinK, 2:4)",
+    "compress": "Encode a capture with a format: bitmap, signvq, pagestat, snapstream, quant",
+    "decompress": "Decode a compressed file back to a dense capture",
+    "heads": "Attention-head selection: oracle error curve and trained routers",
+    "verify": "Fidelity of a compressed file: attention error, recall, model NLL",
+    "eval": "Sweep formats and parameters; fidelity vs bytes frontier",
+    "export": "Export to transformers caches, paged layouts, numpy, tables",
+    "generate": "Continue generation from a saved or compressed cache",
+    "bench": "Time the GPU kernels against cuBLAS and FlashInfer",
+}
+
+
 def _discover() -> None:
     mods = []
     for info in pkgutil.iter_modules(commands.__path__):
@@ -54,6 +71,15 @@ def _discover() -> None:
             mods.append(mod)
     for mod in sorted(mods, key=lambda m: (getattr(m, "ORDER", 100), m.__name__)):
         mod.register(app)
+    # `kvtool --help` lists each command on one line
+    for info in app.registered_commands + app.registered_groups:
+        name = info.name or (info.typer_instance.info.name if getattr(info, "typer_instance", None) else None)
+        if name in SHORT_HELP:
+            info.short_help = SHORT_HELP[name]
+        elif not info.short_help:
+            text = info.help or (info.callback.__doc__ if info.callback else None) or ""
+            first = text.strip().split("\n\n")[0].replace("\n", " ")
+            info.short_help = first.split(". ")[0].split(": ")[0].split("; ")[0].rstrip(".")
 
 
 _discover()

@@ -34,7 +34,8 @@ from .errors import BadDataError, OutputExistsError, UsageError
 CAPTURE_SCHEMA = "kvtool.capture"
 COMPRESSED_SCHEMA = "kvtool.compressed"
 SCHEMA_VERSION = "1"
-KNOWN_SCHEMAS = (CAPTURE_SCHEMA, COMPRESSED_SCHEMA)
+PAGED_SCHEMA = "kvtool.paged"  # written by kvtool.paged (kvtool export --to paged)
+KNOWN_SCHEMAS = (CAPTURE_SCHEMA, COMPRESSED_SCHEMA, PAGED_SCHEMA)
 LAYER_PARTS = ("keys", "values", "queries", "hidden")
 
 

@@ -3,7 +3,9 @@ folder, or a local GGUF file. GGUF weights are dequantised once and cached as sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -122,8 +124,10 @@ def load(
                 model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
             else:
-                model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, **kwargs)
-                tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True)
+                # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress
+                with contextlib.redirect_stderr(io.StringIO()):
+                    model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, **kwargs)
+                    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True)
                 _save_converted(model, tokenizer, folder)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise BadDataError(f"model {source.name}: cannot load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc

@@ -113,7 +113,7 @@ def to_json_text(data: Any) -> str:
 def make_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
     for c in columns:
-        table.add_column(c, justify="left" if c in ("name", "tensor", "part", "format", "parameters", "layer", "what") else "right")
+        table.add_column(c, justify="left" if c in ("name", "tensor", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider") else "right")
     for r in rows:
         table.add_row(*[fmt_value(v) for v in r])
     return table

@@ -1,0 +1,59 @@
+"""``kvtool export``: a kvtool file to transformers, FlashInfer/vLLM pages, numpy, dense, csv or json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..export import TARGETS, export_file
+from ._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command
+
+ORDER = 60
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "export",
+        help="Export a kvtool file to what other tools read.\n\n"
+        "hf: a file `kvtool.to_hf_cache(path, model)` turns into a transformers cache for model.generate "
+        "(lossy formats decoded; selection formats run through kvtool's attention function; every layer needed). "
+        "paged: FlashInfer/vLLM pages of --page-size tokens (NHD or HND) with the page table (indptr, indices, "
+        "last_page_len; int32). npz: numpy arrays. dense: the decoded capture. csv/json: the table of a JSON result "
+        "(kvtool stats/eval --json) or of a kvtool file's tensors.",
+        epilog=example_epilog(
+            "kvtool export cap.safetensors --to hf -o cap.hf.safetensors",
+            "kvtool export cap.bitmap.safetensors --to paged --page-size 16 --layout NHD",
+            "kvtool export cap.safetensors --to npz",
+            "kvtool export eval.json --to csv -o eval.csv",
+        ),
+    )
+    @kvtool_command
+    def export(
+        source: Annotated[Path, typer.Argument(help="A capture, a compressed file, or (for csv/json) a JSON result.", show_default=False)],
+        to: Annotated[str, typer.Option("--to", "-t", help=f"Target: {', '.join(TARGETS)}.", show_default=False)],
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: next to the input, e.g. NAME.paged.safetensors).", dir_okay=False)] = None,
+        page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page (paged).")] = 16,
+        layout: Annotated[str, typer.Option("--layout", help="Page layout (paged): NHD = pages x page x heads x dim, HND = pages x heads x page x dim.")] = "NHD",
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        report = export_file(source, to.lower(), output, page_size=page_size, layout=layout, force=force)
+        if json_out:
+            emit_json(report)
+            return
+        detail = {
+            "hf": lambda r: f"{r['mode']} cache of {r['tokens']} tokens" + {
+                "dense": "",
+                "attend": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens attended through kvtool's attention function)",
+                "ring": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens; later tokens go through its ring buffer)",
+            }[r["mode"]],
+            "paged": lambda r: f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, sequence lengths {r['seq_lens']}, {len(r['layers'])} layers",
+            "npz": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
+            "dense": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
+            "csv": lambda r: f"{r['rows']} rows from {r['table']}",
+            "json": lambda r: f"{r['rows']} rows from {r['table']}",
+        }[report["to"]](report)
+        console.print(f"wrote {report['output']} ({fmt_bytes(report['file_bytes'])}): --to {report['to']}, {detail}")

@@ -1,0 +1,46 @@
+"""``kvtool generate``: continue from a saved cache with the model the file names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..hfcache import generate as generate_from
+from ._common import DebugOpt, JsonOpt, console, emit_json, err_console, example_epilog, kvtool_command
+
+ORDER = 65
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "generate",
+        help="Continue generation (greedy) from a saved capture, compressed file or `export --to hf` file: the "
+        "file's cached tokens, then --prompt, then new tokens, with the model the file names (--model to "
+        "override; its shapes must match the file's model facts). Prints the new text.",
+        epilog=example_epilog(
+            "kvtool generate cap.safetensors --prompt ' In short,' --max-new-tokens 24",
+            "kvtool generate cap.pagestat.safetensors --prompt ' In short,' --json",
+        ),
+    )
+    @kvtool_command
+    def generate(
+        source: Annotated[Path, typer.Argument(help="A capture, compressed or hf-export file.", show_default=False)],
+        prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text appended after the cached tokens (empty: continue the cached text).")] = "",
+        model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).")] = None,
+        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 32,
+        mode: Annotated[str, typer.Option("--mode", help="auto | dense | attend | ring: how a compressed file enters the model (auto picks).")] = "auto",
+        device: Annotated[str, typer.Option("--device", help="torch device for the model.")] = "cpu",
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        if not json_out:
+            err_console.print(f"loading the model for {source} ...")
+        result = generate_from(source, prompt=prompt, model=model, max_new_tokens=max_new_tokens, device=device, mode=mode)
+        if json_out:
+            emit_json(result)
+            return
+        console.print(f"[dim]{result['model']}; {result['cached_tokens']} cached tokens ({result['format']}, {result['mode']} cache) + {result['prompt_tokens']} prompt tokens[/dim]")
+        for text in result["text"]:
+            console.print(f"[bold]{result['prompt']}[/bold]{text}", markup=True, highlight=False)

@@ -1,0 +1,118 @@
+"""``kvtool heads``: which attention heads matter per token (Polar Sparsity's selective head attention)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .. import io
+from ..cache import parse_indices
+from ..errors import UsageError
+from ..heads import analyse_heads, plot_curves, save_routers
+from ._common import CaptureArg, DebugOpt, ForceOpt, JsonOpt, LayersOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
+
+ORDER = 45
+
+
+def run_heads(
+    capture: Path,
+    k: int | None = None,
+    heldout: int = 128,
+    layers: str | None = None,
+    router_out: Path | None = None,
+    plot: Path | None = None,
+    steps: int = 300,
+    seed: int = 0,
+    force: bool = False,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """Analyse a capture's heads, optionally save the routers and a plot; returns the report."""
+    for out in (router_out, plot):
+        if out is not None:
+            io.check_output(out, force)
+    if router_out is not None and plot is not None and Path(router_out).resolve() == Path(plot).resolve():
+        raise UsageError("--router-out and --plot name the same file")
+    meta, _ = io.read_header(capture)
+    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(capture, meta)
+    selected = parse_indices(layers, facts.num_layers) if layers else None
+    cache = io.load(capture, layers=selected)
+    if not cache.has_queries:
+        raise UsageError(f"{capture} has no queries; recapture without --no-queries")
+    if router_out is not None and not cache.has_hidden:
+        raise UsageError(f"--router-out needs hidden states, and {capture} has none; recapture with --hidden")
+    if cache.batch_size > 1 and cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
+        raise UsageError(f"{capture} holds a left-padded batch; recapture with --align truncate")
+    with progress_bar(quiet) as bar:
+        task = bar.add_task("heads", total=len(cache.layers))
+        report, routers = analyse_heads(cache, k, heldout, router=True, steps=steps, seed=seed, progress=lambda i: bar.advance(task))
+    report["capture"] = str(capture)
+    if router_out is not None:
+        report["router_out"] = str(save_routers(router_out, routers, cache, report["k"], force=force))
+    if plot is not None:
+        report["plot"] = str(plot_curves(report, plot, force=force))
+    return report
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    console.print(
+        f"[bold]{rep['capture']}[/bold]: {rep['heads']} heads, {rep['kv_heads']} KV heads, {rep['tokens']} tokens; "
+        f"router trained on the first {rep['tokens'] - rep['heldout']} tokens, scored on the last {rep['heldout']}"
+    )
+    rows = [(r["k"], f"{r['density']:.3f}", r["error"], f"{r['kv_traffic']:.3f}") for r in rep["curve"]]
+    console.print(make_table("oracle top-k heads by output norm (mean over layers, every token)", ["k", "head density k/H", "rel. L2 error", "KV traffic"], rows))
+    rows = [(r["groups"], f"{r['kv_traffic']:.3f}", r["error"]) for r in rep["group_curve"]]
+    console.print(make_table("oracle top KV groups (whole GQA groups)", ["groups", "KV traffic", "rel. L2 error"], rows))
+    rows = []
+    for name, lrep in rep["layers"].items():
+        a = lrep["at_k"]
+        rows.append((name, a["oracle"]["error"], a.get("router", {}).get("recall"), a.get("router", {}).get("error"), a["static"]["recall"], a["static"]["error"], a["random"]["recall"], a["random"]["error"]))
+    s = rep["at_k"]
+    rows.append(("mean", s["oracle"]["error"], s.get("router", {}).get("recall"), s.get("router", {}).get("error"), s["static"]["recall"], s["static"]["error"], s["random"]["recall"], s["random"]["error"]))
+    console.print(
+        make_table(
+            f"k = {rep['k']} of {rep['heads']} heads (density {rep['density']:.3f}), held-out tokens",
+            ["layer", "oracle err", "router recall", "router err", "static recall", "static err", "random recall", "random err"],
+            rows,
+        )
+    )
+    if rep.get("router_skipped"):
+        console.print(f"[yellow]router skipped:[/yellow] {rep['router_skipped']}")
+    for key, what in (("router_out", "routers"), ("plot", "plot")):
+        if key in rep:
+            console.print(f"wrote {what} to {rep[key]}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "heads",
+        help="Attention-head selection (Polar Sparsity): per token and head the attention output norm; the error "
+        "when only the top-k heads are computed, for k = 1..heads (oracle) and per KV group; a per-layer linear "
+        "router trained on the hidden states (capture with --hidden) to predict each token's top-k heads, scored "
+        "on held-out tokens against the oracle, a fixed best-on-average head set and random heads.",
+        epilog=example_epilog(
+            "kvtool heads samples/smollm2-sample.safetensors",
+            "kvtool heads cap.safetensors --k 3 --router-out routers.safetensors --plot heads.png --json",
+        ),
+    )
+    @kvtool_command
+    def heads(
+        capture: CaptureArg,
+        k: Annotated[int | None, typer.Option("--k", "-k", help="Heads computed per token for the router comparison (default: half, rounded up).")] = None,
+        heldout: Annotated[int, typer.Option(help="Last tokens held out from router training and used to score it.")] = 128,
+        router_out: Annotated[Path | None, typer.Option("--router-out", help="Save the routers as safetensors (needs --hidden in the capture).", dir_okay=False)] = None,
+        plot: Annotated[Path | None, typer.Option("--plot", help="Write the error-vs-density plot (PNG).", dir_okay=False)] = None,
+        steps: Annotated[int, typer.Option(help="Router training steps (full-batch Adam).", min=1)] = 300,
+        seed: Annotated[int, typer.Option(help="Seed for router initialisation and the random baseline.")] = 0,
+        layers: LayersOpt = None,
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        report = run_heads(capture, k, heldout, layers, router_out, plot, steps, seed, force, quiet=json_out)
+        if json_out:
+            emit_json(report)
+        else:
+            print_report(report)

@@ -1,0 +1,235 @@
+"""``kvtool stats``: where a capture's cache can be cut, in numbers (see :mod:`kvtool.stats`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .. import io
+from ..cache import format_indices, parse_indices
+from ..errors import UsageError
+from ..stats import StatsSettings, capture_stats, mass_tag
+from ._common import (
+    CaptureArg,
+    DebugOpt,
+    HeadsOpt,
+    JsonOpt,
+    LayersOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    progress_bar,
+)
+
+ORDER = 30
+
+
+def head_row(layer: int, head: dict[str, Any]) -> dict[str, Any]:
+    """One flat row per (layer, KV head): the keys ``--sort`` can order by."""
+    row: dict[str, Any] = {"layer": layer, "head": head["kv_head"]}
+    for part, p in (("keys", "k"), ("values", "v")):
+        s = head[part]
+        row.update(
+            {
+                f"{p}_mean": s["mean_abs"],
+                f"{p}_max": s["max_abs"],
+                f"{p}_p99": s["p99"],
+                f"{p}_p99.9": s["p99.9"],
+                f"{p}_kurtosis": s["kurtosis"],
+                f"{p}_outliers": s["outliers"],
+                f"{p}_ratio": s["max_ratio"],
+                f"{p}_top30": s.get("top30_share"),
+                f"{p}_top50": s.get("top50_share"),
+                f"{p}_entropy": s["code_entropy_raw"],
+                f"{p}_entropy_mean": s["code_entropy_mean"],
+                f"{p}_entropy_median": s["code_entropy_median"],
+            }
+        )
+    att = head.get("attention")
+    if att:
+        for key in ("keys90", "keys90_frac", "keys99", "keys99_frac", "sink_share", "out_norm"):
+            row[key] = att.get(key)
+    return row
+
+
+SORT_ASCENDING = ("layer", "head")
+
+
+def sorted_rows(rows: list[dict[str, Any]], sort: str | None, top: int | None) -> list[dict[str, Any]]:
+    """Rows ordered by ``sort`` (largest first; layer/head smallest first), the first ``top`` kept."""
+    if sort is not None:
+        if not rows or sort not in rows[0]:
+            allowed = ", ".join(rows[0]) if rows else "layer, head"
+            raise UsageError(f"cannot sort by {sort!r}: choose one of {allowed}")
+        rev = sort not in SORT_ASCENDING
+        rows = sorted(rows, key=lambda r: (r[sort] is None, -r[sort] if rev and r[sort] is not None else (r[sort] or 0), r["layer"], r["head"]))
+    return rows[:top] if top is not None else rows
+
+
+def run_stats(
+    path: Path,
+    layers: str | None = None,
+    heads: str | None = None,
+    settings: StatsSettings = StatsSettings(),
+    attention: bool | None = None,
+    sort: str | None = None,
+    top: int | None = None,
+    quiet: bool = True,
+) -> dict[str, Any]:
+    """Load ``path`` (only the selected layers, queries only when needed) and compute the statistics;
+    adds ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    meta, _ = io.read_header(path)
+    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(path, meta)
+    layer_sel = parse_indices(layers, facts.num_layers, "layer") if layers else None
+    head_sel = parse_indices(heads, facts.num_kv_heads, "KV head") if heads else None
+    parts = ("keys", "values") if attention is False else ("keys", "values", "queries")
+    cache = io.load(path, layers=layer_sel, parts=parts)
+    with progress_bar(quiet) as bar:
+        task = bar.add_task("stats", total=len(cache.layers))
+        result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: bar.advance(task))
+    rows = [head_row(e["layer"], h) for e in result["layers"] for h in e["heads"]]
+    result["rows"] = sorted_rows(rows, sort, top)
+    return {"file": str(path), **result}
+
+
+def _channels(chans: list[int], limit: int = 6) -> str:
+    text = ",".join(map(str, chans[:limit]))
+    return text + (f",+{len(chans) - limit}" if len(chans) > limit else "")
+
+
+def print_stats(result: dict[str, Any]) -> None:
+    """The rich tables of :func:`run_stats`'s result."""
+    m = result["model"]
+    s = result["settings"]
+    console.print(
+        f"[bold]{result['file']}[/bold]: {m['name']}, {result['batch']} x {result['tokens']} tokens, "
+        f"layers {format_indices(result['selection']['layers'])}, KV heads {format_indices(result['selection']['kv_heads'])} "
+        f"(head_dim {m['head_dim']}, {m['num_heads']} query heads, GQA group {m['num_heads'] // m['num_kv_heads']})"
+    )
+    index = {(e["layer"], h["kv_head"]): h for e in result["layers"] for h in e["heads"]}
+    order = [(r["layer"], r["head"]) for r in result["rows"]]
+    kept = " and ".join(str(k) for k in s["kept_elements"].values())
+    mag_rows, shape_rows = [], []
+    for li, h in order:
+        for part, tag in (("keys", "K"), ("values", "V")):
+            st = index[(li, h)][part]
+            mag_rows.append((li, h, tag, st["mean_abs"], st["max_abs"], st["p50"], st["p90"], st["p99"], st["p99.9"], st["kurtosis"]))
+            shape_rows.append(
+                (li, h, tag, st["outliers"], _channels(st["outlier_channels"]) or "-", st["max_ratio"], _pct(st.get("top30_share")), _pct(st.get("top50_share")),
+                 st["code_entropy_raw"], st["code_entropy_mean"], st["code_entropy_median"])
+            )
+    console.print(make_table("magnitudes |x| per KV head (K keys, V values); kurt = excess kurtosis", ["layer", "head", "part", "mean", "max", "p50", "p90", "p99", "p99.9", "kurt"], mag_rows))
+    console.print(
+        make_table(
+            f"outlier channels (mean |x| >= {s['outlier_factor']:g} x median channel; max/med: largest ratio), "
+            f"share of a token's L2 mass in its top 30% / 50% elements ({kept} of {m['head_dim']}), "
+            "4-dim sign-code entropy in bits (of 4): raw, mean-centred, median-centred",
+            ["layer", "head", "part", "outl", "channels", "max/med", "top30%", "top50%", "H raw", "H mean", "H med"],
+            shape_rows,
+        )
+    )
+    if result["selection"]["attention"]:
+        rows = []
+        for li, h in order:
+            a = index[(li, h)]["attention"]
+            rows.append((li, h, ",".join(map(str, a["query_heads"])), a["keys90"], _pct(a["keys90_frac"]), a["keys99"], _pct(a["keys99_frac"]), _pct(a["sink_share"]), a["out_norm"], _pct(a["out_norm_share"])))
+        console.print(
+            make_table(
+                f"attention of up to {s['max_queries']} sampled queries per sequence (second half, causal), means over each KV head's query heads",
+                ["layer", "head", "q heads", "keys@90%", "of seen", "keys@99%", "of seen", f"sink ({s['sink_tokens']})", "out norm", "norm share"],
+                rows,
+            )
+        )
+    else:
+        console.print("no attention statistics: the capture has no queries (recapture without --no-queries) or --no-attention was given")
+    _print_layer_table(result)
+    _print_consistency(result)
+
+
+def _pct(x: float | None) -> str | None:
+    return None if x is None else f"{100 * x:.1f}%"
+
+
+def _print_layer_table(result: dict[str, Any]) -> None:
+    ms = result["model_summary"]
+    entries = [(str(e["layer"]), e["keys"], e["values"], e.get("attention", {}).get("layer")) for e in result["layers"]]
+    entries.append(("all", ms["keys"], ms["values"], ms.get("attention")))
+    rows = [
+        (name, k["outliers"], k["max_ratio"], v["outliers"], v["max_ratio"], _pct(k.get("top30_share")), _pct(v.get("top30_share")),
+         k["code_entropy_raw"], k["code_entropy_mean"], v["code_entropy_raw"], v["code_entropy_mean"])
+        for name, k, v, _ in entries
+    ]
+    console.print(
+        make_table(
+            "per layer over the selected KV heads (outliers summed; H: sign-code entropy raw / mean-centred)",
+            ["layer", "K outl", "K max/med", "V outl", "V max/med", "K top30%", "V top30%", "K H raw", "K H mean", "V H raw", "V H mean"],
+            rows,
+        )
+    )
+    if not result["selection"]["attention"]:
+        return
+    masses = [mass_tag(x) for x in result["settings"]["attention_masses"]]
+    h = result["model"]["num_heads"]
+    rows = [
+        [name, a["mean_visible"]] + [_pct(a[f"keys{t}_frac"]) for t in masses] + [_pct(a["sink_share"])] + [f"{a[f'heads{t}']:.2f} of {h}" for t in masses]
+        for name, _, _, a in entries
+    ]
+    console.print(
+        make_table(
+            "attention per layer (keys@N%: share of the seen keys holding N% of a query's mass; heads@N%: query heads needed per query for N% of the summed output norm, over all heads)",
+            ["layer", "keys seen"] + [f"keys@{t}%" for t in masses] + ["sink"] + [f"heads@{t}%" for t in masses],
+            rows,
+        )
+    )
+
+
+def _print_consistency(result: dict[str, Any]) -> None:
+    for part in ("keys", "values"):
+        c = result["outlier_consistency"][part]
+        rec = [(ch, n) for ch, n in c["by_channel"].items() if n >= 2]
+        pairs = c["layer_head_pairs"]
+        if not c["by_channel"]:
+            console.print(f"{part}: no outlier channels in the selection")
+            continue
+        text = ", ".join(f"ch {ch} in {n}/{pairs}" for ch, n in rec[:8]) or "none repeats"
+        persistent = {h: v["persistent"] for h, v in c["per_kv_head"].items() if v["persistent"]}
+        extra = f"; outliers in every selected layer: " + "; ".join(f"KV head {h}: {_channels(p)}" for h, p in persistent.items()) if persistent else ""
+        console.print(f"{part} outlier channels over (layer, KV head) pairs: {text}{extra}")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "stats",
+        help="Statistics of a capture per layer and KV head: magnitudes, outlier channels, top-k L2-mass shares, "
+        "sign balance and sign-code entropy, and (from queries) attention concentration, sink share and head importance.",
+        epilog=example_epilog(
+            "kvtool stats samples/smollm2-sample.safetensors",
+            "kvtool stats cap.safetensors --layers 10-20 --sort k_outliers --top 10",
+            "kvtool stats cap.safetensors --outlier-factor 6 --json > stats.json",
+        ),
+    )
+    @kvtool_command
+    def stats(
+        path: CaptureArg,
+        layers: LayersOpt = None,
+        heads: HeadsOpt = None,
+        sort: Annotated[str | None, typer.Option("--sort", help="Order the per-head rows by a column key, e.g. k_outliers, k_kurtosis, v_top30, keys90_frac, sink_share (largest first).")] = None,
+        top: Annotated[int | None, typer.Option("--top", min=1, help="Show only the first N per-head rows (after --sort).")] = None,
+        outlier_factor: Annotated[float, typer.Option("--outlier-factor", min=1.0, help="A channel is an outlier when its mean |x| is at least this many times the median channel's.")] = 4.0,
+        queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
+        sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
+        attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
+        result = run_stats(path, layers, heads, settings, attention, sort, top, quiet=json_out)
+        if json_out:
+            emit_json(result)
+            return
+        print_stats(result)

@@ -1,0 +1,230 @@
+"""The ``bitmap`` format (Mustafar): per-token magnitude pruning (or another method of
+:mod:`kvtool.prune`) of keys and values, stored as 64-element tiles with a 64-bit bitmap each,
+packed non-zeros and one offset per block of 64 tokens; the most recent ``dense_window`` tokens stay
+dense. Layout: :mod:`kvtool.kernels.bitmap_layout` and docs/formats.md (section ``bitmap``).
+
+Stored tensors per layer (B batch, Hkv KV heads, T tokens, W window, Tc = T - W, D head_dim,
+NB = ceil(Tc / 64), DT = ceil(D / 64)):
+
+- ``keys.nz`` / ``values.nz``: 1-D, cache dtype, packed stored elements;
+- ``keys.bitmaps`` int64 ``[B, Hkv, NB, D]``; ``values.bitmaps`` int64 ``[B, Hkv, Tc, DT]``;
+- ``keys.offsets`` / ``values.offsets`` int64 ``[B * Hkv * NB + 1]``;
+- ``window.keys`` / ``window.values`` ``[B, Hkv, W, D]`` cache dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention import attend_partial
+from ..cache import KVCache, LayerKV, dtype_name
+from ..errors import BadDataError, UsageError
+from ..kernels.bitmap_compress import encode
+from ..kernels.bitmap_layout import BitmapCache, BitmapTensor, popcount64
+from ..prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
+from .base import CompressedCache, Encoded, Format, FormatParams, register
+
+PARTS = ("nonzeros", "bitmaps", "offsets", "padding", "dense_window")
+
+
+@dataclass
+class BitmapParams(FormatParams):
+    """``sparsity`` sets keys and values; ``key_sparsity`` / ``value_sparsity`` override it.
+    ``method``: a :mod:`kvtool.prune` method or KEYS/VALUES. ``dense_window``: recent tokens kept
+    dense."""
+
+    sparsity: float = 0.7
+    key_sparsity: float | None = None
+    value_sparsity: float | None = None
+    method: str = "per-token"
+    dense_window: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        check_sparsity(self.sparsity, "--sparsity")
+        if self.key_sparsity is not None:
+            check_sparsity(self.key_sparsity, "--key-sparsity")
+        if self.value_sparsity is not None:
+            check_sparsity(self.value_sparsity, "--value-sparsity")
+        parse_method(self.method)
+        if self.dense_window < 0:
+            raise UsageError(f"--dense-window must be at least 0, got {self.dense_window}")
+
+    @property
+    def keys(self) -> float:
+        return self.sparsity if self.key_sparsity is None else self.key_sparsity
+
+    @property
+    def values(self) -> float:
+        return self.sparsity if self.value_sparsity is None else self.value_sparsity
+
+
+def cache_from_encoded(enc: Encoded) -> BitmapCache:
+    """The :class:`BitmapCache` view of an encoded layer (no copy). BadDataError if a tensor or a
+    metadata field is missing."""
+    need = ("keys.nz", "keys.bitmaps", "keys.offsets", "values.nz", "values.bitmaps", "values.offsets", "window.keys", "window.values")
+    for name in need:
+        if name not in enc.tensors:
+            raise BadDataError(f"tensor {name!r} is missing")
+    extra = sorted(set(enc.tensors) - set(need))
+    if extra:
+        raise BadDataError(f"unexpected tensor {extra[0]!r}")
+    try:
+        tc = int(enc.meta["compressed_tokens"])
+        d = int(enc.meta["head_dim"])
+    except (KeyError, TypeError, ValueError):
+        raise BadDataError("layer metadata lacks compressed_tokens / head_dim") from None
+    t = enc.tensors
+    keys = BitmapTensor("keys", t["keys.nz"], t["keys.bitmaps"], t["keys.offsets"], tc, d)
+    values = BitmapTensor("values", t["values.nz"], t["values.bitmaps"], t["values.offsets"], tc, d)
+    return BitmapCache(keys, values, t["window.keys"], t["window.values"])
+
+
+def encoded_from_cache(cache: BitmapCache, meta: dict[str, Any]) -> Encoded:
+    tensors = {}
+    for kind, bt in (("keys", cache.keys), ("values", cache.values)):
+        tensors[f"{kind}.nz"] = bt.nz
+        tensors[f"{kind}.bitmaps"] = bt.bitmaps
+        tensors[f"{kind}.offsets"] = bt.offsets
+    tensors["window.keys"] = cache.window_keys
+    tensors["window.values"] = cache.window_values
+    return Encoded(tensors, meta)
+
+
+def tensor_parts(bt: BitmapTensor) -> dict[str, int]:
+    """Bytes of one compressed tensor by part: stored elements, bitmaps (bits for real positions),
+    offsets, padding (alignment zeros in nz + bitmap bits of padding tokens/channels)."""
+    item = bt.nz.element_size()
+    stored = int(bt.block_counts().sum()) if bt.bitmaps.numel() else 0
+    pad_bitmap_bytes = bt.pad_bits() // 8
+    return {
+        "nonzeros": stored * item,
+        "bitmaps": bt.bitmaps.numel() * 8 - pad_bitmap_bytes,
+        "offsets": bt.offsets.numel() * 8,
+        "padding": (bt.nz.numel() - stored) * item + pad_bitmap_bytes,
+    }
+
+
+def paper_layout_bytes(bt: BitmapTensor) -> int:
+    """Bytes the reference (Mustafar) layout would spend on the same tiles: per tile an 8-byte
+    bitmap, a 4-byte offset and its non-zeros padded to 8 elements; plus one offset per row."""
+    item = bt.nz.element_size()
+    pc = popcount64(bt.bitmaps)
+    tiles = pc.numel()
+    return int(tiles * 12 + ((pc + 7) // 8 * 8).sum() * item + bt.batch * bt.kv_heads * 8)
+
+
+@register
+class BitmapFormat(Format):
+    name = "bitmap"
+    summary = "Mustafar unstructured pruning + bitmap sparse tiles (sparsity 0.7, dense window 32)"
+    Params = BitmapParams
+    has_kernel = True
+
+    def check(self, layer: LayerKV, params: FormatParams) -> None:
+        assert isinstance(params, BitmapParams)
+        k, v = parse_method(params.method)
+        if (k in QUERY_METHODS or v in QUERY_METHODS) and layer.queries is None:
+            raise UsageError(f"method {params.method!r} needs the captured queries; this capture has none (recapture without --no-queries)")
+        if layer.keys.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise BadDataError(f"bitmap stores float16, bfloat16 or float32 caches, got {layer.keys.dtype}")
+
+    def encode(self, layer: LayerKV, params: FormatParams, backend: str = "auto") -> Encoded:
+        """Prune ``layer`` (keys/values ``[B, Hkv, T, D]``) and store it; ``backend`` picks the
+        torch or the Triton encoder (identical bytes); ``auto``: Triton for CUDA tensors."""
+        assert isinstance(params, BitmapParams)
+        if backend == "auto":
+            backend = "triton" if layer.keys.is_cuda else "torch"
+        res = prune_layer(layer, params.keys, params.values, params.method, params.dense_window)
+        tc = layer.num_tokens - res.window
+        cache = BitmapCache(
+            encode(res.keys[:, :, :tc], "keys", backend),
+            encode(res.values[:, :, :tc], "values", backend),
+            res.keys[:, :, tc:].contiguous(),
+            res.values[:, :, tc:].contiguous(),
+        )
+        meta = {
+            "tokens": layer.num_tokens,
+            "compressed_tokens": tc,
+            "window": res.window,
+            "head_dim": layer.keys.shape[-1],
+            "dtype": dtype_name(layer.keys.dtype),
+            "method": res.stats["method"],
+            "key_sparsity": params.keys,
+            "value_sparsity": params.values,
+            "achieved_key_sparsity": res.stats["achieved_key_sparsity"],
+            "achieved_value_sparsity": res.stats["achieved_value_sparsity"],
+        }
+        return encoded_from_cache(cache, meta)
+
+    def decode(self, enc: Encoded) -> LayerKV:
+        keys, values = cache_from_encoded(enc).decode()
+        return LayerKV(keys=keys, values=values)
+
+    def validate(self, enc: Encoded) -> None:
+        cache = cache_from_encoded(enc)
+        cache.validate()
+        w = enc.meta.get("window")
+        if w is not None and int(w) != cache.window_keys.shape[2]:
+            raise BadDataError(f"the metadata says a window of {w} tokens, window.keys holds {cache.window_keys.shape[2]}")
+
+    def nbytes(self, enc: Encoded) -> dict[str, int]:
+        cache = cache_from_encoded(enc)
+        parts = dict.fromkeys(PARTS, 0)
+        for bt in (cache.keys, cache.values):
+            for part, n in tensor_parts(bt).items():
+                parts[part] += n
+        parts["dense_window"] = sum(t.numel() * t.element_size() for t in (cache.window_keys, cache.window_values))
+        return parts
+
+    def attend(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = cache_from_encoded(enc).decode()
+        return attend_partial(q, keys, values, scale)
+
+    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.bitmap_attention import bitmap_decode_attention
+
+        cache = cache_from_encoded(enc)
+        cache.validate()
+        return bitmap_decode_attention(q, cache, scale, validate=False)
+
+    def report(self, cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
+        """Achieved sparsity (of the pruned tokens, by the masks, and as stored), bytes by part for
+        keys and values apart, and the bytes the paper's layout would need for the same tiles."""
+        out: dict[str, Any] = {}
+        n = {"keys": 0, "values": 0}
+        stored = {"keys": 0, "values": 0}
+        elems = 0
+        achieved = {"keys": 0.0, "values": 0.0}
+        paper = 0
+        by_kind: dict[str, dict[str, int]] = {"keys": {}, "values": {}}
+        for enc in cc.layers.values():
+            cache = cache_from_encoded(enc)
+            e = cache.keys.batch * cache.keys.kv_heads * cache.keys.tokens * cache.keys.head_dim
+            elems += e
+            for kind, bt in (("keys", cache.keys), ("values", cache.values)):
+                achieved[kind] += float(enc.meta.get(f"achieved_{kind[:-1]}_sparsity", 0.0)) * e
+                stored[kind] += int(bt.block_counts().sum()) if bt.bitmaps.numel() else 0
+                paper += paper_layout_bytes(bt)
+                for part, v in tensor_parts(bt).items():
+                    by_kind[kind][part] = by_kind[kind].get(part, 0) + v
+                n[kind] += e
+            win = cache.window_keys
+            paper += 2 * win.numel() * win.element_size()
+        rep = cc.byte_report()
+        if elems:
+            out["achieved_key_sparsity"] = achieved["keys"] / elems
+            out["achieved_value_sparsity"] = achieved["values"] / elems
+            out["stored_key_density"] = stored["keys"] / n["keys"]
+            out["stored_value_density"] = stored["values"] / n["values"]
+        out["method"] = next(iter(cc.layers.values())).meta.get("method") if cc.layers else None
+        out["dense_window_tokens"] = next(iter(cc.layers.values())).meta.get("window") if cc.layers else None
+        out["compression_rate_percent"] = 100.0 * rep["ratio"]
+        out["paper_layout_bytes"] = paper
+        out["paper_layout_rate_percent"] = 100.0 * paper / rep["dense_bytes"] if rep["dense_bytes"] else None
+        out["bytes_by_part_keys"] = by_kind["keys"]
+        out["bytes_by_part_values"] = by_kind["values"]
+        return out
+

@@ -1,0 +1,283 @@
+"""``pagestat``: page statistics for top-k page selection (UNIQUE, with Quest and mean-only as
+alternative scorers). Keys and values stay dense; the format adds per-page statistics.
+
+Pages are P contiguous tokens per KV head (the last page may be shorter). Per page:
+- ``unique``: the key mean ``mu`` ``[D]`` and ``sigma`` = L2 norm of the per-dimension population
+  standard deviation; score = q.mu + lam * ||q|| * sigma;
+- ``quest``: the per-dimension key min and max; score = sum_i max(q_i*max_i, q_i*min_i), an upper
+  bound of q.k over the page's keys;
+- ``mean``: the key mean only; score = q.mu (UNIQUE without its offset).
+GQA: a page's score is the max over the query heads of its group. A decode step attends the first
+page, every page that touches the last ``dense_window`` tokens, and the best-scoring other pages
+while their tokens fit the token budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..attention import attend_partial, expand_kv
+from ..cache import KVCache, LayerKV
+from ..errors import BadDataError, UsageError
+from ._retrieval import oracle_recall, resolve_budget, selection_recall
+from .base import CompressedCache, Encoded, Format, FormatParams, register
+
+SCORES = ("unique", "quest", "mean")
+
+
+@dataclass
+class PageStatParams(FormatParams):
+    page_size: int = 16
+    score: Literal["unique", "quest", "mean"] = "unique"
+    lam: float = 1.0
+    budget: int | None = None
+    budget_ratio: float | None = 0.25
+    dense_window: int = 16
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"--page-size must be positive, got {self.page_size}")
+        if self.score not in SCORES:
+            raise ValueError(f"--score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        if self.dense_window < 0:
+            raise ValueError(f"--dense-window must be >= 0, got {self.dense_window}")
+
+
+# ----------------------------------------------------------------------------- reference maths
+
+
+def page_stats(keys: torch.Tensor, page_size: int, score: str) -> dict[str, torch.Tensor]:
+    """Statistics of keys ``[B, Hkv, T, D]`` per page of ``page_size`` tokens (float32):
+    ``mean`` ``[B, Hkv, NP, D]`` and ``sigma`` ``[B, Hkv, NP]`` (unique), ``mean`` (mean),
+    ``min``/``max`` ``[B, Hkv, NP, D]`` (quest). A short last page uses its own tokens."""
+    b, h, t, d = keys.shape
+    n = -(-t // page_size)
+    pad = n * page_size - t
+    k = keys.float()
+    valid = torch.ones(t, dtype=torch.bool, device=keys.device)
+    if pad:
+        k = torch.cat([k, k.new_zeros(b, h, pad, d)], 2)
+        valid = torch.cat([valid, valid.new_zeros(pad)])
+    kp = k.reshape(b, h, n, page_size, d)
+    vp = valid.reshape(n, page_size)[None, None, :, :, None]
+    count = vp.sum(3).float()  # [1,1,NP,1]
+    out: dict[str, torch.Tensor] = {}
+    if score in ("unique", "mean"):
+        mean = kp.sum(3) / count
+        out["mean"] = mean
+        if score == "unique":
+            var = (((kp - mean[:, :, :, None]) ** 2) * vp).sum(3) / count
+            out["sigma"] = var.sum(-1).sqrt()
+    else:
+        out["max"] = kp.masked_fill(~vp, float("-inf")).amax(3)
+        out["min"] = kp.masked_fill(~vp, float("inf")).amin(3)
+    return out
+
+
+def page_scores(q: torch.Tensor, stats: dict[str, torch.Tensor], score: str, lam: float = 1.0) -> torch.Tensor:
+    """Criticality ``[B, Hkv, Tq, NP]`` float32 of every page for q ``[B, H, Tq, D]``: the chosen
+    score per query head, then the max over the G query heads of each KV head. Unscaled."""
+    b, h, tq, d = q.shape
+    ref = stats["mean"] if "mean" in stats else stats["max"]
+    hkv = ref.shape[1]
+    qg = q.float().reshape(b, hkv, h // hkv, tq, d)
+    if score == "quest":
+        hi, lo = stats["max"].float(), stats["min"].float()
+        per = torch.maximum(qg[..., None, :] * hi[:, :, None, None], qg[..., None, :] * lo[:, :, None, None]).sum(-1)
+    else:
+        per = torch.einsum("bkgtd,bknd->bkgtn", qg, stats["mean"].float())
+        if score == "unique":
+            per = per + lam * qg.norm(dim=-1)[..., None] * stats["sigma"].float()[:, :, None, None]
+    return per.amax(2)
+
+
+def forced_pages(tokens: int, page_size: int, window: int) -> list[int]:
+    """Pages always attended: the first page and every page touching the last ``window`` tokens."""
+    n = -(-tokens // page_size)
+    first_window_page = (tokens - window) // page_size if window else n
+    return sorted({0, *range(first_window_page, n)})
+
+
+def pages_to_select(tokens: int, page_size: int, window: int, budget: int) -> int:
+    """How many pages beyond the forced ones fit in ``budget`` tokens (every such page is full)."""
+    forced = forced_pages(tokens, page_size, window)
+    forced_tokens = sum(min(page_size, tokens - p * page_size) for p in forced)
+    n = -(-tokens // page_size)
+    return max(0, min(n - len(forced), (budget - forced_tokens) // page_size))
+
+
+def select_pages(scores: torch.Tensor, forced: list[int], k: int) -> torch.Tensor:
+    """Page indices int64 ``[B, Hkv, Tq, len(forced) + k]``: the forced pages, then the k best-
+    scoring other pages of ``scores`` ``[B, Hkv, Tq, NP]``."""
+    s = scores.clone()
+    f = torch.tensor(forced, dtype=torch.int64, device=scores.device)
+    s[..., f] = float("-inf")
+    top = torch.topk(s, k, dim=-1, sorted=False).indices
+    return torch.cat([f.expand(*scores.shape[:3], -1), top], -1)
+
+
+def pages_to_token_mask(pages: torch.Tensor, page_size: int, tokens: int) -> torch.Tensor:
+    """bool ``[B, Hkv, Tq, T]`` from page indices ``[B, Hkv, Tq, n]``."""
+    n = -(-tokens // page_size)
+    pm = torch.zeros(*pages.shape[:3], n, dtype=torch.bool, device=pages.device)
+    pm.scatter_(3, pages, True)
+    return pm.repeat_interleave(page_size, dim=3)[..., :tokens]
+
+
+# ----------------------------------------------------------------------------- the format
+
+
+@register
+class PageStatFormat(Format):
+    name = "pagestat"
+    summary = "dense paged keys/values + per-page statistics for top-k page selection (UNIQUE / Quest)"
+    Params = PageStatParams
+    selects = True
+    has_kernel = True
+
+    def check(self, layer: LayerKV, params: FormatParams) -> None:
+        p: PageStatParams = params  # type: ignore[assignment]
+        t = layer.keys.shape[2]
+        if p.page_size > t:
+            raise UsageError(f"--page-size {p.page_size} is larger than the {t} tokens to compress")
+        budget = resolve_budget(p.budget, p.budget_ratio, t)
+        need = p.page_size + p.dense_window
+        if budget < min(need, t):
+            raise UsageError(f"token budget {budget} is smaller than the first page ({p.page_size}) + --dense-window {p.dense_window}")
+
+    def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
+        """keys/values ``[B, Hkv, T, D]`` -> dense ``keys``/``values`` plus ``stats.*`` (see
+        docs/formats.md ``### pagestat``)."""
+        p: PageStatParams = params  # type: ignore[assignment]
+        self.check(layer, p)
+        k, v = layer.keys, layer.values
+        t = k.shape[2]
+        stats = page_stats(k, p.page_size, p.score)
+        tensors = {"keys": k.contiguous(), "values": v.contiguous()}
+        tensors.update({f"stats.{n}": s.to(k.dtype).contiguous() for n, s in stats.items()})
+        budget = resolve_budget(p.budget, p.budget_ratio, t)
+        forced = forced_pages(t, p.page_size, min(p.dense_window, t))
+        meta = {
+            "tokens": t, "page_size": p.page_size, "pages": -(-t // p.page_size), "score": p.score, "lam": p.lam,
+            "dense_window": min(p.dense_window, t), "budget": budget, "forced_pages": forced,
+            "select": pages_to_select(t, p.page_size, min(p.dense_window, t), budget),
+            "dtype": str(k.dtype).removeprefix("torch."),
+        }
+        return Encoded(tensors, meta)
+
+    def decode(self, enc: Encoded) -> LayerKV:
+        return LayerKV(keys=enc.tensors["keys"], values=enc.tensors["values"])
+
+    def stats(self, enc: Encoded) -> dict[str, torch.Tensor]:
+        return {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+
+    def select(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+        """Page indices int64 ``[B, Hkv, Tq, forced + select]`` for q ``[B, H, Tq, D]``."""
+        m = enc.meta
+        scores = page_scores(q, self.stats(enc), m["score"], m["lam"])
+        return select_pages(scores, m["forced_pages"], m["select"])
+
+    def selected_mask(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor:
+        m = enc.meta
+        mask = pages_to_token_mask(self.select(q, enc), m["page_size"], m["tokens"])
+        return expand_kv(mask, q.shape[1] // mask.shape[1])
+
+    def attend(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial over the tokens of the selected pages; q ``[B, H, Tq, D]``."""
+        return attend_partial(q, enc.tensors["keys"], enc.tensors["values"], scale, self.selected_mask(q, enc))
+
+    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.pages import pagestat_decode
+
+        return pagestat_decode(q, enc, scale)
+
+    def nbytes(self, enc: Encoded) -> dict[str, int]:
+        parts = {"keys": 0, "values": 0, "stats": 0}
+        for name, t in enc.tensors.items():
+            parts[name.split(".")[0]] += t.numel() * t.element_size()
+        return parts
+
+    def traffic_bytes(self, enc: Encoded, q: torch.Tensor | None = None) -> int:
+        """One decode step: every page statistic, then the keys/values of the attended pages."""
+        m = enc.meta
+        k = enc.tensors["keys"]
+        stats = sum(x.numel() * x.element_size() for n, x in enc.tensors.items() if n.startswith("stats."))
+        ps, t = m["page_size"], m["tokens"]
+        tokens = sum(min(ps, t - p * ps) for p in m["forced_pages"]) + m["select"] * ps
+        per_token = 2 * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+        return int(stats + tokens * per_token)
+
+    def validate(self, enc: Encoded) -> None:
+        t, m = enc.tensors, enc.meta
+        for key in ("tokens", "page_size", "pages", "score", "lam", "dense_window", "budget", "forced_pages", "select", "dtype"):
+            if key not in m:
+                raise BadDataError(f"layer metadata lacks {key!r}")
+        if m["score"] not in SCORES:
+            raise BadDataError(f"unknown score {m['score']!r}")
+        names = {"unique": ("mean", "sigma"), "mean": ("mean",), "quest": ("min", "max")}[m["score"]]
+        need = ("keys", "values", *(f"stats.{n}" for n in names))
+        for name in need:
+            if name not in t:
+                raise BadDataError(f"tensor {name!r} is missing")
+        extra = sorted(set(t) - set(need))
+        if extra:
+            raise BadDataError(f"unexpected tensor {extra[0]!r}")
+        k = t["keys"]
+        if k.ndim != 4 or t["values"].shape != k.shape or not k.is_floating_point():
+            raise BadDataError("keys/values must be floating point [batch, kv_heads, tokens, head_dim] of one shape")
+        b, h, tokens, d = k.shape
+        ps, n = m["page_size"], m["pages"]
+        if tokens != m["tokens"] or ps <= 0 or ps > tokens or n != -(-tokens // ps):
+            raise BadDataError(f"metadata (tokens {m['tokens']}, page size {ps}, pages {n}) disagrees with keys of {tokens} tokens")
+        if m["forced_pages"] != forced_pages(tokens, ps, m["dense_window"]) or not 0 <= m["select"] <= n - len(m["forced_pages"]):
+            raise BadDataError("forced pages or selection count disagree with the page layout")
+        for name in names:
+            x = t[f"stats.{name}"]
+            shape = (b, h, n) if name == "sigma" else (b, h, n, d)
+            if tuple(x.shape) != shape or x.dtype != k.dtype:
+                raise BadDataError(f"stats.{name} is {tuple(x.shape)} {x.dtype}, expected {shape} {k.dtype}")
+            if not torch.isfinite(x).all():
+                raise BadDataError(f"stats.{name} holds NaN or infinite values")
+        if "sigma" in names and (t["stats.sigma"] < 0).any():
+            raise BadDataError("stats.sigma holds negative values")
+        if m["score"] == "quest" and (t["stats.min"] > t["stats.max"]).any():
+            raise BadDataError("stats.min exceeds stats.max")
+
+    def report(self, cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
+        dense = stats = traffic = 0
+        for enc in cc.layers.values():
+            parts = self.nbytes(enc)
+            dense += parts["keys"] + parts["values"]
+            stats += parts["stats"]
+            traffic += self.traffic_bytes(enc)
+        first = cc.layers[cc.layer_indices[0]].meta
+        out: dict[str, Any] = {
+            "storage_overhead": round(stats / dense, 4),
+            "traffic_ratio": round(traffic / dense, 4),
+            "pages": first["pages"],
+            "budget_tokens": first["budget"],
+            "pages_attended": len(first["forced_pages"]) + first["select"],
+        }
+        recall = selection_recall(self, cc, source)
+        if recall is not None:
+            out["recall"] = recall["overall"]
+            out["recall_min"] = recall["min"]
+            out["recall_per_layer"] = recall["per_layer"]
+            out["recall_oracle_same_budget"] = oracle_recall(cc, source, first["budget"])
+            out["recall_by_score"] = self.compare_scores(cc, source)
+        return out
+
+    def compare_scores(self, cc: CompressedCache, source: KVCache) -> dict[str, float]:
+        """Overall held-out recall of every scorer at this file's page size, window and budget."""
+        out: dict[str, float] = {}
+        params = PageStatParams(**{**cc.params})
+        for score in SCORES:
+            p = PageStatParams(**{**params.to_dict(), "score": score})
+            encs = {i: self.encode(source.layers[i].slice_tokens(0, cc.prefix_tokens), p) for i in cc.layer_indices}
+            got = selection_recall(self, cc, source, encs)
+            if got is not None:
+                out[score] = got["overall"]
+        return out

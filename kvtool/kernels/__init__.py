@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a plain-torch reference of the same maths (see each module)."""

@@ -1,0 +1,221 @@
+"""Bitmap compression: a pruned dense tensor -> the bitmap layout of :mod:`.bitmap_layout`.
+
+Two encoders that produce identical bytes:
+
+- :func:`encode_torch` (plain torch, any device);
+- :func:`encode_triton` (Triton, two passes over the data: pass 1 writes each block's bitmaps and
+  popcount, the host turns the padded counts into offsets with one cumsum, pass 2 packs the
+  non-zeros, each at its run start + the popcount of the bits below it in its 32-bit half-word). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+
+Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
+elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
+builds a whole :class:`~.bitmap_layout.BitmapCache` (keys, values, dense window) and is the quick
+way to make kernel inputs of any size on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import UsageError
+from .bitmap_layout import _INT_VIEW, TILE, BitmapCache, BitmapTensor, align_elements, bits_to_words, nonzero_bits
+
+
+def _check_input(x: torch.Tensor, kind: str) -> None:
+    if kind not in ("keys", "values"):
+        raise UsageError(f"kind must be 'keys' or 'values', got {kind!r}")
+    if x.ndim != 4:
+        raise UsageError(f"{kind} must be [batch, kv_heads, tokens, head_dim], got shape {list(x.shape)}")
+    if x.dtype not in _INT_VIEW:
+        raise UsageError(f"{kind} must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def _offsets(counts: torch.Tensor, align: int) -> torch.Tensor:
+    padded = (counts + align - 1) // align * align
+    return torch.cat([padded.new_zeros(1), padded.cumsum(0)])
+
+
+def encode_torch(x: torch.Tensor, kind: str) -> BitmapTensor:
+    """Plain-torch encoder: ``x`` ``[B, Hkv, Tc, D]`` -> :class:`BitmapTensor` (see module doc)."""
+    _check_input(x, kind)
+    b, h, tc, d = x.shape
+    nb = -(-tc // TILE)
+    dt = -(-d // TILE)
+    bits = nonzero_bits(x)
+    data = x
+    if kind == "keys":
+        pad = nb * TILE - tc
+        bits = torch.cat([bits, bits.new_zeros(b, h, pad, d)], 2) if pad else bits
+        data = torch.cat([data, data.new_zeros(b, h, pad, d)], 2) if pad else data
+        bits = bits.reshape(b, h, nb, TILE, d).transpose(-1, -2)  # [B, Hkv, NB, D, 64]
+        data = data.reshape(b, h, nb, TILE, d).transpose(-1, -2)
+        bitmaps = bits_to_words(bits)
+    else:
+        cpad = dt * TILE - d
+        bits = torch.cat([bits, bits.new_zeros(b, h, tc, cpad)], 3) if cpad else bits
+        data = torch.cat([data, data.new_zeros(b, h, tc, cpad)], 3) if cpad else data
+        bitmaps = bits_to_words(bits.reshape(b, h, tc, dt, TILE))
+        pad = nb * TILE - tc
+        bits = torch.cat([bits, bits.new_zeros(b, h, pad, dt * TILE)], 2) if pad else bits
+        data = torch.cat([data, data.new_zeros(b, h, pad, dt * TILE)], 2) if pad else data
+    slots = TILE * (d if kind == "keys" else dt * TILE)
+    bits = bits.reshape(b * h * nb, slots)
+    data = data.reshape(b * h * nb, slots)
+    offsets = _offsets(bits.sum(-1), align_elements(x.dtype))
+    nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
+    addr = offsets[:-1, None] + bits.to(torch.int64).cumsum(-1) - 1
+    nz[addr[bits]] = data[bits]
+    return BitmapTensor(kind, nz, bitmaps.contiguous(), offsets, tc, d)
+
+
+@triton.jit
+def _popc32(x, USE_ASM: tl.constexpr):
+    """Set bits of each int32: one ``popc.b32`` on CUDA, SWAR on the unsigned view otherwise."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        u = u - ((u >> 1) & 0x55555555)
+        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+        u = (u + (u >> 4)) & 0x0F0F0F0F
+        return ((u * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _bitmap_compress_kernel(
+    x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
+    bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
+    count_ptr,  # int64 [B*Hkv*NB] (pass 1 writes)
+    offset_ptr,  # int64 [B*Hkv*NB + 1] (pass 2 reads)
+    nz_ptr,  # int view [total] (pass 2 writes)
+    Tc,
+    D,
+    NB,
+    DT,
+    IS_KEY: tl.constexpr,
+    DP: tl.constexpr,  # power of two >= max(D, 64)
+    WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
+    USE_ASM: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    bh = g // NB
+    blk = g % NB
+    t = tl.arange(0, 64)
+    c = tl.arange(0, DP)
+    i32 = tl.arange(0, 32)
+    tok = blk * 64 + t
+    base = x_ptr + bh * Tc * D
+    # The block as [rows, columns] in storage order, columns cut into 32-bit half-words:
+    # keys rows = channels, columns = 64 tokens (2 half-words); values rows = tokens, columns = DP
+    # channels (DP / 32 half-words, two per 64-channel tile).
+    if IS_KEY:
+        m = (c[:, None] < D) & (tok[None, :] < Tc)
+        raw = tl.load(base + tok[None, :] * D + c[:, None], mask=m, other=0)  # [DP, 64]
+        bits = tl.reshape((raw != 0).to(tl.int32), (DP, 2, 32))
+    else:
+        m = (tok[:, None] < Tc) & (c[None, :] < D)
+        raw = tl.load(base + tok[:, None] * D + c[None, :], mask=m, other=0)  # [64, DP]
+        bits = tl.reshape((raw != 0).to(tl.int32), (64, DP // 32, 32))
+    words = tl.sum(bits << i32[None, None, :], axis=2)  # half-words (distinct bits: no overflow)
+    pc = _popc32(words, USE_ASM)
+    if not WRITE:
+        if IS_KEY:
+            h = tl.arange(0, 2)
+            tl.store(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], words, mask=(c[:, None] < D) & (h[None, :] < 2))
+        else:
+            p = tl.arange(0, DP // 32)
+            wmask = (tok[:, None] < Tc) & (p[None, :] < 2 * DT)
+            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * (2 * DT) + p[None, :], words, mask=wmask)
+        tl.store(count_ptr + g, tl.sum(tl.sum(pc, axis=1), axis=0).to(tl.int64))
+    else:
+        start = tl.load(offset_ptr + g)
+        row = tl.sum(pc, axis=1)
+        row_off = tl.cumsum(row, axis=0) - row
+        piece_off = tl.cumsum(pc, axis=1) - pc
+        below = ((tl.full([32], 1, tl.int32) << i32) - 1)[None, None, :]
+        pos3 = row_off[:, None, None] + piece_off[:, :, None] + _popc32(words[:, :, None] & below, USE_ASM)
+        if IS_KEY:
+            pos = tl.reshape(pos3, (DP, 64))
+        else:
+            pos = tl.reshape(pos3, (64, DP))
+        tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=raw != 0)
+
+
+def _check_device(x: torch.Tensor, what: str) -> None:
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise UsageError(f"{what} is on {x.device}; the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+
+
+def _dp(d: int) -> int:
+    return max(64, triton.next_power_of_2(d))
+
+
+def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
+    """Triton encoder (same bytes as :func:`encode_torch`). ``x`` ``[B, Hkv, Tc, D]`` on CUDA (or CPU
+    under ``TRITON_INTERPRET=1``). One host sync: the total size of ``nz``."""
+    _check_input(x, kind)
+    _check_device(x, kind)
+    b, h, tc, d = x.shape
+    nb = -(-tc // TILE)
+    dt = -(-d // TILE)
+    x = x.contiguous()
+    xi = x.view(_INT_VIEW[x.dtype])
+    nblocks = b * h * nb
+    shape = (b, h, nb, d) if kind == "keys" else (b, h, tc, dt)
+    bitmaps = torch.zeros(shape, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(nblocks, dtype=torch.int64, device=x.device)
+    if nblocks == 0:
+        return BitmapTensor(kind, x.new_zeros(0), bitmaps, counts.new_zeros(1), tc, d)
+    dp = _dp(d)
+    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    # 32 elements of the [64, DP] block per thread: no register spills on sm_90
+    args = dict(IS_KEY=kind == "keys", DP=dp, USE_ASM=use_asm, num_warps=min(16, max(4, dp // 16)))
+    bm32 = bitmaps.view(torch.int32)
+    dummy = counts
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, dummy, xi, tc, d, nb, dt, WRITE=False, **args)
+    offsets = _offsets(counts, align_elements(x.dtype))
+    nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, dt, WRITE=True, **args)
+    return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
+
+
+def encode(x: torch.Tensor, kind: str, backend: str = "torch") -> BitmapTensor:
+    """Encode with ``backend`` ``"torch"`` or ``"triton"``."""
+    if backend == "triton":
+        return encode_triton(x, kind)
+    if backend == "torch":
+        return encode_torch(x, kind)
+    raise UsageError(f"backend must be torch or triton, got {backend!r}")
+
+
+def encode_cache(keys: torch.Tensor, values: torch.Tensor, window: int = 0, backend: str = "torch") -> BitmapCache:
+    """Pruned keys/values ``[B, Hkv, T, D]`` -> :class:`BitmapCache` whose last ``window`` tokens
+    stay dense. For benchmarks: prune random tensors with :func:`kvtool.prune.per_token_mask` (or
+    :func:`random_pruned`) and encode them here, on the GPU with ``backend="triton"``."""
+    if keys.shape != values.shape:
+        raise UsageError(f"keys {list(keys.shape)} and values {list(values.shape)} must have one shape")
+    t = keys.shape[2]
+    if not 0 <= window <= t:
+        raise UsageError(f"window {window} must be between 0 and the {t} tokens")
+    tc = t - window
+    ck = encode(keys[:, :, :tc], "keys", backend)
+    cv = encode(values[:, :, :tc], "values", backend)
+    return BitmapCache(ck, cv, keys[:, :, tc:].contiguous(), values[:, :, tc:].contiguous())
+
+
+def random_pruned(batch: int, kv_heads: int, tokens: int, head_dim: int, sparsity: float, dtype=torch.float16, device="cpu", seed: int = 0, window: int = 0) -> torch.Tensor:
+    """A random ``[B, Hkv, T, D]`` tensor pruned per token by magnitude to ``sparsity`` (the last
+    ``window`` tokens untouched): quick inputs for tests and benchmarks."""
+    from ..prune import per_token_mask
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, kv_heads, tokens, head_dim, generator=g, device=device, dtype=torch.float32).to(dtype)
+    tc = tokens - window
+    if sparsity > 0 and tc > 0:
+        keep = per_token_mask(x[:, :, :tc].float().abs(), sparsity)
+        x[:, :, :tc] = x[:, :, :tc].masked_fill(~keep, 0)
+    return x

@@ -1,0 +1,318 @@
+"""Sign-VQ retrieval kernels for the ``signvq`` format, each beside its torch reference.
+
+Entry points (B batch, H query heads, Hkv KV heads, G = H / Hkv, Tq query tokens, Tc compressed
+tokens, D head_dim, G4 = D / 4; dt = float16 / bfloat16 / float32, fp32 accumulation):
+
+- :func:`lut_scores_kernel` (q ``[B, H, Tq, D]`` dt, codes uint8 ``[B, Hkv, Tc, ceil(G4/2)]``,
+  codebook dt ``[B, Hkv, G4, 16, 4]``, gqa ``"sum"|"max"``) -> scores ``[B, Hkv, Tq, Tc]`` float32.
+  Each program builds the table ``q_g . codebook[g, c]`` (G4 x 16 entries, per query head, or once
+  for the summed query with ``sum``) in registers and sums one table entry per group for a block of
+  tokens, reading the packed 4-bit codes (``tl.gather``; ``gather=False`` uses a one-hot sum).
+  Reference: :func:`kvtool.formats.signvq.lut_scores`.
+- :func:`signvq_attention` (q, encoded layer, idx int32 ``[B, Hkv, Tq, k]`` compressed-token
+  indices) -> partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) over the chosen
+  compressed tokens: codes, magnitudes, values and their scales are gathered per token and
+  dequantised in the load (k = c + s*alpha*(code*scale + zero), rounded to dt as ``decode`` does);
+  all G query heads share one pass; the k tokens are split across programs and merged.
+  Reference: :func:`signvq_attention_reference`.
+- :func:`signvq_decode` (q, encoded layer, scale): LUT scores -> torch.topk -> attention over the
+  chosen tokens merged with the full-precision (sink / keep-top / window) tokens, which go through
+  :func:`kvtool.kernels.pages.paged_attention`; the kernel path of ``signvq``'s ``attend``.
+- :func:`make_signvq_inputs`: random encoded inputs at any size, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import attend_partial, default_scale, expand_kv, merge_partials
+from ..cache import LayerKV
+from ..errors import UsageError
+from ..formats.base import Encoded
+from ..formats.signvq import SignVQFormat, SignVQParams, dequant_keys, dequant_values, mask_kept, topk_indices
+from .pages import _attend_block, _store_partial, paged_attention
+from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits
+
+
+# ----------------------------------------------------------------------------- LUT scores
+
+
+@triton.jit
+def _lookup(lut, codes, USE_GATHER: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr):
+    """Sum over groups of lut[g, codes[g, t]]: lut [BG, 16] float32, codes [BG, BT] int32 -> [BT]."""
+    if USE_GATHER:
+        vals = tl.gather(lut, codes, axis=1)
+    else:
+        c = tl.arange(0, 16)
+        hit = codes[:, :, None] == c[None, None, :]
+        vals = tl.sum(tl.where(hit, lut[:, None, :], 0.0), axis=2)
+    return tl.sum(vals, axis=0)
+
+
+@triton.jit
+def _lut_score_kernel(
+    q_ptr, codes_ptr, cb_ptr, out_ptr, TC, HKV, G4, NBYTES,
+    sq_b, sq_h, sq_t, sc_b, sc_h, sc_t, sb_b, sb_h, so_b, so_h, so_t,
+    G: tl.constexpr, BG: tl.constexpr, BT: tl.constexpr, MAX: tl.constexpr, USE_GATHER: tl.constexpr,
+):
+    """One program: BT tokens of one (batch, KV head, query token)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_q = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
+    n = tl.arange(0, BG)
+    c = tl.arange(0, 16)
+    j = tl.arange(0, 4)
+    nmask = n < G4
+    cb = tl.load(
+        cb_ptr + b * sb_b + kh * sb_h + n[:, None, None] * 64 + c[None, :, None] * 4 + j[None, None, :],
+        mask=nmask[:, None, None], other=0.0,
+    ).to(tl.float32)  # [BG, 16, 4]
+    t = pid_t * BT + tl.arange(0, BT)
+    tmask = t < TC
+    byte = tl.load(
+        codes_ptr + b * sc_b + kh * sc_h + t[None, :] * sc_t + (n // 2)[:, None],
+        mask=nmask[:, None] & tmask[None, :], other=0,
+    ).to(tl.int32)  # [BG, BT]
+    codes = (byte >> ((n % 2) * 4)[:, None]) & 15
+    qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
+    if MAX:
+        score = tl.full([BT], float("-inf"), tl.float32)
+        for h in tl.static_range(G):
+            qh = tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)  # [BG, 4]
+            lut = tl.sum(cb * qh[:, None, :], axis=2)  # [BG, 16]
+            score = tl.maximum(score, _lookup(lut, codes, USE_GATHER, BG, BT))
+    else:
+        qs = tl.zeros([BG, 4], tl.float32)
+        for h in tl.static_range(G):
+            qs += tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
+        lut = tl.sum(cb * qs[:, None, :], axis=2)
+        score = _lookup(lut, codes, USE_GATHER, BG, BT)
+    tl.store(out_ptr + b * so_b + kh * so_h + pid_q * so_t + t, score, mask=tmask)
+
+
+def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", gather: bool = True, block_tokens: int | None = None) -> torch.Tensor:
+    """LUT scores ``[B, Hkv, Tq, Tc]`` float32 (see the module docstring). With ``gqa="sum"`` the
+    table is built once from the summed query of the group (the sum of the per-head tables).
+    ``block_tokens``: tokens per program (default 128 with gather, 32 with the one-hot sum)."""
+    if gqa not in ("sum", "max"):
+        raise UsageError(f"gqa must be sum or max, got {gqa!r}")
+    if codebook.ndim != 5 or tuple(codebook.shape[3:]) != (16, 4):
+        raise UsageError(f"codebook must be [batch, kv_heads, head_dim/4, 16, 4], got {list(codebook.shape)}")
+    b, hkv, g4 = codebook.shape[:3]
+    check_query(q, b, hkv, 4 * g4, codebook.dtype)
+    nbytes = (g4 + 1) // 2
+    if codes.ndim != 4 or codes.dtype != torch.uint8 or tuple(codes.shape[:2]) != (b, hkv) or codes.shape[3] != nbytes:
+        raise UsageError(f"codes must be uint8 [{b}, {hkv}, tokens, {nbytes}], got {codes.dtype} {list(codes.shape)}")
+    device = check_device(q=q, codes=codes, codebook=codebook)
+    codebook = codebook.contiguous()
+    codes = codes if codes.stride(3) == 1 else codes.contiguous()
+    tc, tq, h = codes.shape[2], q.shape[2], q.shape[1]
+    out = torch.empty(b, hkv, tq, tc, dtype=torch.float32, device=device)
+    if tc == 0 or tq == 0:
+        return out
+    bg = max(2, triton.next_power_of_2(g4))
+    block_tokens = block_tokens or (128 if gather else 32)
+    bt = max(16, min(triton.next_power_of_2(block_tokens), triton.next_power_of_2(tc)))
+    grid = (triton.cdiv(tc, bt), b * hkv, tq)
+    _lut_score_kernel[grid](
+        q, codes, codebook, out, tc, hkv, g4, nbytes,
+        q.stride(0), q.stride(1), q.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
+        codebook.stride(0), codebook.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        G=h // hkv, BG=bg, BT=bt, MAX=gqa == "max", USE_GATHER=gather,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- fused attention
+
+
+@triton.jit
+def _to_dtype(x, like, UPCAST: tl.constexpr):
+    """float32 x rounded to the dtype of tensor ``like`` (nearest even). UPCAST (bfloat16 on the CPU interpreter, whose
+    float32 -> bfloat16 cast truncates) rounds with integer arithmetic and keeps float32 storage."""
+    if UPCAST:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(like.dtype)
+
+
+@triton.jit
+def _signvq_attention_kernel(
+    q_ptr, idx_ptr, codes_ptr, mag_ptr, kqp_ptr, vq_ptr, vqp_ptr, center_ptr, alpha_ptr, out_ptr, lse_ptr,
+    scale_log2, K, TPS, S, HKV, TQ, D, TC, NB, NQB, NGRP,
+    sq_b, sq_h, sq_t, si_b, si_h, si_t,
+    G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, QG: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program: chosen tokens [split*TPS, (split+1)*TPS) of one (batch, KV head, query token),
+    all G query heads. The per-token tensors are contiguous [B*Hkv*Tc, row]: codes NB bytes, mag
+    and values NQB bytes, qparams NGRP (scale, zero) pairs; centre and alpha [B*Hkv, D]."""
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    b = pid_bh // HKV
+    kh = pid_bh % HKV
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    dmask = d < D
+    q = tl.load(q_ptr + b * sq_b + (kh * G + g)[:, None] * sq_h + pid_t * sq_t + d[None, :], mask=(g < G)[:, None] & dmask[None, :], other=0.0)
+    center = tl.load(center_ptr + pid_bh * D + d, mask=dmask, other=0.0).to(tl.float32)
+    alpha = tl.load(alpha_ptr + pid_bh * D + d, mask=dmask, other=0.0).to(tl.float32)
+    levels: tl.constexpr = (1 << BITS) - 1
+    sbit = (d % 8)[None, :]
+    qbyte = (d * BITS // 8)[None, :]
+    qshift = ((d * BITS) % 8)[None, :]
+    qgrp = (d // QG)[None, :]
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    start = pid_s * TPS
+    end = tl.minimum(start + TPS, K)
+    for t0 in range(start, end, BT):
+        ti = t0 + tl.arange(0, BT)
+        tmask = ti < end
+        tok = tl.load(idx_ptr + b * si_b + kh * si_h + pid_t * si_t + ti, mask=tmask, other=0)
+        r = (pid_bh.to(tl.int64) * TC + tok.to(tl.int64))[:, None]  # [BT, 1] token rows
+        lm = tmask[:, None] & dmask[None, :]
+        sbyte = tl.load(codes_ptr + r * NB + (d // 8)[None, :], mask=lm, other=0).to(tl.int32)
+        sign = ((sbyte >> sbit) & 1).to(tl.float32) * 2.0 - 1.0
+        mcode = ((tl.load(mag_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
+        pk = kqp_ptr + (r * NGRP + qgrp) * 2
+        mag = mcode * tl.load(pk, mask=lm, other=0.0).to(tl.float32) + tl.load(pk + 1, mask=lm, other=0.0).to(tl.float32)
+        k = _to_dtype(center[None, :] + sign * alpha[None, :] * mag, q, UPCAST)  # [BT, DP]
+        vcode = ((tl.load(vq_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
+        pv = vqp_ptr + (r * NGRP + qgrp) * 2
+        v = _to_dtype(vcode * tl.load(pv, mask=lm, other=0.0).to(tl.float32) + tl.load(pv + 1, mask=lm, other=0.0).to(tl.float32), q, UPCAST)
+        m_i, l_i, acc = _attend_block(q, tl.trans(k), v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    prow = (pid_bh * TQ + pid_t) * S + pid_s
+    _store_partial(out_ptr, lse_ptr, prow, acc, m_i, l_i, g, d, GP, DP)
+
+
+SIGNVQ_TENSORS = ("index.codes", "keys.mag", "keys.qparams", "values.q", "values.qparams", "keys.center", "keys.alpha")
+
+
+def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
+    """Shapes and dtypes of the encoded layer against its metadata and q; UsageError naming the
+    first tensor that disagrees (raised before any launch)."""
+    t, m = enc.tensors, enc.meta
+    for name in SIGNVQ_TENSORS + ("index.codebook", "full.keys", "full.values", "full.positions"):
+        if name not in t:
+            raise UsageError(f"encoded layer lacks tensor {name!r}")
+    b, hkv, tc = t["keys.mag"].shape[:3]
+    d, bits = m["head_dim"], m["bits"]
+    dtype = t["full.keys"].dtype
+    group = m["group"]
+    want = {
+        "index.codes": ((b, hkv, tc, (d // 4 + 1) // 2), torch.uint8),
+        "keys.mag": ((b, hkv, tc, d * bits // 8), torch.uint8),
+        "values.q": ((b, hkv, tc, d * bits // 8), torch.uint8),
+        "keys.qparams": ((b, hkv, tc, d // group, 2), dtype),
+        "values.qparams": ((b, hkv, tc, d // group, 2), dtype),
+        "keys.center": ((b, hkv, d), dtype),
+        "keys.alpha": ((b, hkv, d), dtype),
+    }
+    for name, (shape, dt) in want.items():
+        if tuple(t[name].shape) != shape or t[name].dtype != dt:
+            raise UsageError(f"{name} is {t[name].dtype} {list(t[name].shape)}; expected {dt} {list(shape)}")
+    if tc != m["compressed_tokens"]:
+        raise UsageError(f"keys.mag holds {tc} tokens but the metadata says {m['compressed_tokens']}")
+    check_query(q, b, hkv, d, dtype)
+
+
+def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None, block_tokens: int = 32, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
+    entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
+    kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
+    (default: about 4 programs per SM); ``block_tokens``: tokens per inner step."""
+    check_encoded(q, enc)
+    t, m = enc.tensors, enc.meta
+    b, hkv, tc = t["keys.mag"].shape[:3]
+    h, tq, d = q.shape[1], q.shape[2], q.shape[3]
+    if idx.ndim != 4 or tuple(idx.shape[:3]) != (b, hkv, tq) or idx.dtype != torch.int32:
+        raise UsageError(f"idx must be int32 [{b}, {hkv}, {tq}, k], got {idx.dtype} {list(idx.shape)}")
+    device = check_device(q=q, idx=idx, **{n.replace(".", "_"): t[n] for n in SIGNVQ_TENSORS})
+    k = idx.shape[3]
+    if check and k and (int(idx.min()) < 0 or int(idx.max()) >= tc):
+        raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
+    if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise UsageError("idx lists a token twice for one query")
+    ten = {n: t[n].contiguous() for n in SIGNVQ_TENSORS}
+    g = h // hkv
+    gp = max(16, triton.next_power_of_2(g))
+    dp = max(16, triton.next_power_of_2(d))
+    bt = max(16, triton.next_power_of_2(block_tokens))
+    s = num_splits(b * hkv * tq, -(-k // bt), device) if splits is None else max(1, int(splits))
+    tps = bt * max(1, -(-k // (bt * s)))
+    s = max(1, -(-k // tps)) if k else 1
+    out = torch.empty(b, hkv, tq, s, gp, dp, dtype=torch.float32, device=device)
+    lse = torch.empty(b, hkv, tq, s, gp, dtype=torch.float32, device=device)
+    scale = default_scale(d) if scale is None else scale
+    prec, upcast = dot_flags(q.dtype, device)
+    _signvq_attention_kernel[(s, b * hkv, tq)](
+        q, idx, ten["index.codes"], ten["keys.mag"], ten["keys.qparams"], ten["values.q"], ten["values.qparams"],
+        ten["keys.center"], ten["keys.alpha"], out, lse,
+        float(scale) * LOG2E, k, tps, s, hkv, tq, d, tc,
+        ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3],
+        q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
+        G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], DOT_PREC=prec, UPCAST=upcast,
+    )
+    return merge_splits(out[..., :d], lse, h)
+
+
+def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`signvq_attention`: dequantise every compressed token (through the
+    capture dtype) and attend under the mask of ``idx``."""
+    t, m = enc.tensors, enc.meta
+    dtype = t["full.keys"].dtype
+    mask = torch.zeros(*idx.shape[:3], m["compressed_tokens"], dtype=torch.bool, device=q.device)
+    mask.scatter_(3, idx.to(torch.int64), True)
+    kd, vd = dequant_keys(t, m).to(dtype), dequant_values(t, m).to(dtype)
+    return attend_partial(q, kd, vd, scale, expand_kv(mask, q.shape[1] // kd.shape[1]))
+
+
+# ----------------------------------------------------------------------------- the format's decode step
+
+
+FULL_PAGE = 16
+
+
+def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, gather: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
+    fused dequantising attention over the chosen tokens, and the full-precision tokens through the
+    paged kernel (pages of 16 over ``full.keys``). Same contract as ``SignVQFormat.attend``."""
+    check_encoded(q, enc)
+    t, m = enc.tensors, enc.meta
+    b, hkv = t["keys.mag"].shape[:2]
+    tq = q.shape[2]
+    scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], gather=gather)
+    idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
+    part = signvq_attention(q, enc, idx, scale, check=False)
+    f = t["full.keys"].shape[2]
+    if f == 0:
+        return part
+    pages = torch.arange(-(-f // FULL_PAGE), dtype=torch.int32, device=q.device).expand(b, hkv, tq, -1)
+    full = paged_attention(q, t["full.keys"], t["full.values"], pages, FULL_PAGE, scale, check=False)
+    return merge_partials(part, full)
+
+
+def make_signvq_inputs(
+    batch: int = 1, heads: int = 32, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
+    dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", bits: int = 2, group: int = 64,
+    budget: int = 512, sinks: int = 4, dense_window: int = 0, gqa: str = "sum", seed: int = 0,
+) -> tuple[torch.Tensor, Encoded]:
+    """Random keys/values (one planted outlier channel) encoded as ``signvq`` on ``device`` and a
+    decode query ``[batch, heads, 1, head_dim]``: ``signvq_decode(q, enc)`` runs on them."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
+    k[..., 3] *= 6
+    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
+    q = torch.randn(batch, heads, 1, head_dim, generator=gen)
+    lay = LayerKV(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+    params = SignVQParams(bits=bits, group=group, budget=budget, budget_ratio=None, sinks=sinks, dense_window=dense_window, gqa=gqa)
+    return q.to(device=device, dtype=dtype), SignVQFormat().encode(lay, params)
