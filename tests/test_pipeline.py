@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvtool import io
+from kvtool.attention import attend_partial
 from kvtool.cli import app
 from kvtool.errors import BadDataError, UsageError
 from kvtool.evict import evict_layer, gather_tokens
@@ -110,6 +111,10 @@ def test_selected_mask_and_attend(cache):
     assert bool(sel[0, 2, 3, kept[0, 1]].all()) and bool(sel[0, 1, 3, kept[0, 0]].all())  # query head h reads KV head h // 2
     out, lse = f.attend(q, enc)
     assert out.shape == q.shape and bool(torch.isfinite(out).all())
+    dense = f.decode(enc)  # quant storage keeps every kept token: attend is attention over decode
+    ref_out, ref_lse = attend_partial(q, dense.keys, dense.values)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
 
 
 def test_file_round_trip_and_validation(cache, tmp_path):

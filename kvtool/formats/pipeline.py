@@ -52,6 +52,10 @@ class PipelineFormat(Format):
     name = "pipeline"
     summary = "composed: --evict then --prune then a storage format (prune + quant stores as bitmapq)"
     Params = PipelineParams
+    # A pipeline may store into a selecting format (signvq, pagestat); ``selects`` is per format, not
+    # per file, so it is set conservatively: tools never stand a dense decode in for a pipeline file
+    # (export/continuation go through ``attend``, which is right for every storage format).
+    selects = True
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         from ..pipeline import plan
