@@ -31,7 +31,11 @@ DEFAULT_SWEEPS: dict[str, list[str]] = {
     "pagestat": ["pagestat:budget=64,128,256"],
     "snapstream": ["snapstream:budget=64,128,256"],
     "heads": ["heads:k=1,2"],
-    "quant": ["quant:bits=2,4,8"],
+    "quant": ["quant:bits=2,4,8", "quant:scheme=int8,fp8"],
+    "pipeline": [
+        "pipeline:evict=snapkv:budget=256,prune=none,format=quant:bits=4",
+        "pipeline:evict=snapkv:budget=256,prune=per-token:k=0.5;v=0.7,format=quant:bits=4",
+    ],
 }
 
 # The papers' comparisons, as rows: (comparison, label, spec). A row whose format or parameter is
@@ -51,6 +55,12 @@ PAPER_ROWS: list[tuple[str, str, str]] = [
     (_KV, "keys only", "bitmap:key_sparsity=0.7,value_sparsity=0"),
     (_KV, "values only", "bitmap:key_sparsity=0,value_sparsity=0.7"),
     (_KV, "keys and values", "bitmap:sparsity=0.7"),
+    ("pruning with KIVI quantisation (Mustafar 4.2)", "KIVI 2-bit", "quant:bits=2"),
+    ("pruning with KIVI quantisation (Mustafar 4.2)", "KIVI 4-bit", "quant:bits=4"),
+    ("pruning with KIVI quantisation (Mustafar 4.2)", "50% per-token + KIVI 2-bit", "bitmapq:sparsity=0.5,bits=2"),
+    ("pruning with KIVI quantisation (Mustafar 4.2)", "50% per-token + KIVI 4-bit", "bitmapq:sparsity=0.5,bits=4"),
+    ("pruning with eviction (Mustafar 4.2)", "SnapKV 256 alone", "pipeline:evict=snapkv:budget=256,prune=none,format=dense"),
+    ("pruning with eviction (Mustafar 4.2)", "SnapKV 256 + 50% per-token", "pipeline:evict=snapkv:budget=256,prune=none,format=bitmap:sparsity=0.5"),
     ("sign-VQ key centring (Self-Indexing)", "centred (mean)", "signvq:center=mean"),
     ("sign-VQ key centring (Self-Indexing)", "centred (median)", "signvq:center=median"),
     ("page scoring at budget 128 (UNIQUE vs Quest)", "UNIQUE", "pagestat:budget=128,score=unique"),
