@@ -28,6 +28,17 @@ kvtool compress "$CAP" --format snapstream --budget 256 -o "$OUT/cap.snapstream.
 kvtool compress "$CAP" --format quant:bits=4 -o "$OUT/cap.quant.safetensors" --force
 kvtool compress "$CAP" --evict snapkv:budget=512 --prune per-token:k=0.5,v=0.5 --format quant:bits=4 -o "$OUT/cap.pipeline.safetensors" --force
 
+step "verify: what each format costs (64 held-out queries; NLL, agreement, KL on the embedded model)"
+kvtool verify "$OUT/cap.bitmap.safetensors" --generate 8
+kvtool verify "$OUT/cap.quant.safetensors" --generate 8
+kvtool verify "$OUT/cap.snapstream.safetensors" --generate 8
+kvtool verify "$OUT/cap.pagestat.safetensors" --generate 8
+kvtool verify "$OUT/cap.signvq.safetensors" --no-model
+kvtool verify "$OUT/cap.pipeline.safetensors" --no-model
+
+step "eval: every format, the papers' comparisons and the bytes-vs-fidelity frontier (sample capture)"
+kvtool eval samples/smollm2-sample.safetensors --no-model --paper -o "$OUT/eval" --force | tail -n 25
+
 step "heads: Polar Sparsity's head selection on the sample (it carries hidden states for the routers)"
 kvtool heads samples/smollm2-sample.safetensors --plot "$OUT/heads.png" --router-out "$OUT/routers.safetensors" --force
 
