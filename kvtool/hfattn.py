@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import hfinterface
 from .attention import attend_partial, merge_partials
 from .cache import LayerKV
 from .errors import UsageError
@@ -118,24 +119,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
 
 def register_attention() -> None:
     """Register ``kvtool_compressed`` (attention and its SDPA-style mask) with transformers."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, _attention)
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    except ImportError:
-        pass
-
-
-def _set_attention(model: Any, name: str) -> str | None:
-    previous = getattr(model.config, "_attn_implementation", None)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
-    return previous
+    hfinterface.register_attention(ATTN_NAME, _attention)
 
 
 @contextlib.contextmanager
@@ -144,18 +128,13 @@ def compressed_attention(model: Any, prefix: CompressedPrefix | None) -> Iterato
     the module docstring). ``prefix=None`` runs every layer densely through the same machinery.
     The model's previous attention implementation is restored on exit."""
     register_attention()
-    previous = _set_attention(model, ATTN_NAME)
     before = getattr(_state, "prefix", None)
     _state.prefix = prefix
     try:
-        yield
+        with hfinterface.attention_implementation(model, ATTN_NAME):
+            yield
     finally:
         _state.prefix = before
-        if previous is not None:
-            try:
-                _set_attention(model, previous)
-            except Exception:  # noqa: BLE001 - restoring is best effort
-                model.config._attn_implementation = previous
 
 
 @torch.no_grad()
