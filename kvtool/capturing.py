@@ -21,6 +21,7 @@ from . import models
 from ._version import __version__
 from .cache import DTYPES, KVCache, LayerKV, dtype_name
 from .errors import BadDataError, UsageError
+from .hfinterface import attention_implementation, register_attention
 
 ATTN_NAME = "kvtool_capture"
 
@@ -51,27 +52,6 @@ def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, valu
     if rec is not None and rec.on_layer is not None and idx is not None:
         rec.on_layer(idx)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_NAME, _capture_attention)
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    except ImportError:  # older layouts fall back to the sdpa mask by name
-        pass
-
-
-def _set_attention(model: Any, name: str) -> str | None:
-    previous = getattr(model.config, "_attn_implementation", None)
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
-    return previous
 
 
 def tokenize(
@@ -219,34 +199,29 @@ def capture(
             progress("layers", done[0], total_calls)
 
     rec.on_layer = on_layer
-    _register_attention()
-    previous = _set_attention(mdl, ATTN_NAME)
+    register_attention(ATTN_NAME, _capture_attention)
     _state.recorder = rec
     hidden_steps: list[tuple[torch.Tensor, ...]] = []
     all_ids = input_ids
     try:
-        ids = input_ids.to(model_device)
-        am = None if mask is None else mask.to(model_device)
-        out = mdl(input_ids=ids, attention_mask=am, use_cache=True, output_hidden_states=hidden)
-        if hidden:
-            hidden_steps.append(tuple(h.detach() for h in out.hidden_states[:n_layers]))
-        past = out.past_key_values
-        for _ in range(generate):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            all_ids = torch.cat([all_ids, nxt.cpu()], dim=1)
-            if am is not None:
-                am = torch.cat([am, torch.ones_like(nxt)], dim=1)
-            out = mdl(input_ids=nxt, attention_mask=am, past_key_values=past, use_cache=True, output_hidden_states=hidden)
-            past = out.past_key_values
+        with attention_implementation(mdl, ATTN_NAME):
+            ids = input_ids.to(model_device)
+            am = None if mask is None else mask.to(model_device)
+            out = mdl(input_ids=ids, attention_mask=am, use_cache=True, output_hidden_states=hidden)
             if hidden:
                 hidden_steps.append(tuple(h.detach() for h in out.hidden_states[:n_layers]))
+            past = out.past_key_values
+            for _ in range(generate):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                all_ids = torch.cat([all_ids, nxt.cpu()], dim=1)
+                if am is not None:
+                    am = torch.cat([am, torch.ones_like(nxt)], dim=1)
+                out = mdl(input_ids=nxt, attention_mask=am, past_key_values=past, use_cache=True, output_hidden_states=hidden)
+                past = out.past_key_values
+                if hidden:
+                    hidden_steps.append(tuple(h.detach() for h in out.hidden_states[:n_layers]))
     finally:
         _state.recorder = None
-        if previous is not None:
-            try:
-                _set_attention(mdl, previous)
-            except Exception:  # noqa: BLE001 - restoring is best effort
-                mdl.config._attn_implementation = previous
     store_dtype = dtype or dtype_name(next(mdl.parameters()).dtype)
     torch_dtype = DTYPES[store_dtype]
     facts = models.facts_of(mdl, source, store_dtype)

@@ -163,18 +163,10 @@ def _ring_layer_class():
 
 def use_kvtool_attention(model: Any) -> None:
     """Register ``kvtool_export`` with transformers (SDPA masks) and switch ``model`` to it."""
-    from transformers import AttentionInterface
+    from .hfinterface import register_attention, set_attention
 
-    AttentionInterface.register(ATTN_NAME, _attention)
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    if getattr(model.config, "_attn_implementation", None) == ATTN_NAME:
-        return
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ATTN_NAME)
-    else:
-        model.config._attn_implementation = ATTN_NAME
+    register_attention(ATTN_NAME, _attention)
+    set_attention(model, ATTN_NAME)
 
 
 def _dynamic_cache_class():

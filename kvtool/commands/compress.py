@@ -53,10 +53,9 @@ def compress_file(
     quiet: bool = True,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
     """Compress a capture file and write the result; returns (container, path, report)."""
-    name, values = parse_spec(spec)
-    fmt = get_format(name)
-    values.update({k: v for k, v in (options or {}).items() if v is not None})
-    params = make_params(fmt, values)
+    from ..pipeline import resolve
+
+    fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
     meta, _ = io.read_header(capture)
@@ -75,6 +74,8 @@ def compress_file(
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
+    if fmt.name == "pipeline":
+        cc.info["pipeline"] = next(iter(cc.layers.values())).meta.get("label")
     path = save_compressed(cc, output, force=force)
     report = build_report(cc, cache)
     report["output"] = str(path)
@@ -123,11 +124,13 @@ def register(app: typer.Typer) -> None:
         "compress",
         help=f"Compress a capture with one format and write a compressed file.\n\nFormats: {names}.\n\n"
         "Every option below applies to the formats that have a parameter of that name; NAME:key=value,... in "
-        "--format and repeated --param key=value set any parameter. The last --heldout tokens stay dense: their "
+        "--format and repeated --param key=value set any parameter. --evict and --prune put steps in front of the format "
+        "(or chain them in --format: snapkv:budget=256+per-token:k=0.5,v=0.7+quant:bits=4). The last --heldout tokens stay dense: their "
         "queries are what `kvtool verify` scores.",
         epilog=example_epilog(
             "kvtool compress cap.safetensors --format bitmap --sparsity 0.7 -o cap.bitmap.safetensors",
             "kvtool compress cap.safetensors --format quant:bits=4 --json",
+            "kvtool compress cap.safetensors --evict snapkv:budget=256 --prune per-token:k=0.5,v=0.7 --format quant:bits=4",
         ),
     )
     @kvtool_command
@@ -140,8 +143,8 @@ def register(app: typer.Typer) -> None:
         value_sparsity: Annotated[float | None, typer.Option(help="Value sparsity (overrides --sparsity).")] = None,
         method: Annotated[str | None, typer.Option(help="Pruning method (see `kvtool prune --help`).")] = None,
         dense_window: Annotated[int | None, typer.Option(help="Most recent tokens kept dense inside the format.")] = None,
-        bits: Annotated[int | None, typer.Option(help="Quantisation bits (signvq, quant).")] = None,
-        group: Annotated[int | None, typer.Option(help="Elements per scale/zero point (signvq, quant).")] = None,
+        bits: Annotated[int | None, typer.Option(help="Quantisation bits (signvq; quant and bitmapq: 2|4|8).")] = None,
+        group: Annotated[int | None, typer.Option(help="Elements per scale/zero point (signvq, quant, bitmapq; default 32).")] = None,
         center: Annotated[str | None, typer.Option(help="Key centring before sign codes: mean|median (signvq).")] = None,
         sinks: Annotated[int | None, typer.Option(help="First tokens kept in full precision.")] = None,
         keep_top: Annotated[int | None, typer.Option(help="Tokens kept in full precision by the last query's score (signvq).")] = None,
@@ -153,9 +156,9 @@ def register(app: typer.Typer) -> None:
         recent: Annotated[int | None, typer.Option(help="Recent tokens in the ring buffer (snapstream).")] = None,
         window: Annotated[int | None, typer.Option(help="Observation window of queries (snapstream).")] = None,
         pool: Annotated[int | None, typer.Option(help="Pooling kernel along tokens (snapstream).")] = None,
-        residual: Annotated[int | None, typer.Option(help="Full-precision residual tokens (quant).")] = None,
-        evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format, e.g. snapkv:budget=2048.")] = None,
-        prune: Annotated[str | None, typer.Option(help="Pruning step in front of the format, e.g. per-token:k=0.5,v=0.7.")] = None,
+        residual: Annotated[int | None, typer.Option(help="Full-precision residual tokens (quant, bitmapq; default 32).")] = None,
+        evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format: POLICY:budget=N[,sinks=,recent=,window=,pool=], policy snapkv|streaming.")] = None,
+        prune: Annotated[str | None, typer.Option(help="Pruning step after eviction: METHOD:k=KEY_SPARSITY,v=VALUE_SPARSITY[,window=N]; with --format quant it stores as bitmapq.")] = None,
         param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
         layers: LayersOpt = None,

@@ -38,6 +38,7 @@ from ..attention import attend_partial, default_scale
 from ..errors import UsageError
 from .bitmap_compress import _check_device
 from .bitmap_layout import TILE, BitmapCache
+from .online_softmax import attend_block as _attend_block
 
 LOG2E = 1.4426950408889634
 
@@ -53,25 +54,6 @@ def _popc32(x, USE_ASM: tl.constexpr):
         u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
         u = (u + (u >> 4)) & 0x0F0F0F0F
         return ((u * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
-def _attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """32 tokens: kt [DP, 32], v [32, DP]; online softmax in base 2. UPCAST runs the
-    products in float32 (the CPU interpreter computes bfloat16 tl.dot wrongly)."""
-    if UPCAST:
-        q = q.to(tl.float32)
-        kt = kt.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
-    s = tl.where(s_mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit

@@ -30,6 +30,7 @@ from ..errors import UsageError
 from ..formats.base import Encoded
 from ..formats.pagestat import SCORES, PageStatParams, PageStatFormat, page_scores, pages_to_token_mask, select_pages
 from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits
+from .online_softmax import attend_block as _attend_block
 
 SCORE_ID = {"unique": 0, "quest": 1, "mean": 2}
 
@@ -117,24 +118,6 @@ def page_criticality(q: torch.Tensor, stats: dict[str, torch.Tensor], score: str
 
 
 # ----------------------------------------------------------------------------- paged attention
-
-
-@triton.jit
-def _attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Online softmax (base 2) over one block: q [GP, DP], kt [DP, BP], v [BP, DP]."""
-    if UPCAST:
-        q = q.to(tl.float32)
-        kt = kt.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=DOT_PREC) * scale_log2
-    s = tl.where(s_mask, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_i, acc
 
 
 @triton.jit

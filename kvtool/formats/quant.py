@@ -1,0 +1,251 @@
+"""The quantisation baseline: KIVI (keys per channel, values per token, low-bit codes with a scale and
+zero point per group, a full-precision residual window), plus plain per-token int8 and fp8 (e4m3).
+
+Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` and ``n = T - R``:
+
+- ``scheme=kivi``: keys quantise their first ``Tk = floor(n / group) * group`` tokens, per channel in
+  groups of ``group`` tokens (KIVI's key cache: whole groups only; the ``T - Tk`` last keys, between R
+  and R + group - 1 of them, stay in full precision, as KIVI keeps its key tail). Values quantise their
+  first ``Tv = n`` tokens, per token in groups of ``group`` channels (the last group of a token shorter
+  when ``group`` does not divide D: it still has its own scale and zero point, counted). Codes are
+  bit-packed (:mod:`kvtool.quantize`): keys along tokens, ``codes.keys`` ``uint8 [B, Hkv, D,
+  ceil(Tk*bits/8)]``; values along channels, ``codes.values`` ``uint8 [B, Hkv, Tv, ceil(D*bits/8)]``.
+  Scales/zero points: ``scales.keys``/``zeros.keys`` ``[B, Hkv, D, Tk/group]``,
+  ``scales.values``/``zeros.values`` ``[B, Hkv, Tv, ceil(D/group)]``, float16 (float32 when a value
+  reaches float16's range; ``meta["scale_dtype"]``).
+- ``scheme=int8`` / ``fp8``: symmetric, one scale per token and head (``max|x| / 127`` or ``/ 448``),
+  codes ``int8`` / ``uint8`` (e4m3fn bit patterns) ``[B, Hkv, n, D]`` for keys and values, scales
+  ``[B, Hkv, n]``; no zero points. The residual window defaults to 0 (the plain engine cache).
+- ``residual.keys`` ``[B, Hkv, T - Tk, D]`` and ``residual.values`` ``[B, Hkv, T - Tv, D]`` in the
+  capture dtype: the most recent tokens, unquantised.
+
+Every one of these tensors is stored and counted (parts: codes, scales, zeros, residual).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..cache import DTYPES, LayerKV, dtype_name
+from ..errors import BadDataError, UsageError
+from ..quantize import (
+    check_bits,
+    dequantize_groups,
+    dequantize_symmetric,
+    pack_codes,
+    packed_length,
+    quantize_groups,
+    quantize_symmetric,
+    row_groups,
+    scale_dtype_for,
+    unpack_codes,
+)
+from .base import Encoded, Format, FormatParams, register
+
+SCHEMES = ("kivi", "int8", "fp8")
+
+
+@dataclass
+class QuantParams(FormatParams):
+    """``scheme`` kivi|int8|fp8; ``bits`` 2|4|8 (kivi; int8/fp8 are 8); ``group`` elements per scale
+    and zero point (kivi, default 32); ``residual`` most recent tokens kept in full precision
+    (default 32 for kivi, 0 for int8/fp8). ``None`` means the scheme's default."""
+
+    bits: int | None = None
+    group: int | None = None
+    residual: int | None = None
+    scheme: Literal["kivi", "int8", "fp8"] = "kivi"
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise UsageError(f"--format quant: scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        if self.scheme == "kivi":
+            self.bits = 4 if self.bits is None else self.bits
+            self.group = 32 if self.group is None else self.group
+            self.residual = 32 if self.residual is None else self.residual
+            check_bits(self.bits)
+            if self.group < 1:
+                raise UsageError(f"--group must be at least 1, got {self.group}")
+        else:
+            if self.bits not in (None, 8):
+                raise UsageError(f"--format quant scheme {self.scheme} stores 8-bit codes; drop --bits {self.bits} or use scheme kivi for 2 or 4 bits")
+            if self.group is not None:
+                raise UsageError(f"--format quant scheme {self.scheme} has one scale per token; --group applies to scheme kivi only")
+            self.bits = 8
+            self.residual = 0 if self.residual is None else self.residual
+        if self.residual < 0:
+            raise UsageError(f"--residual must be at least 0, got {self.residual}")
+
+
+def split_tokens(t: int, p: QuantParams) -> tuple[int, int]:
+    """(Tk, Tv): tokens whose keys / values are quantised (module docstring)."""
+    n = max(t - p.residual, 0)
+    if p.scheme == "kivi":
+        return (n // p.group) * p.group, n
+    return n, n
+
+
+def encode_kivi(keys: torch.Tensor, values: torch.Tensor, p: QuantParams) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """KIVI encoding of keys/values ``[B, Hkv, T, D]``; returns (tensors, meta)."""
+    b, h, t, d = keys.shape
+    tk, tv = split_tokens(t, p)
+    sdt = scale_dtype_for(torch.cat([keys[:, :, :tk].reshape(-1), values[:, :, :tv].reshape(-1)]))
+    tensors: dict[str, torch.Tensor] = {}
+    # keys: rows are (b, h, channel), grouped along tokens
+    krows = keys[:, :, :tk].transpose(-1, -2).reshape(b * h * d, tk)
+    kidx, kgroups = row_groups(b * h * d, tk, p.group, keys.device)
+    codes, scale, zero = quantize_groups(krows, kidx, kgroups, p.bits, sdt)
+    tensors["codes.keys"] = pack_codes(codes.reshape(b, h, d, tk), p.bits)
+    tensors["scales.keys"] = scale.reshape(b, h, d, tk // p.group)
+    tensors["zeros.keys"] = zero.reshape(b, h, d, tk // p.group)
+    # values: rows are (b, h, token), grouped along channels
+    vrows = values[:, :, :tv].reshape(b * h * tv, d)
+    vidx, vgroups = row_groups(b * h * tv, d, p.group, values.device)
+    codes, scale, zero = quantize_groups(vrows, vidx, vgroups, p.bits, sdt)
+    tensors["codes.values"] = pack_codes(codes.reshape(b, h, tv, d), p.bits)
+    tensors["scales.values"] = scale.reshape(b, h, tv, math.ceil(d / p.group))
+    tensors["zeros.values"] = zero.reshape(b, h, tv, math.ceil(d / p.group))
+    tensors["residual.keys"] = keys[:, :, tk:].contiguous()
+    tensors["residual.values"] = values[:, :, tv:].contiguous()
+    return tensors, {"scale_dtype": dtype_name(sdt), "key_tokens": tk, "value_tokens": tv}
+
+
+def decode_kivi(enc: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantised keys/values float32 ``[B, Hkv, T, D]`` of a kivi layer."""
+    m, ts = enc.meta, enc.tensors
+    b, h, t, d = m["shape"]
+    bits, group, tk, tv = m["bits"], m["group"], m["key_tokens"], m["value_tokens"]
+    kcodes = unpack_codes(ts["codes.keys"], bits, tk).reshape(-1)
+    kidx, _ = row_groups(b * h * d, tk, group, kcodes.device)
+    kq = dequantize_groups(kcodes, kidx, ts["scales.keys"].reshape(-1), ts["zeros.keys"].reshape(-1)).reshape(b, h, d, tk).transpose(-1, -2)
+    vcodes = unpack_codes(ts["codes.values"], bits, d).reshape(-1)
+    vidx, _ = row_groups(b * h * tv, d, group, vcodes.device)
+    vq = dequantize_groups(vcodes, vidx, ts["scales.values"].reshape(-1), ts["zeros.values"].reshape(-1)).reshape(b, h, tv, d)
+    keys = torch.cat([kq, ts["residual.keys"].float()], dim=2)
+    values = torch.cat([vq, ts["residual.values"].float()], dim=2)
+    return keys, values
+
+
+def encode_symmetric(keys: torch.Tensor, values: torch.Tensor, p: QuantParams) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Per-token int8 / fp8 encoding; returns (tensors, meta)."""
+    n, _ = split_tokens(keys.shape[2], p)
+    sdt = scale_dtype_for(torch.cat([keys[:, :, :n].reshape(-1), values[:, :, :n].reshape(-1)]))
+    tensors: dict[str, torch.Tensor] = {}
+    for kind, x in (("keys", keys), ("values", values)):
+        codes, scale = quantize_symmetric(x[:, :, :n], p.scheme, sdt)
+        tensors[f"codes.{kind}"] = codes.contiguous()
+        tensors[f"scales.{kind}"] = scale.contiguous()
+        tensors[f"residual.{kind}"] = x[:, :, n:].contiguous()
+    return tensors, {"scale_dtype": dtype_name(sdt), "key_tokens": n, "value_tokens": n}
+
+
+def decode_symmetric(enc: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
+    ts, scheme = enc.tensors, enc.meta["scheme"]
+    out = []
+    for kind in ("keys", "values"):
+        q = dequantize_symmetric(ts[f"codes.{kind}"], ts[f"scales.{kind}"], scheme)
+        out.append(torch.cat([q, ts[f"residual.{kind}"].float()], dim=2))
+    return out[0], out[1]
+
+
+def expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Tensor name -> (shape, dtype) that a layer with this meta must store."""
+    b, h, t, d = meta["shape"]
+    tk, tv, bits = meta["key_tokens"], meta["value_tokens"], meta["bits"]
+    sdt = DTYPES[meta["scale_dtype"]]
+    dt = DTYPES[meta["dtype"]]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        "residual.keys": ((b, h, t - tk, d), dt),
+        "residual.values": ((b, h, t - tv, d), dt),
+    }
+    if meta["scheme"] == "kivi":
+        g = meta["group"]
+        shapes.update({
+            "codes.keys": ((b, h, d, packed_length(tk, bits)), torch.uint8),
+            "scales.keys": ((b, h, d, tk // g), sdt),
+            "zeros.keys": ((b, h, d, tk // g), sdt),
+            "codes.values": ((b, h, tv, packed_length(d, bits)), torch.uint8),
+            "scales.values": ((b, h, tv, math.ceil(d / g)), sdt),
+            "zeros.values": ((b, h, tv, math.ceil(d / g)), sdt),
+        })
+    else:
+        cdt = torch.int8 if meta["scheme"] == "int8" else torch.uint8
+        for kind, n in (("keys", tk), ("values", tv)):
+            shapes[f"codes.{kind}"] = ((b, h, n, d), cdt)
+            shapes[f"scales.{kind}"] = ((b, h, n), sdt)
+    return shapes
+
+
+@register
+class QuantFormat(Format):
+    name = "quant"
+    summary = "KIVI 2/4/8-bit codes (keys per channel, values per token) with a full-precision residual; int8/fp8 per token"
+    Params = QuantParams
+
+    def check(self, layer: LayerKV, params: FormatParams) -> None:
+        if layer.keys.dtype not in DTYPES.values():
+            raise BadDataError(f"quant needs float16/bfloat16/float32 keys, got {layer.keys.dtype}")
+
+    def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
+        """keys/values ``[B, Hkv, T, D]`` -> the tensors of the module docstring."""
+        p = params if isinstance(params, QuantParams) else QuantParams(**params.to_dict())
+        keys, values = layer.keys, layer.values
+        if p.scheme == "kivi":
+            tensors, meta = encode_kivi(keys, values, p)
+        else:
+            tensors, meta = encode_symmetric(keys, values, p)
+        meta.update({"scheme": p.scheme, "bits": p.bits, "group": p.group, "residual": p.residual, "shape": list(keys.shape), "dtype": dtype_name(keys.dtype)})
+        return Encoded(tensors, meta)
+
+    def decode(self, enc: Encoded) -> LayerKV:
+        keys, values = decode_kivi(enc) if enc.meta["scheme"] == "kivi" else decode_symmetric(enc)
+        dt = DTYPES[enc.meta["dtype"]]
+        return LayerKV(keys=keys.to(dt), values=values.to(dt))
+
+    def validate(self, enc: Encoded) -> None:
+        m = enc.meta
+        for key in ("scheme", "bits", "shape", "dtype", "scale_dtype", "key_tokens", "value_tokens"):
+            if key not in m:
+                raise BadDataError(f"layer metadata lacks {key!r}")
+        if m["scheme"] not in SCHEMES:
+            raise BadDataError(f"unknown quant scheme {m['scheme']!r}")
+        if m["bits"] not in (2, 4, 8) or (m["scheme"] == "kivi" and not (isinstance(m.get("group"), int) and m["group"] >= 1)):
+            raise BadDataError(f"bad bits/group in layer metadata: bits {m['bits']}, group {m.get('group')}")
+        if m["dtype"] not in DTYPES or m["scale_dtype"] not in DTYPES or len(m["shape"]) != 4:
+            raise BadDataError("bad dtype or shape in layer metadata")
+        t = m["shape"][2]
+        if not (0 <= m["key_tokens"] <= t and 0 <= m["value_tokens"] <= t) or (m["scheme"] == "kivi" and m["key_tokens"] % m["group"]):
+            raise BadDataError(f"quantised token counts {m['key_tokens']}/{m['value_tokens']} do not fit {t} tokens")
+        shapes = expected_shapes(m)
+        if set(enc.tensors) != set(shapes):
+            missing = sorted(set(shapes) - set(enc.tensors)) or sorted(set(enc.tensors) - set(shapes))
+            raise BadDataError(f"tensor {missing[0]!r} is missing or unexpected")
+        for name, (shape, dt) in shapes.items():
+            got = enc.tensors[name]
+            if tuple(got.shape) != shape or got.dtype != dt:
+                raise BadDataError(f"{name} is {got.dtype} {list(got.shape)}, expected {dt} {list(shape)}")
+        for name, (_, dt) in shapes.items():
+            if name.startswith(("scales.", "zeros.", "residual.")) and not bool(torch.isfinite(enc.tensors[name].float()).all()):
+                raise BadDataError(f"{name} holds non-finite numbers")
+        if m["scheme"] == "fp8":
+            for kind in ("keys", "values"):
+                c = enc.tensors[f"codes.{kind}"]
+                if bool(((c & 0x7F) == 0x7F).any()):
+                    raise BadDataError(f"codes.{kind} holds float8 NaN patterns")
+
+    def report(self, cc, source=None) -> dict[str, Any]:
+        stored = sum(sum(self.nbytes(e).values()) for e in cc.layers.values())
+        elements = sum(2 * math.prod(e.meta["shape"]) for e in cc.layers.values())
+        quantised = sum(math.prod(e.meta["shape"][:2]) * e.meta["shape"][3] * (e.meta["key_tokens"] + e.meta["value_tokens"]) for e in cc.layers.values())
+        first = next(iter(cc.layers.values())).meta if cc.layers else {}
+        return {
+            "scheme": first.get("scheme"),
+            "bits": first.get("bits"),
+            "bits_per_element": 8.0 * stored / elements if elements else float("nan"),
+            "quantised_share": quantised / elements if elements else float("nan"),
+            "scale_dtype": first.get("scale_dtype"),
+        }
