@@ -37,7 +37,8 @@ import triton.language as tl
 
 from ..attention import default_scale
 from ..errors import UsageError
-from .bitmap_attention import LOG2E, _attend_block, _combine_kernel, check_query
+from .bitmap_attention import LOG2E, _combine_kernel, check_query
+from .online_softmax import attend_block as _attend_block
 from .bitmap_compress import _check_device
 from .bitmap_layout import TILE, BitmapCache
 
