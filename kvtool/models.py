@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,8 +157,9 @@ def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-    except (OSError, ValueError, RuntimeError):
-        pass  # the cache is an optimisation: the model in memory is fine
+    except (OSError, ValueError, RuntimeError) as exc:
+        # the cache only saves time: the model in memory is fine, so say so and go on
+        print(f"note: could not cache the converted model in {folder} ({exc}); the next load converts it again", file=sys.stderr)
 
 
 def facts_of(model: Any, source: ModelSource, dtype: str | None = None) -> ModelFacts:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..cache import LayerKV
 from ..errors import BadDataError
 from .base import Encoded, Format, FormatParams, register
@@ -14,7 +12,7 @@ from .base import Encoded, Format, FormatParams, register
 
 @dataclass
 class DenseParams(FormatParams):
-    pass
+    """The dense format takes no parameters."""
 
 
 @register
