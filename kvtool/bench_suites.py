@@ -466,12 +466,6 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
 
     fmt = SignVQFormat()
     score_fns = [("lut_scores", sv.lut_scores_kernel)]
-    try:
-        from .kernels.signvq_lut_fast import lut_scores_fast
-
-        score_fns.append(("lut_scores_fast", lut_scores_fast))
-    except ImportError:
-        pass
     recs = []
     for b, t in ctx.configs():
         shape, q, k, v, data = ctx.inputs(b, t)

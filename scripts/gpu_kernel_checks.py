@@ -99,12 +99,7 @@ def signvq(b, hkv, g, t, d, budget, dtype):
     codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
     ref_scores = lut_scores(q, codes, book, gqa)
     report(f"lut_scores b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa), ref_scores, dtype)
-    try:
-        from kvtool.kernels.signvq_lut_fast import lut_scores_fast
-    except ImportError:
-        lut_scores_fast = None
-    if lut_scores_fast is not None:
-        report(f"lut_scores_fast b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_fast(q, codes, book, gqa), ref_scores, dtype)
+    report(f"lut_scores one-hot b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa, gather=False), ref_scores, dtype)
     out, lse = signvq_decode(q, enc)
     ref, ref_lse = SignVQFormat().attend(q, enc)
     report(f"signvq_decode b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} {dtype}", out, ref, dtype, lse, ref_lse)

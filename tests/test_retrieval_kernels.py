@@ -53,6 +53,24 @@ def test_lut_scores_kernel(group, dtype, d, tokens, bits, gqa):
     untied_topk_equal(got, ref, 8)
 
 
+@pytest.mark.parametrize("group,d,tokens,gqa,dtype", [(1, 64, 300, "sum", torch.float16), (3, 128, 257, "max", torch.float32),
+                                                      (4, 128, 1000, "sum", torch.float16), (8, 64, 129, "max", torch.bfloat16)])
+def test_lut_scores_kernel_word_reads_several_blocks_per_program(group, d, tokens, gqa, dtype):
+    """D a multiple of 32: codes read as 32-bit words, 3 blocks of 32 tokens per program (one table)."""
+    q, enc = make_signvq_inputs(2, 2 * group, 2, tokens, d, dtype=dtype, device="cpu", budget=32, gqa=gqa)
+    codes, book = enc.tensors["index.codes"], enc.tensors["index.codebook"]
+    got = lut_scores_kernel(q, codes, book, gqa, block_tokens=32, iters=3)
+    ref = lut_scores(q, codes, book, gqa)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
+
+
+def test_lut_scores_kernel_bad_gqa_mode():
+    q, enc = make_signvq_inputs(1, 4, 2, 64, 64, dtype=torch.float16, device="cpu", budget=16)
+    with pytest.raises(UsageError, match="gqa must be"):
+        lut_scores_kernel(q, enc.tensors["index.codes"], enc.tensors["index.codebook"], "mean")
+
+
 @pytest.mark.parametrize("group,dtype,d,tokens,bits,gqa", CASES)
 def test_signvq_attention_kernel_and_decode(group, dtype, d, tokens, bits, gqa):
     q, enc = make_signvq_inputs(batch=1, heads=2 * group, kv_heads=2, tokens=tokens, head_dim=d, dtype=dtype, device="cpu", bits=bits, group=d // 2 if d % 8 == 0 else d, budget=24, sinks=2, dense_window=3, gqa=gqa)
