@@ -510,10 +510,6 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
     from .cache import LayerKV
     from .formats.pagestat import PageStatFormat, PageStatParams, page_scores
 
-    try:
-        from .kernels import pages_dot as dot
-    except ImportError:
-        dot = None
     fmt = PageStatFormat()
     recs = []
     for b, t in ctx.configs():
@@ -531,9 +527,6 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
             m = enc.meta
             stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
             crit_fns, decode_fns = [("page_criticality", pg.page_criticality)], [("pagestat_decode", pg.pagestat_decode)]
-            if dot is not None:
-                crit_fns.append(("page_criticality_dot", dot.page_criticality_dot))
-                decode_fns.append(("pagestat_decode_dot", dot.pagestat_decode_dot))
             if i == 0:
                 crit_ref = page_scores(q4, stats, m["score"], m["lam"]).float()
                 for provider, crit in crit_fns:

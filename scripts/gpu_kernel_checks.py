@@ -113,12 +113,6 @@ def pages(b, hkv, g, t, d, budget, page, dtype, score):
     out, lse = pagestat_decode(q, enc)
     ref, ref_lse = pagestat_decode_reference(q, enc)
     report(f"pagestat_decode b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} page{page} {score} {dtype}", out, ref, dtype, lse, ref_lse)
-    try:
-        from kvtool.kernels.pages_dot import pagestat_decode_dot
-    except ImportError:
-        return
-    out, lse = pagestat_decode_dot(q, enc)
-    report(f"pagestat_decode_dot b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} page{page} {score} {dtype}", out, ref, dtype, lse, ref_lse)
 
 
 def main() -> int:

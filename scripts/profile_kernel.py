@@ -47,11 +47,6 @@ def main() -> None:
 
         q4, enc = signvq_lut.make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
         fn = lambda: signvq_lut.signvq_decode(q4, enc)  # noqa: E731
-    elif kernel == "pages_dot":
-        from kvtool.kernels import pages, pages_dot
-
-        q4, enc = pages.make_pagestat_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
-        fn = lambda: pages_dot.pagestat_decode_dot(q4, enc)  # noqa: E731
     elif kernel == "pages":
         from kvtool.kernels import pages
 
