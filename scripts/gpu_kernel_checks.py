@@ -121,12 +121,6 @@ def main() -> int:
         return 2
     f16, bf16 = torch.float16, torch.bfloat16
     bitmap_kernels = [("bitmap_attention", "bitmap_decode_attention", None)]
-    try:
-        import kvtool.kernels.bitmap_attention_popc  # noqa: F401
-
-        bitmap_kernels += [("bitmap_attention_popc", "bitmap_decode_attention_popc", {"variant": v}) for v in ("2d", "3d")]
-    except ImportError:
-        pass
     for module, fn_name, opts in bitmap_kernels:
         for args in [(1, 8, 4, 32768, 128, 0.7, 32, f16), (8, 8, 4, 4096, 128, 0.5, 32, f16), (2, 3, 3, 1000, 64, 0.0, 7, f16),
                      (1, 2, 8, 777, 96, 0.99, 0, bf16), (3, 1, 1, 130, 128, 0.7, 64, bf16), (1, 4, 4, 40, 64, 0.5, 40, f16)]:
