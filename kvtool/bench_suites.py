@@ -237,23 +237,10 @@ def _bitmap_bytes(cache) -> int:
 
 
 def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
-    """(provider, fn(q4, cache, scale) -> (out, lse)) for the owner's kernel and, when present, the
-    bench's popcount-rank variant (4 and 8 warps). The layout is validated once before timing."""
-    kernels = [("bitmap_triton", lambda q4, cache, scale: att.bitmap_decode_attention(q4, cache, scale, validate=False))]
-    try:
-        from .kernels import bitmap_attention_popc as popc
-    except ImportError:
-        return kernels
-    for name, opts in POPC_VARIANTS.items():
-        kernels.append((name, lambda q4, cache, scale, opts=opts: popc.bitmap_decode_attention_popc(q4, cache, scale, validate=False, **opts)))
-    return kernels
-
-
-# the popcount-rank variants the attention suite times (provider -> launch options)
-POPC_VARIANTS = {
-    "bitmap_popc3d": {"variant": "3d", "num_warps": 4},
-    "bitmap_popc3d_s1": {"variant": "3d", "num_warps": 4, "num_stages": 1},
-}
+    """(provider, fn(q4, cache, scale) -> (out, lse)) for the format's kernel (popcount ranks, 3-D bit
+    tensors, one stage; timed as ``bitmap_popc3d_s1`` before the consolidation). The layout is
+    validated once before timing."""
+    return [("bitmap_triton", lambda q4, cache, scale: att.bitmap_decode_attention(q4, cache, scale, validate=False))]
 
 
 def suite_attention(ctx: BenchContext) -> list[dict]:
@@ -413,10 +400,10 @@ def suite_heads(ctx: BenchContext) -> list[dict]:
 
 
 def suite_spmv(ctx: BenchContext) -> list[dict]:
-    """The two SpMV halves of bitmap attention alone (the bench's popcount kernels ``bitmap_qk`` /
-    ``bitmap_pv``, there being no standalone products in the owner's module) vs torch.matmul (cuBLAS)
+    """The two SpMV halves of bitmap attention alone (:mod:`kvtool.kernels.bitmap_spmv`: ``bitmap_qk`` /
+    ``bitmap_pv``, with the attention kernel's block expansion) vs torch.matmul (cuBLAS)
     on the dense tensors: scores q·Kᵀ and P·V, per sparsity."""
-    popc = require_kernel("bitmap_attention_popc", "spmv", ("bitmap_qk", "bitmap_pv"))
+    popc = require_kernel("bitmap_spmv", "spmv", ("bitmap_qk", "bitmap_pv"))
     comp = require_kernel("bitmap_compress", "spmv", ("encode",))
     backend = "triton" if ctx.env.device_type == "cuda" else "torch"
     recs = []
@@ -466,12 +453,6 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
 
     fmt = SignVQFormat()
     score_fns = [("lut_scores", sv.lut_scores_kernel)]
-    try:
-        from .kernels.signvq_lut_fast import lut_scores_fast
-
-        score_fns.append(("lut_scores_fast", lut_scores_fast))
-    except ImportError:
-        pass
     recs = []
     for b, t in ctx.configs():
         shape, q, k, v, data = ctx.inputs(b, t)
@@ -516,10 +497,6 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
     from .cache import LayerKV
     from .formats.pagestat import PageStatFormat, PageStatParams, page_scores
 
-    try:
-        from .kernels import pages_dot as dot
-    except ImportError:
-        dot = None
     fmt = PageStatFormat()
     recs = []
     for b, t in ctx.configs():
@@ -537,9 +514,6 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
             m = enc.meta
             stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
             crit_fns, decode_fns = [("page_criticality", pg.page_criticality)], [("pagestat_decode", pg.pagestat_decode)]
-            if dot is not None:
-                crit_fns.append(("page_criticality_dot", dot.page_criticality_dot))
-                decode_fns.append(("pagestat_decode_dot", dot.pagestat_decode_dot))
             if i == 0:
                 crit_ref = page_scores(q4, stats, m["score"], m["lam"]).float()
                 for provider, crit in crit_fns:

@@ -1,6 +1,6 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
-KERNEL: attention / attention_popc (PARAM = sparsity), heads (PARAM = k, grouped choice), compress
+KERNEL: attention (PARAM = sparsity), heads (PARAM = k, grouped choice), compress
 (PARAM = sparsity), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
 torch.profiler table of 10 calls instead of running twice for ncu).
 Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128), fp16, random data."""
@@ -26,12 +26,6 @@ def main() -> None:
         sp = 0.7 if param is None else param
         cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
         fn = lambda: bitmap_attention.bitmap_decode_attention(q[:, :, None], cache, validate=False)  # noqa: E731
-    elif kernel == "attention_popc":
-        from kvtool.kernels import bitmap_attention_popc, bitmap_compress
-
-        sp = 0.7 if param is None else param
-        cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
-        fn = lambda: bitmap_attention_popc.bitmap_decode_attention_popc(q[:, :, None], cache, validate=False, variant="3d")  # noqa: E731
     elif kernel == "heads":
         from kvtool.kernels import heads
 
@@ -47,11 +41,6 @@ def main() -> None:
 
         q4, enc = signvq_lut.make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
         fn = lambda: signvq_lut.signvq_decode(q4, enc)  # noqa: E731
-    elif kernel == "pages_dot":
-        from kvtool.kernels import pages, pages_dot
-
-        q4, enc = pages.make_pagestat_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
-        fn = lambda: pages_dot.pagestat_decode_dot(q4, enc)  # noqa: E731
     elif kernel == "pages":
         from kvtool.kernels import pages
 

@@ -134,7 +134,7 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
     sig = dict(q_ptr=f"*{dt}", kbm_ptr="*i32", knz_ptr=f"*{dt}", koff_ptr="*i64", vbm_ptr="*i32", vnz_ptr=f"*{dt}",
                voff_ptr="*i64", wk_ptr=f"*{dt}", wv_ptr=f"*{dt}", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
-    build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DOT_PREC="tf32", UPCAST=False, USE_ASM=True), stages=1)
+    build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True), stages=1)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
 build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True, USE_ASM=True), warps=8)
@@ -155,3 +155,46 @@ def test_kernels_compile_for_h100(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "b,hkv,g,t,d,sp,window,splits",
+    [
+        (1, 2, 4, 130, 64, 0.7, 32, None),
+        (2, 1, 3, 64, 128, 0.5, 0, 2),
+        (1, 2, 1, 77, 96, 0.0, 5, 3),
+        (1, 1, 8, 200, 64, 0.99, 16, 2),
+        (1, 2, 4, 40, 64, 0.7, 40, None),  # everything in the window: no compressed block
+    ],
+)
+def test_attention_kernel_head_dims_64_96_128_torch_encoded(b, hkv, g, t, d, sp, window, splits):
+    keys = random_pruned(b, hkv, t, d, sp, window=window, seed=1)
+    values = random_pruned(b, hkv, t, d, sp, window=window, seed=2)
+    cache = encode_cache(keys, values, window=window, backend="torch")
+    q = torch.randn(b, hkv * g, 1, d, generator=torch.Generator().manual_seed(3)).half()
+    out, lse = bitmap_decode_attention(q, cache, num_splits=splits)
+    ref_out, ref_lse = bitmap_attention_reference(q, cache)
+    assert torch.isfinite(out).all()
+    rel = (out - ref_out).norm() / ref_out.norm()
+    assert rel < 1e-2, rel
+    assert torch.allclose(lse, ref_lse, atol=1e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d,sp", [(1, 2, 4, 130, 64, 0.7), (2, 1, 3, 64, 128, 0.5), (1, 2, 1, 77, 96, 0.0), (1, 1, 8, 200, 64, 0.99)])
+def test_spmv_halves_match_dense_products(b, hkv, g, t, d, sp):
+    from kvtool.kernels.bitmap_compress import encode
+    from kvtool.kernels.bitmap_spmv import bitmap_pv, bitmap_qk
+
+    keys = random_pruned(b, hkv, t, d, sp, seed=4)
+    values = random_pruned(b, hkv, t, d, sp, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(b, hkv * g, d, generator=gen).half()
+    p = torch.softmax(torch.randn(b, hkv * g, t, generator=gen), -1).half()
+    kx = keys.float().repeat_interleave(g, 1)  # [B, H, T, D]: query head h reads KV head h // g
+    vx = values.float().repeat_interleave(g, 1)
+    scores = bitmap_qk(q, encode(keys, "keys"))
+    ref_s = torch.einsum("bhd,bhtd->bht", q.float(), kx)
+    assert (scores - ref_s).norm() / ref_s.norm() < 1e-2
+    out = bitmap_pv(p, encode(values, "values"), num_splits=2)
+    ref_o = torch.einsum("bht,bhtd->bhd", p.float(), vx)
+    assert (out - ref_o).norm() / ref_o.norm() < 1e-2

@@ -11,7 +11,7 @@ from kvtool.errors import UsageError
 from kvtool.formats import get_format
 from kvtool.formats.pagestat import PageStatParams, page_scores
 from kvtool.formats.signvq import SignVQParams, lut_scores
-from kvtool.kernels.pages import make_pagestat_inputs, page_criticality, paged_attention, paged_attention_reference, pagestat_decode
+from kvtool.kernels.pages import make_pagestat_inputs, page_criticality, paged_attention, paged_attention_reference, pagestat_decode, pagestat_decode_reference
 from kvtool.kernels.signvq_lut import lut_scores_kernel, make_signvq_inputs, signvq_attention, signvq_attention_reference, signvq_decode
 
 SIGNVQ = get_format("signvq")
@@ -51,6 +51,24 @@ def test_lut_scores_kernel(group, dtype, d, tokens, bits, gqa):
         assert got.shape == ref.shape and got.dtype == torch.float32
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
     untied_topk_equal(got, ref, 8)
+
+
+@pytest.mark.parametrize("group,d,tokens,gqa,dtype", [(1, 64, 300, "sum", torch.float16), (3, 128, 257, "max", torch.float32),
+                                                      (4, 128, 1000, "sum", torch.float16), (8, 64, 129, "max", torch.bfloat16)])
+def test_lut_scores_kernel_word_reads_several_blocks_per_program(group, d, tokens, gqa, dtype):
+    """D a multiple of 32: codes read as 32-bit words, 3 blocks of 32 tokens per program (one table)."""
+    q, enc = make_signvq_inputs(2, 2 * group, 2, tokens, d, dtype=dtype, device="cpu", budget=32, gqa=gqa)
+    codes, book = enc.tensors["index.codes"], enc.tensors["index.codebook"]
+    got = lut_scores_kernel(q, codes, book, gqa, block_tokens=32, iters=3)
+    ref = lut_scores(q, codes, book, gqa)
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
+
+
+def test_lut_scores_kernel_bad_gqa_mode():
+    q, enc = make_signvq_inputs(1, 4, 2, 64, 64, dtype=torch.float16, device="cpu", budget=16)
+    with pytest.raises(UsageError, match="gqa must be"):
+        lut_scores_kernel(q, enc.tensors["index.codes"], enc.tensors["index.codebook"], "mean")
 
 
 @pytest.mark.parametrize("group,dtype,d,tokens,bits,gqa", CASES)
@@ -157,3 +175,48 @@ def test_full_budget_kernels_equal_dense_attention_over_decode():
     out, lse = pagestat_decode(q, enc)
     ref = attend_partial(q, enc.tensors["keys"], enc.tensors["values"])
     assert rel_l2(out, ref[0]) < 1e-2 and torch.allclose(lse, ref[1], atol=1e-3, rtol=1e-3)
+
+
+def pagestat_stats(enc):
+    return {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+
+
+@pytest.mark.parametrize("group,score,tokens,dtype", [(1, "unique", 300, torch.float16), (3, "quest", 257, torch.float32),
+                                                      (4, "mean", 1000, torch.float16), (8, "unique", 129, torch.bfloat16)])
+def test_page_criticality_several_program_blocks(group, score, tokens, dtype):
+    """head_dim 64, 16 pages per program, partial last page."""
+    q, enc = make_pagestat_inputs(2, 2 * group, 2, tokens, 64, dtype=dtype, device="cpu", page_size=16, budget=64, score=score)
+    st = pagestat_stats(enc)
+    got = page_criticality(q, st, score, enc.meta["lam"], block_pages=16)
+    ref = page_scores(q, st, score, enc.meta["lam"]).float()
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+def test_pagestat_decode_head_dim_64_matches_reference():
+    q, enc = make_pagestat_inputs(1, 8, 2, 600, 64, dtype=torch.float16, device="cpu", page_size=16, budget=128)
+    out, lse = pagestat_decode(q, enc)
+    ref, ref_lse = pagestat_decode_reference(q, enc)
+    assert (out - ref).norm() / ref.norm() < 1e-2
+    assert torch.allclose(lse, ref_lse, atol=1e-2)
+
+
+def test_page_criticality_unknown_score_and_missing_statistic():
+    q, enc = make_pagestat_inputs(1, 4, 2, 64, 64, dtype=torch.float16, device="cpu", budget=32)
+    with pytest.raises(UsageError, match="score must be"):
+        page_criticality(q, pagestat_stats(enc), "best")
+    with pytest.raises(UsageError, match="needs the page statistic 'max'"):
+        page_criticality(q, pagestat_stats(enc), "quest")
+
+
+def test_device_page_choice_matches_the_format():
+    from kvtool.formats.pagestat import select_pages
+    from kvtool.kernels.pages import forced_index, select_pages_device
+
+    scores = torch.randn(2, 3, 1, 50, generator=torch.Generator().manual_seed(0))
+    forced = [0, 47, 48, 49]
+    got = select_pages_device(scores, forced_index(forced, scores.device), 7)
+    ref = select_pages(scores, forced, 7)
+    assert torch.equal(got[..., :4], ref[..., :4])
+    assert torch.equal(got[..., 4:].sort(-1).values, ref[..., 4:].sort(-1).values)
+    assert forced_index(forced, scores.device) is forced_index(forced, scores.device)

@@ -12,22 +12,29 @@ validate=True) -> (out, lse)``
 - returns the partial of :mod:`kvtool.attention`: ``out`` ``[B, H, Tq, D]`` float32 (softmax-weighted
   values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
 
-How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks token blocks ``s * BPS ..`` of KV
-head bh, BPS = ceil(NB / S), 32 tokens at a time (one 32-bit half of every key bitmap). An element's
-place in its block's packed run is ``run start + popcount(word & bits below it)``: run starts come
-from a 1-D prefix sum of per-tile popcounts (per channel for keys, per token for values), the rest is
-one ``popc.b32`` per element on CUDA (SWAR arithmetic under the interpreter); there are no 2-D prefix
-sums. It gathers K^T ``[D, 32]`` and scores all G * Tq query rows of the group at once (one pass over
-the group's data), runs an online softmax (base 2, float32), gathers V ``[32, D]`` the same way and
-accumulates P.V in float32. Program (bh, S) does the same over the dense window. A second kernel
-merges the S + 1 partials (flash-decoding combine). Every load is masked; the offsets are validated
-before launch (``validate=True``) so no gather leaves ``nz``. Built for sm_90 without register spills
-at D = 64 and 128 (the tests compile it with the bundled ptxas).
+How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks the 64-token blocks ``s * BPS ..``
+of KV head bh, BPS = ceil(NB / S). An element's place in its block's packed run is ``base + popcount(
+word & bits below it)``: ``word`` is the 32-bit half of the element's tile bitmap and ``base`` a 1-D
+exclusive prefix sum of per-half-word popcounts (per channel for keys, per token for values); the bit
+tensors are 3-D ``[rows, half-words, 32]`` so each element's half-word and prefix come by broadcasting,
+positions are int32 offsets from the block's start, and popcount is one ``popc.b32`` on CUDA (SWAR
+arithmetic under the interpreter); there are no 2-D prefix sums. It expands K^T ``[D, 64]`` and V
+``[64, D]`` of the block and scores all G * Tq query rows of the group at once (one pass over the
+group's data), with an online softmax (base 2, float32) and P.V accumulated in float32. Program
+(bh, S) does the same over the dense window. A second kernel merges the S + 1 partials
+(flash-decoding combine). S (:func:`default_splits`): about 4 programs per SM under 32 KV heads in all,
+16 above. Every load is masked; the offsets are validated before launch (``validate=True``) so no
+gather leaves ``nz``. Built for sm_90 (the tests compile it with the bundled ptxas). Measured on the
+H100 (Llama-3-8B shapes, 70% sparsity, CUDA graph; docs/benchmarks.md): 125 µs at batch 1 / 32k
+tokens and 566 µs at batch 8 / 32k, against 192 µs and 625 µs for the former design (32-token steps,
+select chains, 16 programs per SM at every batch).
+
+:func:`_expand_keys` / :func:`_expand_values` (one block to a dense tile) are shared with the
+standalone SpMV products of :mod:`.bitmap_spmv`.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -36,7 +43,7 @@ import triton.language as tl
 
 from ..attention import attend_partial, default_scale
 from ..errors import UsageError
-from .bitmap_compress import _check_device
+from .bitmap_compress import _check_device, _popc32
 from .bitmap_layout import TILE, BitmapCache
 from .online_softmax import attend_block as _attend_block
 
@@ -44,111 +51,79 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _popc32(x, USE_ASM: tl.constexpr):
-    """Set bits of each int32: one ``popc.b32`` on CUDA, SWAR on the unsigned view otherwise."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u - ((u >> 1) & 0x55555555)
-        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
-        u = (u + (u >> 4)) & 0x0F0F0F0F
-        return ((u * 0x01010101) >> 24).to(tl.int32)
+def _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dense K^T tile ``[DP, 64]`` of key block ``g`` (channels x tokens, zeros where not stored)."""
+    halves = tl.arange(0, 2)
+    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
+    kpc = _popc32(kw, USE_ASM)
+    kpre = tl.cumsum(kpc, axis=1) - kpc
+    ktile = tl.sum(kpc, axis=1)
+    kbase = tl.cumsum(ktile, axis=0) - ktile
+    kw3 = kw[:, :, None]
+    kset = (kw3 & bit3) != 0
+    kpos = kbase[:, None, None] + kpre[:, :, None] + _popc32(kw3 & below3, USE_ASM)
+    kblock = knz_ptr + tl.load(koff_ptr + g)
+    return tl.reshape(tl.load(kblock + kpos, mask=kset, other=0.0), (DP, 64))
+
+
+@triton.jit
+def _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, bit3, below3, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Dense V tile ``[64, DP]`` of value block ``g`` (tokens x channels); ``vrow`` = bh * Tc + token."""
+    pieces = tl.arange(0, 2 * DTP)
+    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
+    vpc = _popc32(vw, USE_ASM)
+    vpre = tl.cumsum(vpc, axis=1) - vpc
+    vtok = tl.sum(vpc, axis=1)
+    vbase = tl.cumsum(vtok, axis=0) - vtok
+    vw3 = vw[:, :, None]
+    vset = (vw3 & bit3) != 0
+    vpos = vbase[:, None, None] + vpre[:, :, None] + _popc32(vw3 & below3, USE_ASM)
+    vblock = vnz_ptr + tl.load(voff_ptr + g)
+    return tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
 
 
 @triton.jit
 def _bitmap_attention_kernel(
-    q_ptr,  # [B*Hkv, R, D]: the R = G*Tq query rows of each KV head, contiguous
-    kbm_ptr,  # int32 view of keys.bitmaps [B*Hkv, NB, D, 2]
-    knz_ptr,  # keys.nz
-    koff_ptr,  # keys.offsets int64 [B*Hkv*NB + 1]
-    vbm_ptr,  # int32 view of values.bitmaps [B*Hkv, Tc, DT, 2]
-    vnz_ptr,  # values.nz
-    voff_ptr,  # values.offsets
-    wk_ptr,  # window keys [B*Hkv, W, D]
-    wv_ptr,  # window values [B*Hkv, W, D]
-    acc_ptr,  # float32 [B*Hkv, S+1, RP, DP]
-    m_ptr,  # float32 [B*Hkv, S+1, RP]
-    l_ptr,  # float32 [B*Hkv, S+1, RP]
-    scale_log2,
-    Tc,
-    W,
-    D,
-    DT,
-    NB,
-    R,
-    BPS,
-    S,
-    RP: tl.constexpr,
-    DP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    USE_ASM: tl.constexpr,
+    q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, Tc, W, D, DT, NB, R, BPS, S,
+    RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_ASM: tl.constexpr,
 ):
+    """One program: token blocks [split * BPS, (split + 1) * BPS) of KV head bh (split < S) or the
+    dense window (split == S), all R = G * Tq query rows; partial (acc, m, l) to slot (bh, split).
+    q [B*Hkv, R, D]; int32 views of keys.bitmaps [B*Hkv, NB, D, 2] and values.bitmaps
+    [B*Hkv, Tc, DT, 2]; offsets int64; window [B*Hkv, W, D]; acc float32 [B*Hkv, S+1, RP, DP]."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     rows = tl.arange(0, RP)
     c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
     cmask = c < D
     q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
     m_i = tl.full([RP], float("-inf"), tl.float32)
     l_i = tl.zeros([RP], tl.float32)
     acc = tl.zeros([RP, DP], tl.float32)
-    h32 = tl.arange(0, 32)
     if split < S:
         blk_start = split * BPS
         blk_end = tl.minimum(blk_start + BPS, NB)
-        j = tl.arange(0, DP // 64)
-        i64 = tl.arange(0, 64)
-        kbelow = ((tl.full([32], 1, tl.int32) << h32) - 1)[None, :]  # the bits under each position
-        vshift = (i64 % 32)[None, None, :]
-        vbelow = (tl.full([64], 1, tl.int32) << (i64 % 32)) - 1
-        vlow = (i64 < 32)[None, None, :]
+        i32 = tl.arange(0, 32)
+        bit3 = (tl.full([32], 1, tl.int32) << i32)[None, None, :]
+        below3 = bit3 - 1
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
-            kstart = tl.load(koff_ptr + g)
-            vstart = tl.load(voff_ptr + g)
-            # key tile c = channel c of the block's 64 tokens: low word = tokens 0-31, high = 32-63
-            klo = tl.load(kbm_ptr + (g * D + c) * 2, mask=cmask, other=0)
-            khi = tl.load(kbm_ptr + (g * D + c) * 2 + 1, mask=cmask, other=0)
-            plo = _popc32(klo, USE_ASM)
-            kcnt = plo + _popc32(khi, USE_ASM)
-            ktile = tl.cumsum(kcnt, axis=0) - kcnt  # start of each channel's run in the block
-            vbase = tl.zeros([], tl.int32)  # value elements of the block before the current half
-            for half in range(0, 2):
-                # keys: element (c, token) sits at run start + set bits below it in its word
-                kw = tl.where(half == 0, klo, khi)[:, None]  # [DP, 1]
-                kset = ((kw >> h32[None, :]) & 1) != 0  # [DP, 32]
-                kpos = (ktile + plo * half)[:, None] + _popc32(kw & kbelow, USE_ASM)
-                kt = tl.load(knz_ptr + kstart + kpos, mask=kset, other=0.0)  # K^T [DP, 32]
-                tok = blk * 64 + half * 32 + h32
-                tmask = tok < Tc
-                # values: tile (token, j) words [32, DP/64] as low/high halves
-                wptr = vbm_ptr + ((bh * Tc + tok[:, None]) * DT + j[None, :]) * 2
-                wmask = tmask[:, None] & (j[None, :] < DT)
-                vlo = tl.load(wptr, mask=wmask, other=0)
-                vhi = tl.load(wptr + 1, mask=wmask, other=0)
-                plo_v = _popc32(vlo, USE_ASM)
-                ptile = plo_v + _popc32(vhi, USE_ASM)
-                tile_pre = tl.cumsum(ptile, axis=1) - ptile  # elements of the token before tile j
-                vrow = tl.sum(ptile, axis=1)
-                vfirst = vbase + tl.cumsum(vrow, axis=0) - vrow  # [32] each token's run start
-                vw = tl.where(vlow, vlo[:, :, None], vhi[:, :, None])  # [32, DP/64, 64]
-                vpre = vfirst[:, None, None] + tile_pre[:, :, None] + tl.where(vlow, 0, plo_v[:, :, None])
-                vbit = tl.reshape((vw >> vshift) & 1, (32, DP))
-                vpos = tl.reshape(vpre + _popc32(vw & vbelow[None, None, :], USE_ASM), (32, DP))
-                v = tl.load(vnz_ptr + vstart + vpos, mask=vbit != 0, other=0.0)  # [32, DP]
-                vbase = vbase + tl.sum(vrow, axis=0)
-                m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+            tok = blk * 64 + t
+            tmask = tok < Tc
+            kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
+            v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
+            m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
-        for w0 in range(0, W, 32):
-            tw = w0 + h32
+        for w0 in range(0, W, 64):
+            tw = w0 + t
             wmask = tw < W
             kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
             v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
             m_i, l_i, acc = _attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     slot = bh * (S + 1) + split
-    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rows[:, None] < R)
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc)
     tl.store(m_ptr + slot * RP + rows, m_i)
     tl.store(l_ptr + slot * RP + rows, l_i)
 
@@ -196,14 +171,16 @@ def check_query(q: torch.Tensor, cache: BitmapCache) -> None:
 
 
 def default_splits(bh: int, blocks: int, device: torch.device) -> int:
-    """Token-axis splits per KV head: about 16 programs per SM in all (several waves, so the last
-    partial wave costs little; the H100 profile at 4 per SM showed 1.2 waves), at least 2 blocks per
-    program; 1 on the CPU interpreter."""
+    """Token-axis splits per KV head: about 4 programs per SM when there are few KV heads (under 32:
+    batch 1 of an 8-KV-head model), else about 16, at least 2 blocks per program; 1 on the CPU.
+    Measured on the H100 (Llama-3-8B shapes, 32k tokens, 70%): at batch 1, 4 per SM took 129 µs and
+    16 per SM 191 µs (the combine walks the S + 1 partials serially); at batch 8, 16 per SM took
+    567 µs and 4 per SM 631 µs."""
     if blocks == 0 or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, math.ceil(16 * sms / max(bh, 1)))
-    return max(1, min(-(-blocks // 2), want))
+    per_sm = 4 if bh < 32 else 16
+    return max(1, min(-(-blocks // 2), -(-per_sm * sms // max(bh, 1))))
 
 
 def bitmap_decode_attention(
@@ -220,8 +197,8 @@ def bitmap_decode_attention(
     docstring. ``validate=False`` skips the layout check (only for a cache validated before: the
     kernel trusts the offsets). ``num_splits`` (token-axis programs per KV head), ``num_warps`` and
     ``num_stages`` are tuning knobs; the result does not depend on them beyond rounding. One stage
-    (no software pipelining of the block loop) was faster for the bench's popcount variant of this
-    kernel on the H100 in every configuration it timed."""
+    (no software pipelining of the block loop) was faster on the H100 in every configuration the
+    bench timed."""
     check_query(q, cache)
     _check_device(q, "q")
     if validate:
@@ -277,6 +254,7 @@ def bitmap_decode_attention(
         splits,
         RP=rp,
         DP=dp,
+        DTP=dp // TILE,
         DOT_PREC=prec,
         UPCAST=upcast,
         USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
