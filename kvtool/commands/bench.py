@@ -6,7 +6,6 @@ on the same tensors, and every kernel is checked against its reference before it
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +15,7 @@ import typer
 from .. import bench as B
 from .. import io
 from ..errors import UsageError
-from ._common import DebugOpt, ForceOpt, console, err_console, example_epilog, fmt_value, kvtool_command, make_table, to_json_text
+from ._common import DebugOpt, ForceOpt, console, err_console, example_epilog, kvtool_command, make_table, to_json_text
 
 ORDER = 70
 

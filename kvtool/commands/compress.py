@@ -13,7 +13,7 @@ from .. import io
 from ..cache import KVCache, LayerKV, parse_indices
 from ..errors import UsageError
 from ..formats import load_all
-from ..formats.base import CompressedCache, compress_cache, get_format, load_compressed, make_params, parse_spec, save_compressed
+from ..formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from ._common import (
     CaptureArg,
     DebugOpt,

@@ -16,7 +16,7 @@ from ..errors import KvtoolError, UsageError
 from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, model_fidelity
 from ..formats.base import FORMATS, compress_cache, make_params
 from ..sweep import METRICS, Point, load_results, point_key, resolve_points, summarize
-from ._common import DebugOpt, ForceOpt, JsonOpt, console, debug_enabled, emit_json, example_epilog, kvtool_command, make_table, progress_bar, to_json_text
+from ._common import DebugOpt, JsonOpt, console, debug_enabled, emit_json, example_epilog, kvtool_command, make_table, progress_bar, to_json_text
 
 ORDER = 55
 

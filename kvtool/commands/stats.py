@@ -198,7 +198,7 @@ def _print_consistency(result: dict[str, Any]) -> None:
             continue
         text = ", ".join(f"ch {ch} in {n}/{pairs}" for ch, n in rec[:8]) or "none repeats"
         persistent = {h: v["persistent"] for h, v in c["per_kv_head"].items() if v["persistent"]}
-        extra = f"; outliers in every selected layer: " + "; ".join(f"KV head {h}: {_channels(p)}" for h, p in persistent.items()) if persistent else ""
+        extra = "; outliers in every selected layer: " + "; ".join(f"KV head {h}: {_channels(p)}" for h, p in persistent.items()) if persistent else ""
         console.print(f"{part} outlier channels over (layer, KV head) pairs: {text}{extra}")
 
 

@@ -28,11 +28,10 @@ import triton
 import triton.language as tl
 
 from ..attention import attend_partial, default_scale, expand_kv
-from ..cache import LayerKV
 from ..errors import UsageError
 from ..formats.base import Encoded
 from ..formats.pagestat import SCORES, PageStatParams, PageStatFormat, page_scores, pages_to_token_mask, select_pages
-from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits
+from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits, random_decode_inputs
 from .online_softmax import attend_block as _attend_block
 
 SCORE_ID = {"unique": 0, "quest": 1, "mean": 2}
@@ -294,11 +293,6 @@ def make_pagestat_inputs(
 ) -> tuple[torch.Tensor, Encoded]:
     """Random keys/values (one planted outlier channel) encoded as ``pagestat`` on ``device`` and a
     decode query ``[batch, heads, 1, head_dim]``: ``pagestat_decode(q, enc)`` runs on them."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
-    k[..., 3] *= 6
-    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
-    q = torch.randn(batch, heads, 1, head_dim, generator=gen)
-    lay = LayerKV(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
     enc = PageStatFormat().encode(lay, PageStatParams(page_size=page_size, score=score, budget=budget, budget_ratio=None, dense_window=dense_window))
-    return q.to(device=device, dtype=dtype), enc
+    return q, enc

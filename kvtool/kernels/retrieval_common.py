@@ -75,3 +75,21 @@ def merge_splits(out: torch.Tensor, lse: torch.Tensor, heads: int) -> tuple[torc
     w = torch.where(torch.isfinite(lse), w, torch.zeros_like(w))
     merged = (w[..., None] * out).sum(3)  # [B,Hkv,Tq,G,D]
     return merged.permute(0, 1, 3, 2, 4).reshape(b, heads, tq, d), total.permute(0, 1, 3, 2).reshape(b, heads, tq)
+
+
+def random_decode_inputs(
+    batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int, dtype: torch.dtype, device, seed: int
+):
+    """Random keys/values ``[batch, kv_heads, tokens, head_dim]`` with one planted outlier key
+    channel (channel 3, x6) as a :class:`~kvtool.cache.LayerKV`, and a decode query
+    ``[batch, heads, 1, head_dim]``, all in ``dtype`` on ``device`` (drawn on the CPU from ``seed``,
+    so every device gets the same numbers)."""
+    from ..cache import LayerKV
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
+    k[..., 3] *= 6
+    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
+    q = torch.randn(batch, heads, 1, head_dim, generator=gen)
+    layer = LayerKV(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+    return q.to(device=device, dtype=dtype), layer

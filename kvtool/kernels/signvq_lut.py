@@ -32,12 +32,11 @@ import triton
 import triton.language as tl
 
 from ..attention import attend_partial, default_scale, expand_kv, merge_partials
-from ..cache import LayerKV
 from ..errors import UsageError
 from ..formats.base import Encoded
 from ..formats.signvq import SignVQFormat, SignVQParams, dequant_keys, dequant_values, mask_kept, topk_indices
 from .pages import _attend_block, _store_partial, paged_attention
-from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits
+from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits, random_decode_inputs
 
 
 # ----------------------------------------------------------------------------- LUT scores
@@ -338,11 +337,6 @@ def make_signvq_inputs(
 ) -> tuple[torch.Tensor, Encoded]:
     """Random keys/values (one planted outlier channel) encoded as ``signvq`` on ``device`` and a
     decode query ``[batch, heads, 1, head_dim]``: ``signvq_decode(q, enc)`` runs on them."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
-    k[..., 3] *= 6
-    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=gen)
-    q = torch.randn(batch, heads, 1, head_dim, generator=gen)
-    lay = LayerKV(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype))
+    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
     params = SignVQParams(bits=bits, group=group, budget=budget, budget_ratio=None, sinks=sinks, dense_window=dense_window, gqa=gqa)
-    return q.to(device=device, dtype=dtype), SignVQFormat().encode(lay, params)
+    return q, SignVQFormat().encode(lay, params)
