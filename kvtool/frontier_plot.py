@@ -27,7 +27,7 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path, metric: str, x_key: st
         own = [r for r in usable if r["format"] == name]
         ax.scatter([100 * r[x_key] for r in own], [r[metric] for r in own], marker=markers[n % len(markers)], s=42, label=name, zorder=3)
         for r in own:
-            ax.annotate(r["params_text"], (100 * r[x_key], r[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points", alpha=0.8)
+            ax.annotate(_short(r["params_text"]), (100 * r[x_key], r[metric]), fontsize=6, xytext=(3, 3), textcoords="offset points", alpha=0.8)
     front = pareto_front([r[x_key] for r in usable], [r[metric] for r in usable], higher)
     if front:
         ax.plot([100 * usable[i][x_key] for i in front], [usable[i][metric] for i in front], "k--", lw=1, label="Pareto front", zorder=2)
@@ -44,3 +44,13 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path, metric: str, x_key: st
         fig.savefig(tmp, dpi=130, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path
+
+
+def _short(params_text: str, limit: int = 28) -> str:
+    """A point's label on the plot: its parameters, pipelines as their step values only
+    (``evict=snapkv:budget=256,format=quant:bits=4`` -> ``snapkv:budget=256+quant:bits=4``), cut at
+    ``limit`` characters (the CSV and JSON keep the full text)."""
+    if "evict=" in params_text or "format=" in params_text:
+        steps = [part.split("=", 1)[1] for part in params_text.split(",") if "=" in part and part.split("=", 1)[0] in ("evict", "prune", "format")]
+        params_text = "+".join(s for s in steps if s != "none")
+    return params_text if len(params_text) <= limit else params_text[: limit - 1] + "…"
