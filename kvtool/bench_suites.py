@@ -236,13 +236,6 @@ def _bitmap_bytes(cache) -> int:
     return B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, vb.nz, vb.bitmaps, vb.offsets, cache.window_keys, cache.window_values)
 
 
-def _bitmap_attention_kernels(att) -> list[tuple[str, Callable]]:
-    """(provider, fn(q4, cache, scale) -> (out, lse)) for the format's kernel (popcount ranks, 3-D bit
-    tensors, one stage; timed as ``bitmap_popc3d_s1`` before the consolidation). The layout is
-    validated once before timing."""
-    return [("bitmap_triton", lambda q4, cache, scale: att.bitmap_decode_attention(q4, cache, scale, validate=False))]
-
-
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense) vs the dense baselines on the unpruned tensors of the same shape."""
@@ -262,12 +255,12 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             cache.validate()
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
-            for provider, kernel_fn in _bitmap_attention_kernels(att):
-                ctx.step(f"{provider} b={b} T={t} sparsity={sp}")
-                fn = lambda kernel_fn=kernel_fn: kernel_fn(q4, cache, ctx.scale)  # noqa: E731
-                tm, rel, st = _timed(ctx, fn, fn()[0], ref)
-                recs.append(B.make_record(ctx.env, "bitmap_attention", provider, shape, b, t, ctx.dtype, tm,
-                                          _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
+            # the layout was validated above, so the timed calls skip it
+            ctx.step(f"bitmap_triton b={b} T={t} sparsity={sp}")
+            fn = lambda cache=cache: att.bitmap_decode_attention(q4, cache, ctx.scale, validate=False)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn()[0], ref)
+            recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
+                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
             del cache, ref
             _free(ctx)
         del q, k, v, q4
@@ -452,7 +445,6 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
     from .formats.signvq import SignVQFormat, SignVQParams, lut_scores
 
     fmt = SignVQFormat()
-    score_fns = [("lut_scores", sv.lut_scores_kernel)]
     recs = []
     for b, t in ctx.configs():
         shape, q, k, v, data = ctx.inputs(b, t)
@@ -469,12 +461,11 @@ def suite_lut(ctx: BenchContext) -> list[dict]:
             codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
             if i == 0:
                 score_ref = lut_scores(q4, codes, book, gqa)
-                for provider, scorer in score_fns:
-                    ctx.step(f"{provider} b={b} T={t}")
-                    fn = lambda scorer=scorer: scorer(q4, codes, book, gqa)  # noqa: E731
-                    tm, rel, st = _timed(ctx, fn, fn(), score_ref)
-                    recs.append(B.make_record(ctx.env, "signvq", provider, shape, b, t, ctx.dtype, tm,
-                                              B.tensor_bytes(codes, book, q), rel=rel, status=st, data=data))
+                ctx.step(f"lut_scores b={b} T={t}")
+                fn = lambda: sv.lut_scores_kernel(q4, codes, book, gqa)  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn(), score_ref)
+                recs.append(B.make_record(ctx.env, "signvq", "lut_scores", shape, b, t, ctx.dtype, tm,
+                                          B.tensor_bytes(codes, book, q), rel=rel, status=st, data=data))
                 del score_ref
             ctx.step(f"signvq_decode b={b} T={t} budget={budget}")
             ref = fmt.attend(q4, enc, ctx.scale)[0][:, :, 0]
@@ -513,23 +504,20 @@ def suite_pages(ctx: BenchContext) -> list[dict]:
             enc = fmt.encode(LayerKV(k, v), PageStatParams(page_size=ctx.page_size, budget=budget, budget_ratio=None))
             m = enc.meta
             stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
-            crit_fns, decode_fns = [("page_criticality", pg.page_criticality)], [("pagestat_decode", pg.pagestat_decode)]
             if i == 0:
                 crit_ref = page_scores(q4, stats, m["score"], m["lam"]).float()
-                for provider, crit in crit_fns:
-                    ctx.step(f"{provider} b={b} T={t}")
-                    fn = lambda crit=crit: crit(q4, stats, m["score"], m["lam"])  # noqa: E731
-                    tm, rel, st = _timed(ctx, fn, fn(), crit_ref)
-                    recs.append(B.make_record(ctx.env, "pagestat", provider, shape, b, t, ctx.dtype, tm,
-                                              B.tensor_bytes(q, *stats.values()), rel=rel, status=st, data=data))
+                ctx.step(f"page_criticality b={b} T={t}")
+                fn = lambda stats=stats: pg.page_criticality(q4, stats, m["score"], m["lam"])  # noqa: E731
+                tm, rel, st = _timed(ctx, fn, fn(), crit_ref)
+                recs.append(B.make_record(ctx.env, "pagestat", "page_criticality", shape, b, t, ctx.dtype, tm,
+                                          B.tensor_bytes(q, *stats.values()), rel=rel, status=st, data=data))
                 del crit_ref
             ref = pg.pagestat_decode_reference(q4, enc, ctx.scale)[0][:, :, 0]
-            for provider, decode in decode_fns:
-                ctx.step(f"{provider} b={b} T={t} budget={budget}")
-                fn = lambda enc=enc, decode=decode: decode(q4, enc, ctx.scale)  # noqa: E731
-                tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
-                recs.append(B.make_record(ctx.env, "pagestat", provider, shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
-                                          budget=budget, rel=rel, status=st, data=data))
+            ctx.step(f"pagestat_decode b={b} T={t} budget={budget}")
+            fn = lambda enc=enc: pg.pagestat_decode(q4, enc, ctx.scale)  # noqa: E731
+            tm, rel, st = _timed(ctx, fn, fn()[0][:, :, 0], ref)
+            recs.append(B.make_record(ctx.env, "pagestat", "pagestat_decode", shape, b, t, ctx.dtype, tm, fmt.traffic_bytes(enc, q4),
+                                      budget=budget, rel=rel, status=st, data=data))
             del enc, ref, stats
             _free(ctx)
         del q, k, v, q4
