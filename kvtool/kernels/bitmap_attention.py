@@ -82,11 +82,131 @@ def _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, bit3, below3,
     return tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
 
 
+def _walk_ptx() -> str:
+    """PTX for one 32-bit bitmap word: walk its bits from the lowest, and for each set bit load the
+    next element of the word's packed run (``ld.global.nc.b16``, address advanced by 2 bytes), for
+    each clear bit give 0. Inputs: the word (``$32``) and the byte address of its run (``$33``);
+    outputs ``$0 .. $31``: the word's 32 slots. About five instructions per slot, no popcount."""
+    lines = ["{", ".reg .pred p;", ".reg .b32 t;", ".reg .b64 a;", "mov.b64 a, $33;"]
+    for i in range(32):
+        lines += [f"and.b32 t, $32, {1 << i};", "setp.ne.b32 p, t, 0;", f"mov.b16 ${i}, 0;", f"@p ld.global.nc.b16 ${i}, [a];", "@p add.u64 a, a, 2;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+WALK_PTX = _walk_ptx()
+
+
+@triton.jit
+def _walk_words(words, run_ptr, WALK: tl.constexpr):
+    """16-bit slots ``[..., 32]`` of int32 bitmap words ``[...]`` whose packed runs start at the
+    pointers ``run_ptr`` ``[...]`` (CUDA only: inline PTX :data:`WALK_PTX`)."""
+    o = tl.inline_asm_elementwise(WALK, "=h," * 32 + "r,l", [words, run_ptr.to(tl.int64, bitcast=True)], dtype=(tl.float16,) * 32, is_pure=True, pack=1)
+    j0_0 = tl.join(o[0], o[1])
+    j0_1 = tl.join(o[2], o[3])
+    j0_2 = tl.join(o[4], o[5])
+    j0_3 = tl.join(o[6], o[7])
+    j0_4 = tl.join(o[8], o[9])
+    j0_5 = tl.join(o[10], o[11])
+    j0_6 = tl.join(o[12], o[13])
+    j0_7 = tl.join(o[14], o[15])
+    j0_8 = tl.join(o[16], o[17])
+    j0_9 = tl.join(o[18], o[19])
+    j0_10 = tl.join(o[20], o[21])
+    j0_11 = tl.join(o[22], o[23])
+    j0_12 = tl.join(o[24], o[25])
+    j0_13 = tl.join(o[26], o[27])
+    j0_14 = tl.join(o[28], o[29])
+    j0_15 = tl.join(o[30], o[31])
+    j1_0 = tl.join(j0_0, j0_1)
+    j1_1 = tl.join(j0_2, j0_3)
+    j1_2 = tl.join(j0_4, j0_5)
+    j1_3 = tl.join(j0_6, j0_7)
+    j1_4 = tl.join(j0_8, j0_9)
+    j1_5 = tl.join(j0_10, j0_11)
+    j1_6 = tl.join(j0_12, j0_13)
+    j1_7 = tl.join(j0_14, j0_15)
+    j2_0 = tl.join(j1_0, j1_1)
+    j2_1 = tl.join(j1_2, j1_3)
+    j2_2 = tl.join(j1_4, j1_5)
+    j2_3 = tl.join(j1_6, j1_7)
+    j3_0 = tl.join(j2_0, j2_1)
+    j3_1 = tl.join(j2_2, j2_3)
+    j4_0 = tl.join(j3_0, j3_1)
+    x = j4_0  # [..., 2 (bit 0), 2, 2, 2, 2 (bit 4)]
+    return x
+
+
+@triton.jit
+def _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP: tl.constexpr, WALK: tl.constexpr):
+    """Same tile as :func:`_expand_keys`, each 32-bit word expanded by :func:`_walk_words`."""
+    halves = tl.arange(0, 2)
+    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
+    kpc = _popc32(kw, True)
+    kpre = tl.cumsum(kpc, axis=1) - kpc
+    ktile = tl.sum(kpc, axis=1)
+    kbase = tl.cumsum(ktile, axis=0) - ktile
+    run = knz_ptr + tl.load(koff_ptr + g) + kbase[:, None] + kpre
+    x = _walk_words(kw, run, WALK)  # [DP, 2, 2, 2, 2, 2, 2]
+    x = tl.permute(x, (0, 1, 6, 5, 4, 3, 2))
+    return tl.reshape(x, (DP, 64)).to(knz_ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, DP: tl.constexpr, DTP: tl.constexpr, WALK: tl.constexpr):
+    """Same tile as :func:`_expand_values`, each 32-bit word expanded by :func:`_walk_words`."""
+    pieces = tl.arange(0, 2 * DTP)
+    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
+    vpc = _popc32(vw, True)
+    vpre = tl.cumsum(vpc, axis=1) - vpc
+    vtok = tl.sum(vpc, axis=1)
+    vbase = tl.cumsum(vtok, axis=0) - vtok
+    run = vnz_ptr + tl.load(voff_ptr + g) + vbase[:, None] + vpre
+    x = _walk_words(vw, run, WALK)  # [64, 2 * DTP, 2, 2, 2, 2, 2]
+    x = tl.permute(x, (0, 1, 6, 5, 4, 3, 2))
+    return tl.reshape(x, (64, DP)).to(vnz_ptr.dtype.element_ty, bitcast=True)
+
+
+@triton.jit
+def _expand_keys_mma(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, i32, u_excl, u_incl, DP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Same tile as :func:`_expand_keys`, with each element's rank inside its tile from the tensor
+    cores: ``bits [DP, 64] int8 @ u`` (u a 0/1 triangular ``[64, 64]`` int8 matrix: strictly upper
+    for the exclusive rank, upper with diagonal for the inclusive one) accumulated onto the tile's
+    base, so no per-element popcount; an element is stored where the two ranks differ."""
+    halves = tl.arange(0, 2)
+    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
+    ktile = tl.sum(_popc32(kw, USE_ASM), axis=1)
+    kbase = tl.cumsum(ktile, axis=0) - ktile
+    bits = tl.reshape((kw[:, :, None] >> i32[None, None, :]) & 1, (DP, 64)).to(tl.int8)
+    base = tl.broadcast_to(kbase[:, None], (DP, 64))
+    excl = tl.dot(bits, u_excl, base, out_dtype=tl.int32)
+    incl = tl.dot(bits, u_incl, base, out_dtype=tl.int32)
+    kblock = knz_ptr + tl.load(koff_ptr + g)
+    return tl.load(kblock + excl, mask=incl != excl, other=0.0)
+
+
+@triton.jit
+def _expand_values_mma(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, i32, u_excl, u_incl, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Same tile as :func:`_expand_values` with ranks from the tensor cores (u ``[DP, DP]`` int8
+    triangular, see :func:`_expand_keys_mma`)."""
+    pieces = tl.arange(0, 2 * DTP)
+    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
+    vtok = tl.sum(_popc32(vw, USE_ASM), axis=1)
+    vbase = tl.cumsum(vtok, axis=0) - vtok
+    bits = tl.reshape((vw[:, :, None] >> i32[None, None, :]) & 1, (64, DP)).to(tl.int8)
+    base = tl.broadcast_to(vbase[:, None], (64, DP))
+    excl = tl.dot(bits, u_excl, base, out_dtype=tl.int32)
+    incl = tl.dot(bits, u_incl, base, out_dtype=tl.int32)
+    vblock = vnz_ptr + tl.load(voff_ptr + g)
+    return tl.load(vblock + excl, mask=incl != excl, other=0.0)
+
+
 @triton.jit
 def _bitmap_attention_kernel(
     q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, Tc, W, D, DT, NB, R, BPS, S,
     RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_ASM: tl.constexpr,
+    RANK_MMA_K: tl.constexpr, RANK_MMA_V: tl.constexpr, WALK_K: tl.constexpr = "", WALK_V: tl.constexpr = "",
 ):
     """One program: token blocks [split * BPS, (split + 1) * BPS) of KV head bh (split < S) or the
     dense window (split == S), all R = G * Tq query rows; partial (acc, m, l) to slot (bh, split).
@@ -108,12 +228,26 @@ def _bitmap_attention_kernel(
         i32 = tl.arange(0, 32)
         bit3 = (tl.full([32], 1, tl.int32) << i32)[None, None, :]
         below3 = bit3 - 1
+        ku_excl = (t[:, None] < t[None, :]).to(tl.int8)
+        ku_incl = (t[:, None] <= t[None, :]).to(tl.int8)
+        vu_excl = (c[:, None] < c[None, :]).to(tl.int8)
+        vu_incl = (c[:, None] <= c[None, :]).to(tl.int8)
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
             tok = blk * 64 + t
             tmask = tok < Tc
-            kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
-            v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
+            if WALK_K != "":
+                kt = _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP, WALK_K)
+            elif RANK_MMA_K:
+                kt = _expand_keys_mma(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, i32, ku_excl, ku_incl, DP, USE_ASM)
+            else:
+                kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
+            if WALK_V != "":
+                v = _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, DP, DTP, WALK_V)
+            elif RANK_MMA_V:
+                v = _expand_values_mma(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, i32, vu_excl, vu_incl, DP, DTP, USE_ASM)
+            else:
+                v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
             m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
         for w0 in range(0, W, 64):
@@ -191,6 +325,7 @@ def bitmap_decode_attention(
     validate: bool = True,
     num_warps: int = 4,
     num_stages: int = 1,
+    ranks: str = "popc",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over the compressed tokens and the dense window of
     ``cache``: the partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). See the module
@@ -230,6 +365,7 @@ def bitmap_decode_attention(
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     empty = torch.zeros(1, dtype=q.dtype, device=q.device)
+    use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     _bitmap_attention_kernel[(bh, splits + 1)](
         qc,
         k.bitmaps.view(torch.int32),
@@ -257,7 +393,11 @@ def bitmap_decode_attention(
         DTP=dp // TILE,
         DOT_PREC=prec,
         UPCAST=upcast,
-        USE_ASM=q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        USE_ASM=use_asm,
+        RANK_MMA_K=ranks in ("mma", "mma_k") and dp <= 128,
+        RANK_MMA_V=ranks in ("mma", "mma_v") and dp <= 128,
+        WALK_K=WALK_PTX if ranks in ("walk", "walk_k") and use_asm and k.dtype != torch.float32 else "",
+        WALK_V=WALK_PTX if ranks in ("walk", "walk_v") and use_asm and k.dtype != torch.float32 else "",
         num_warps=num_warps,
         num_stages=num_stages,
     )
