@@ -41,17 +41,12 @@ def main():
     dev = "cpu" if a.tiny else "cuda"
     H, HKV, D = (8, 2, 64) if a.tiny else (32, 8, 128)
     configs = [(1, 256, 0.7)] if a.tiny else [tuple(float(x) if "." in x else int(x) for x in c.split("x")) for c in a.configs.split(",")]
-    variants = {
-        "popc_w4": dict(ranks="popc", num_warps=4),
-        "popc_w8": dict(ranks="popc", num_warps=8),
-        "mma_w4": dict(ranks="mma", num_warps=4),
-        "mma_w8": dict(ranks="mma", num_warps=8),
-        "walk_w4": dict(ranks="walk", num_warps=4),
-        "walk_w8": dict(ranks="walk", num_warps=8),
-        "walkk_w4": dict(ranks="walk_k", num_warps=4),
-        "walkv_w4": dict(ranks="walk_v", num_warps=4),
-        "walk_w4_st2": dict(ranks="walk", num_warps=4, num_stages=2),
-    }
+    variants = {"popc_w4": dict(ranks="popc", num_warps=4)}
+    for r in ("popc", "walk"):
+        for w, mrs in ((4, (168, 128, 96)), (8, (128, 96, 80))):
+            for mr in mrs:
+                variants[f"{r}_w{w}_r{mr}"] = dict(ranks=r, num_warps=w, maxnreg=mr)
+    variants["walk_w4_st2_r128"] = dict(ranks="walk", num_warps=4, num_stages=2, maxnreg=128)
     recs = []
     if not a.tiny:
         src = torch.empty(2**29, dtype=torch.float16, device=dev)
@@ -80,13 +75,6 @@ def main():
         del k, v
         ref_o, ref_l = bitmap_attention_reference(q.float(), type(cache)(*[type(cache.keys)(x.kind, x.nz.float(), x.bitmaps, x.offsets, x.tokens, x.head_dim) for x in (cache.keys, cache.values)], cache.window_keys.float(), cache.window_values.float()), scale) if b * t <= 8 * 32768 else (None, None)
         vs = dict(variants)
-        if b == 1:
-            for sp_ in (16, 33, 66, 132, 264):
-                vs[f"popc_w4_s{sp_}"] = dict(ranks="popc", num_warps=4, num_splits=sp_)
-                vs[f"walk_w4_s{sp_}"] = dict(ranks="walk", num_warps=4, num_splits=sp_)
-        if b >= 8:
-            for sp_ in (4, 8, 32):
-                vs[f"popc_w4_s{sp_}"] = dict(ranks="popc", num_warps=4, num_splits=sp_)
         for name, kw in vs.items():
             try:
                 fn = lambda kw=kw: bitmap_decode_attention(q, cache, scale, validate=False, **kw)

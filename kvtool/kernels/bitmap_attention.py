@@ -326,6 +326,7 @@ def bitmap_decode_attention(
     num_warps: int = 4,
     num_stages: int = 1,
     ranks: str = "popc",
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over the compressed tokens and the dense window of
     ``cache``: the partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). See the module
@@ -400,6 +401,7 @@ def bitmap_decode_attention(
         WALK_V=WALK_PTX if ranks in ("walk", "walk_v") and use_asm and k.dtype != torch.float32 else "",
         num_warps=num_warps,
         num_stages=num_stages,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
