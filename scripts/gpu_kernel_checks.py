@@ -120,10 +120,12 @@ def main() -> int:
         print("no CUDA device: this script checks the compiled kernels on a GPU")
         return 2
     f16, bf16 = torch.float16, torch.bfloat16
-    bitmap_kernels = [("bitmap_attention", "bitmap_decode_attention", None)]
+    bitmap_kernels = [("bitmap_attention", "bitmap_decode_attention", None),
+                      ("bitmap_attention", "bitmap_decode_attention", {"expansion": "popc", "maxnreg": None})]
     for module, fn_name, opts in bitmap_kernels:
         for args in [(1, 8, 4, 32768, 128, 0.7, 32, f16), (8, 8, 4, 4096, 128, 0.5, 32, f16), (2, 3, 3, 1000, 64, 0.0, 7, f16),
-                     (1, 2, 8, 777, 96, 0.99, 0, bf16), (3, 1, 1, 130, 128, 0.7, 64, bf16), (1, 4, 4, 40, 64, 0.5, 40, f16)]:
+                     (1, 2, 8, 777, 96, 0.99, 0, bf16), (3, 1, 1, 130, 128, 0.7, 64, bf16), (1, 4, 4, 40, 64, 0.5, 40, f16),
+                     (2, 2, 4, 300, 80, 0.6, 3, f16), (1, 2, 2, 200, 32, 0.3, 0, bf16)]:
             bitmap(*args, module, fn_name, opts)
     for args in [(8, 8, 4, 32768, 128, 16, f16), (1, 8, 4, 4097, 128, 3, bf16), (3, 3, 3, 1000, 64, 9, f16), (2, 2, 1, 77, 128, 1, f16), (1, 1, 8, 129, 64, 8, bf16)]:
         heads(*args)

@@ -1,5 +1,5 @@
-"""GPU try-out: bitmap decode attention variants (rank by popcount vs by tensor-core prefix sums,
-num_warps) against cuBLAS q·Kᵀ + P·V, Llama-3-8B shapes, fp16. Checks every variant against the torch
+"""GPU try-out: bitmap decode attention variants (expansion walk / popc, num_warps, register caps)
+against cuBLAS q·Kᵀ + P·V, Llama-3-8B shapes, fp16. Checks every variant against the torch
 reference first. Prints one line per (config, variant); --json PATH writes the records.
 
     python scripts/try_attn.py [--json out.json] [--tiny]
@@ -41,12 +41,14 @@ def main():
     dev = "cpu" if a.tiny else "cuda"
     H, HKV, D = (8, 2, 64) if a.tiny else (32, 8, 128)
     configs = [(1, 256, 0.7)] if a.tiny else [tuple(float(x) if "." in x else int(x) for x in c.split("x")) for c in a.configs.split(",")]
-    variants = {"popc_w4": dict(ranks="popc", num_warps=4)}
+    variants = {"popc_w4": dict(expansion="popc", num_warps=4, maxnreg=None), "walk_w4": dict(expansion="walk", num_warps=4, maxnreg=None)}
     for r in ("popc", "walk"):
         for w, mrs in ((4, (168, 128, 96)), (8, (128, 96, 80))):
             for mr in mrs:
-                variants[f"{r}_w{w}_r{mr}"] = dict(ranks=r, num_warps=w, maxnreg=mr)
-    variants["walk_w4_st2_r128"] = dict(ranks="walk", num_warps=4, num_stages=2, maxnreg=128)
+                variants[f"{r}_w{w}_r{mr}"] = dict(expansion=r, num_warps=w, maxnreg=mr)
+    variants["walk_w4_st2_r128"] = dict(expansion="walk", num_warps=4, num_stages=2, maxnreg=128)
+    if a.tiny:  # the interpreter runs the popc path only
+        variants = {k: dict(v, expansion="popc") for k, v in variants.items() if k.startswith("popc")}
     recs = []
     if not a.tiny:
         src = torch.empty(2**29, dtype=torch.float16, device=dev)

@@ -102,6 +102,18 @@ def test_format_kernel_path_on_the_real_sample(sample_capture):
     torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
 
 
+def test_expansion_choice_is_checked():
+    cache = encode_cache(random_pruned(1, 1, 70, 64, 0.5, seed=1), random_pruned(1, 1, 70, 64, 0.5, seed=2), window=3)
+    q = torch.randn(1, 2, 1, 64).half()
+    ref = bitmap_attention_reference(q, cache)
+    out, _ = bitmap_decode_attention(q, cache, expansion="popc", maxnreg=None)
+    assert rel_l2(out, ref[0]) < 1e-2
+    with pytest.raises(UsageError, match="walk expansion needs CUDA"):
+        bitmap_decode_attention(q, cache, expansion="walk")
+    with pytest.raises(UsageError, match="expansion must be"):
+        bitmap_decode_attention(q, cache, expansion="mma")
+
+
 def test_bad_inputs_are_refused_before_launch(monkeypatch):
     keys = random_pruned(1, 2, 70, 64, 0.5)
     cache = encode_cache(keys, keys.clone(), window=6)
@@ -125,16 +137,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from kvtool.kernels import bitmap_attention as A, bitmap_compress as C
 
-def build(fn, sig, consts, warps=4, stages=3):
+def build(fn, sig, consts, warps=4, stages=3, maxnreg=None):
     src = triton.compiler.ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     assert len(k.asm["cubin"]) > 0
 
 for dt, dp in (("fp16", 128), ("bf16", 64)):
     sig = dict(q_ptr=f"*{dt}", kbm_ptr="*i32", knz_ptr=f"*{dt}", koff_ptr="*i64", vbm_ptr="*i32", vnz_ptr=f"*{dt}",
                voff_ptr="*i64", wk_ptr=f"*{dt}", wv_ptr=f"*{dt}", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
-    build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True), stages=1)
+    for walk in ("", A.WALK_PTX):
+        build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk), stages=1, maxnreg=128)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
 build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True, USE_ASM=True), warps=8)

@@ -13,21 +13,30 @@ validate=True) -> (out, lse)``
   values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
 
 How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks the 64-token blocks ``s * BPS ..``
-of KV head bh, BPS = ceil(NB / S). An element's place in its block's packed run is ``base + popcount(
-word & bits below it)``: ``word`` is the 32-bit half of the element's tile bitmap and ``base`` a 1-D
-exclusive prefix sum of per-half-word popcounts (per channel for keys, per token for values); the bit
-tensors are 3-D ``[rows, half-words, 32]`` so each element's half-word and prefix come by broadcasting,
-positions are int32 offsets from the block's start, and popcount is one ``popc.b32`` on CUDA (SWAR
-arithmetic under the interpreter); there are no 2-D prefix sums. It expands K^T ``[D, 64]`` and V
-``[64, D]`` of the block and scores all G * Tq query rows of the group at once (one pass over the
-group's data), with an online softmax (base 2, float32) and P.V accumulated in float32. Program
-(bh, S) does the same over the dense window. A second kernel merges the S + 1 partials
-(flash-decoding combine). S (:func:`default_splits`): about 4 programs per SM under 32 KV heads in all,
-16 above. Every load is masked; the offsets are validated before launch (``validate=True``) so no
-gather leaves ``nz``. Built for sm_90 (the tests compile it with the bundled ptxas). Measured on the
-H100 (Llama-3-8B shapes, 70% sparsity, CUDA graph; docs/benchmarks.md): 125 µs at batch 1 / 32k
-tokens and 566 µs at batch 8 / 32k, against 192 µs and 625 µs for the former design (32-token steps,
-select chains, 16 programs per SM at every batch).
+of KV head bh, BPS = ceil(NB / S). For each block it expands K^T ``[D, 64]`` and V ``[64, D]`` to
+dense tiles and scores all G * Tq query rows of the group at once (one pass over the group's data),
+with an online softmax (base 2, float32) and P.V accumulated in float32. Program (bh, S) does the
+same over the dense window. A second kernel merges the S + 1 partials (flash-decoding combine).
+Two expansions of a block, same result:
+
+- ``walk`` (CUDA, 16-bit caches; the default there): each thread takes 32-bit bitmap words and walks
+  their bits in inline PTX (:data:`WALK_PTX`): a set bit loads the next element of the word's packed
+  run, a clear bit gives 0. A word's run starts at the block's offset + an exclusive prefix sum of
+  the per-word popcounts, so there is one popcount per word, none per element.
+- ``popc`` (the interpreter, float32, or ``expansion="popc"``): an element's place in its block's
+  run is ``base + popcount(word & bits below it)``, on 3-D ``[rows, half-words, 32]`` bit tensors,
+  one ``popc.b32`` per element on CUDA (SWAR arithmetic under the interpreter). CI runs this path;
+  the GPU checks (``scripts/gpu_kernel_checks.py``) compare both with the reference.
+
+The kernel is compiled with at most 128 registers per thread (``maxnreg``): unbounded, ptxas takes
+254 and only two 4-warp programs fit on an SM; at 128 four fit, with no spills. S
+(:func:`default_splits`): about 4 programs per SM under 32 KV heads in all, 16 above. Every load is
+masked or bounded by the bitmaps; the offsets are validated before launch (``validate=True``) so no
+gather leaves ``nz``. Measured on the H100 (Llama-3-8B shapes, fp16, ``scripts/try_attn.py``,
+2026-11-22, docs/benchmarks.md): batch 8 / 32k tokens at 70% sparsity 497 µs (walk, 128 registers)
+against 562 µs (popc, unbounded registers); at 50% 623 µs against 802 µs; batch 1 / 32k 115 µs
+against 126 µs. Ranks from tensor-core prefix sums (``bits @ triangular``, int8) were 2.8x slower
+(layout conversions through shared memory and spills) and were dropped.
 
 :func:`_expand_keys` / :func:`_expand_values` (one block to a dense tile) are shared with the
 standalone SpMV products of :mod:`.bitmap_spmv`.
@@ -168,45 +177,11 @@ def _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, DP: tl.c
 
 
 @triton.jit
-def _expand_keys_mma(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, i32, u_excl, u_incl, DP: tl.constexpr, USE_ASM: tl.constexpr):
-    """Same tile as :func:`_expand_keys`, with each element's rank inside its tile from the tensor
-    cores: ``bits [DP, 64] int8 @ u`` (u a 0/1 triangular ``[64, 64]`` int8 matrix: strictly upper
-    for the exclusive rank, upper with diagonal for the inclusive one) accumulated onto the tile's
-    base, so no per-element popcount; an element is stored where the two ranks differ."""
-    halves = tl.arange(0, 2)
-    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
-    ktile = tl.sum(_popc32(kw, USE_ASM), axis=1)
-    kbase = tl.cumsum(ktile, axis=0) - ktile
-    bits = tl.reshape((kw[:, :, None] >> i32[None, None, :]) & 1, (DP, 64)).to(tl.int8)
-    base = tl.broadcast_to(kbase[:, None], (DP, 64))
-    excl = tl.dot(bits, u_excl, base, out_dtype=tl.int32)
-    incl = tl.dot(bits, u_incl, base, out_dtype=tl.int32)
-    kblock = knz_ptr + tl.load(koff_ptr + g)
-    return tl.load(kblock + excl, mask=incl != excl, other=0.0)
-
-
-@triton.jit
-def _expand_values_mma(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, i32, u_excl, u_incl, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
-    """Same tile as :func:`_expand_values` with ranks from the tensor cores (u ``[DP, DP]`` int8
-    triangular, see :func:`_expand_keys_mma`)."""
-    pieces = tl.arange(0, 2 * DTP)
-    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
-    vtok = tl.sum(_popc32(vw, USE_ASM), axis=1)
-    vbase = tl.cumsum(vtok, axis=0) - vtok
-    bits = tl.reshape((vw[:, :, None] >> i32[None, None, :]) & 1, (64, DP)).to(tl.int8)
-    base = tl.broadcast_to(vbase[:, None], (64, DP))
-    excl = tl.dot(bits, u_excl, base, out_dtype=tl.int32)
-    incl = tl.dot(bits, u_incl, base, out_dtype=tl.int32)
-    vblock = vnz_ptr + tl.load(voff_ptr + g)
-    return tl.load(vblock + excl, mask=incl != excl, other=0.0)
-
-
-@triton.jit
 def _bitmap_attention_kernel(
     q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, Tc, W, D, DT, NB, R, BPS, S,
     RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_ASM: tl.constexpr,
-    RANK_MMA_K: tl.constexpr, RANK_MMA_V: tl.constexpr, WALK_K: tl.constexpr = "", WALK_V: tl.constexpr = "",
+    WALK: tl.constexpr,
 ):
     """One program: token blocks [split * BPS, (split + 1) * BPS) of KV head bh (split < S) or the
     dense window (split == S), all R = G * Tq query rows; partial (acc, m, l) to slot (bh, split).
@@ -228,25 +203,15 @@ def _bitmap_attention_kernel(
         i32 = tl.arange(0, 32)
         bit3 = (tl.full([32], 1, tl.int32) << i32)[None, None, :]
         below3 = bit3 - 1
-        ku_excl = (t[:, None] < t[None, :]).to(tl.int8)
-        ku_incl = (t[:, None] <= t[None, :]).to(tl.int8)
-        vu_excl = (c[:, None] < c[None, :]).to(tl.int8)
-        vu_incl = (c[:, None] <= c[None, :]).to(tl.int8)
         for blk in range(blk_start, blk_end):
             g = bh * NB + blk
             tok = blk * 64 + t
             tmask = tok < Tc
-            if WALK_K != "":
-                kt = _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP, WALK_K)
-            elif RANK_MMA_K:
-                kt = _expand_keys_mma(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, i32, ku_excl, ku_incl, DP, USE_ASM)
+            if WALK != "":
+                kt = _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP, WALK)
+                v = _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, DP, DTP, WALK)
             else:
                 kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
-            if WALK_V != "":
-                v = _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, DP, DTP, WALK_V)
-            elif RANK_MMA_V:
-                v = _expand_values_mma(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, i32, vu_excl, vu_incl, DP, DTP, USE_ASM)
-            else:
                 v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
             m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
@@ -325,16 +290,18 @@ def bitmap_decode_attention(
     validate: bool = True,
     num_warps: int = 4,
     num_stages: int = 1,
-    ranks: str = "popc",
-    maxnreg: int | None = None,
+    expansion: str | None = None,
+    maxnreg: int | None = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over the compressed tokens and the dense window of
     ``cache``: the partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). See the module
     docstring. ``validate=False`` skips the layout check (only for a cache validated before: the
     kernel trusts the offsets). ``num_splits`` (token-axis programs per KV head), ``num_warps`` and
     ``num_stages`` are tuning knobs; the result does not depend on them beyond rounding. One stage
-    (no software pipelining of the block loop) was faster on the H100 in every configuration the
-    bench timed."""
+    (no software pipelining of the block loop) was as fast or faster on the H100 in the
+    configurations timed. ``expansion``: ``"walk"`` / ``"popc"`` (see the module docstring; None
+    picks walk where it can run). ``maxnreg``: register cap per thread on CUDA for head_dim <= 128
+    (None: no cap)."""
     check_query(q, cache)
     _check_device(q, "q")
     if validate:
@@ -367,6 +334,12 @@ def bitmap_decode_attention(
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     empty = torch.zeros(1, dtype=q.dtype, device=q.device)
     use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    can_walk = use_asm and k.dtype != torch.float32
+    if expansion not in (None, "walk", "popc"):
+        raise UsageError(f"expansion must be walk or popc, got {expansion!r}")
+    if expansion == "walk" and not can_walk:
+        raise UsageError("the walk expansion needs CUDA and 16-bit caches (inline PTX); use expansion='popc'")
+    walk = can_walk if expansion is None else expansion == "walk"
     _bitmap_attention_kernel[(bh, splits + 1)](
         qc,
         k.bitmaps.view(torch.int32),
@@ -395,13 +368,10 @@ def bitmap_decode_attention(
         DOT_PREC=prec,
         UPCAST=upcast,
         USE_ASM=use_asm,
-        RANK_MMA_K=ranks in ("mma", "mma_k") and dp <= 128,
-        RANK_MMA_V=ranks in ("mma", "mma_v") and dp <= 128,
-        WALK_K=WALK_PTX if ranks in ("walk", "walk_k") and use_asm and k.dtype != torch.float32 else "",
-        WALK_V=WALK_PTX if ranks in ("walk", "walk_v") and use_asm and k.dtype != torch.float32 else "",
+        WALK=WALK_PTX if walk else "",
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"maxnreg": maxnreg} if maxnreg and use_asm and dp <= 128 else {}),
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse
