@@ -149,6 +149,11 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
     for walk in ("", A.WALK_PTX):
         build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk), stages=1, maxnreg=128)
+from kvtool.kernels import bitmap_spmv as V
+build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", koff_ptr="*i64", s_ptr="*fp32", Tc="i32", D="i32", NB="i32", R="i32"),
+      dict(RP=16, DP=128, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
+build(V._bitmap_pv_kernel, dict(p_ptr="*fp16", vbm_ptr="*i32", vnz_ptr="*fp16", voff_ptr="*i64", o_ptr="*fp32", Tc="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32"),
+      dict(RP=16, DP=128, DTP=2, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
 build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True, USE_ASM=True), warps=8)

@@ -1,6 +1,7 @@
 """The two SpMV halves of bitmap attention alone, for ``kvtool bench spmv`` (Triton): q·Kᵀ against
-bitmap-compressed keys and P·V against bitmap-compressed values, with the block expansion of
-:mod:`.bitmap_attention` (:func:`~.bitmap_attention._expand_keys` / ``_expand_values``).
+bitmap-compressed keys and P·V against bitmap-compressed values, with the block expansions of
+:mod:`.bitmap_attention` (on CUDA with 16-bit data the per-word bit walk ``_expand_keys_walk`` /
+``_expand_values_walk`` and a 128-register cap, otherwise ``_expand_keys`` / ``_expand_values``).
 
 - :func:`bitmap_qk` (q ``[B, H, D]``, compressed keys ``[B, Hkv, Tc, D]``) -> scores ``[B, H, Tc]``
   float32 (unscaled).
@@ -18,13 +19,13 @@ import triton
 import triton.language as tl
 
 from ..errors import UsageError
-from .bitmap_attention import _expand_keys, _expand_values, default_splits
+from .bitmap_attention import WALK_PTX, _expand_keys, _expand_keys_walk, _expand_values, _expand_values_walk, default_splits
 from .bitmap_compress import _check_device
 from .bitmap_layout import TILE
 
 
 @triton.jit
-def _bitmap_qk_kernel(q_ptr, kbm_ptr, knz_ptr, koff_ptr, s_ptr, Tc, D, NB, R, RP: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr):
+def _bitmap_qk_kernel(q_ptr, kbm_ptr, knz_ptr, koff_ptr, s_ptr, Tc, D, NB, R, RP: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr, WALK: tl.constexpr):
     """Scores of one key block: s[bh, r, blk*64 + t] = q[bh, r] . K[t] (fp32), all R query rows."""
     bh = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -33,8 +34,11 @@ def _bitmap_qk_kernel(q_ptr, kbm_ptr, knz_ptr, koff_ptr, s_ptr, Tc, D, NB, R, RP
     t = tl.arange(0, 64)
     cmask = c < D
     q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
-    bit3 = (tl.full([32], 1, tl.int32) << tl.arange(0, 32))[None, None, :]
-    kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, bh * NB + blk, c, cmask, D, bit3, bit3 - 1, DP, USE_ASM)
+    if WALK != "":
+        kt = _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, bh * NB + blk, c, cmask, D, DP, WALK)
+    else:
+        bit3 = (tl.full([32], 1, tl.int32) << tl.arange(0, 32))[None, None, :]
+        kt = _expand_keys(kbm_ptr, knz_ptr, koff_ptr, bh * NB + blk, c, cmask, D, bit3, bit3 - 1, DP, USE_ASM)
     s = tl.dot(q, kt)
     tok = blk * 64 + t
     tl.store(s_ptr + (bh * R + rows[:, None]) * Tc + tok[None, :], s, mask=(rows[:, None] < R) & (tok[None, :] < Tc))
@@ -42,7 +46,7 @@ def _bitmap_qk_kernel(q_ptr, kbm_ptr, knz_ptr, koff_ptr, s_ptr, Tc, D, NB, R, RP
 
 @triton.jit
 def _bitmap_pv_kernel(p_ptr, vbm_ptr, vnz_ptr, voff_ptr, o_ptr, Tc, D, DT, NB, R, BPS,
-                      RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
+                      RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr, WALK: tl.constexpr):
     """Partial P.V of a split of value blocks: o[bh, split, r] = sum_t p[bh, r, t] V[t] (fp32)."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -55,7 +59,10 @@ def _bitmap_pv_kernel(p_ptr, vbm_ptr, vnz_ptr, voff_ptr, o_ptr, Tc, D, DT, NB, R
         tok = blk * 64 + t
         tmask = tok < Tc
         p = tl.load(p_ptr + (bh * R + rows[:, None]) * Tc + tok[None, :], mask=(rows[:, None] < R) & tmask[None, :], other=0.0)
-        v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, bh * NB + blk, bh * Tc + tok, tmask, DT, bit3, bit3 - 1, DP, DTP, USE_ASM)
+        if WALK != "":
+            v = _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, bh * NB + blk, bh * Tc + tok, tmask, DT, DP, DTP, WALK)
+        else:
+            v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, bh * NB + blk, bh * Tc + tok, tmask, DT, bit3, bit3 - 1, DP, DTP, USE_ASM)
         acc += tl.dot(p, v)
     nsplit = tl.num_programs(1)
     tl.store(o_ptr + ((bh * nsplit + split) * RP + rows[:, None]) * DP + c[None, :], acc)
@@ -63,6 +70,13 @@ def _bitmap_pv_kernel(p_ptr, vbm_ptr, vnz_ptr, voff_ptr, o_ptr, Tc, D, DT, NB, R
 
 def _use_asm(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _launch_opts(x: torch.Tensor, dp: int) -> dict:
+    """WALK / USE_ASM constexprs and the register cap, as bitmap_decode_attention chooses them."""
+    asm = _use_asm(x)
+    walk = asm and x.dtype != torch.float32
+    return dict(USE_ASM=asm, WALK=WALK_PTX if walk else "", num_warps=4, **({"maxnreg": 128} if asm and dp <= 128 else {}))
 
 
 def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
@@ -82,7 +96,7 @@ def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
         return out
     rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
     _bitmap_qk_kernel[(b * hkv, keys.blocks)](q.contiguous(), keys.bitmaps.view(torch.int32), keys.nz, keys.offsets, out, tc, d,
-                                              keys.blocks, rows, RP=rp, DP=dp, USE_ASM=_use_asm(q), num_warps=4)
+                                              keys.blocks, rows, RP=rp, DP=dp, **_launch_opts(q, dp))
     return out
 
 
@@ -107,5 +121,5 @@ def bitmap_pv(p: torch.Tensor, values, num_splits: int | None = None) -> torch.T
     rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
     part = torch.empty(b * hkv, splits, rp, dp, dtype=torch.float32, device=p.device)
     _bitmap_pv_kernel[(b * hkv, splits)](p.contiguous(), values.bitmaps.view(torch.int32), values.nz, values.offsets, part, tc, d,
-                                         -(-d // TILE), nb, rows, bps, RP=rp, DP=dp, DTP=dp // TILE, USE_ASM=_use_asm(p), num_warps=4)
+                                         -(-d // TILE), nb, rows, bps, RP=rp, DP=dp, DTP=dp // TILE, **_launch_opts(p, dp))
     return part.sum(1)[:, :rows, :d].reshape(b, h, d)
