@@ -100,6 +100,35 @@ def old_step(q, enc, stats, forced):
     return P.paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], check=False, merge="torch")
 
 
+def edge_checks() -> None:
+    """Selection and merge at awkward shapes on CUDA (GPU-only integer specialisation of 1s)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for npages, forced, k, block in ((37, [0], 1, 8192), (37, [0, 36], 0, 8192), (37, [0, 36], 35, 8192), (20000, [0, 19999], 128, 8192),
+                                     (8192, [0, 8191], 128, 2048), (1, [0], 0, 8192)):
+        name = f"select NP={npages} forced={forced} k={k} block={block}"
+
+        def one():
+            sc = torch.randint(0, 50, (2, 3, 1, npages), generator=gen, device="cuda").float()  # many ties
+            sc[0, 0, 0, -1] = float("-inf")
+            sc[1, 2, 0, 0] = float("nan")
+            f = torch.tensor(forced, device="cuda")
+            got = P.select_pages_triton(sc, f, k, block=block)
+            if not torch.equal(got, P.select_pages_triton_reference(sc, f, k)):
+                raise AssertionError("differs from select_pages_triton_reference")
+
+        check("edge", name, one)
+    for s, tq in ((1, 1), (3, 2)):
+        def merge():
+            part = torch.randn(2, 8, tq, s, 16, 128, generator=gen, device="cuda")
+            lse = torch.randn(2, 8, tq, s, 16, generator=gen, device="cuda")
+            lse[0, 0, 0, 0] = float("-inf")
+            o, l = P.combine_splits(part, lse, 32, 128)
+            ro, rl = P.merge_splits(part, lse, 32)
+            close(o, l, ro, rl)
+
+        check("edge", f"combine_splits S={s} Tq={tq}", merge)
+
+
 def run_config(batch: int, score: str, tokens: int = 131072, budget: int = 2048) -> None:
     cfg = f"b{batch} T{tokens} {score} bud{budget}"
     q, enc = P.make_pagestat_inputs(batch=batch, tokens=tokens, budget=budget, score=score, device="cuda")
@@ -168,6 +197,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     COPY_GBS = copy_bandwidth()
     print(f"copy bandwidth (1 GiB fp16 copy_): {COPY_GBS:.0f} GB/s")
+    edge_checks()
     for batch, score in ((1, "unique"), (8, "unique"), (8, "quest")):
         try:
             run_config(batch, score)

@@ -16,6 +16,8 @@ def test_select_matches_topk_without_ties():
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(2, 2, 1, 37, generator=gen)  # NP not a power of two
     forced = torch.tensor([0, 35, 36])
+    one = P.select_pages_triton(scores, forced[:1], 1)  # one forced page, k = 1
+    assert one[..., 0].eq(0).all() and _sets(one) == _sets(select_pages(scores, [0], 1))
     for k in (0, 1, 5, 34):  # 34 = NP - forced
         got = P.select_pages_triton(scores, forced, k)
         assert got.dtype == torch.int32 and got.shape == (2, 2, 1, 3 + k)

@@ -349,7 +349,8 @@ def _select_pages_kernel(scores_ptr, forced_ptr, out_ptr, NP, NF, K, s_row, o_ro
     src = scores_ptr + row * s_row
     dst = out_ptr + row * o_row
     off = tl.arange(0, BLOCK)
-    kk = K.to(tl.uint32)
+    # integer arguments equal to 1 arrive as constexprs on the GPU: make the scalars tensors first
+    kk = (K + tl.zeros([], tl.int32)).to(tl.uint32)
     if CHUNKS == 1:
         keys = _order_keys(src, off, NP, forced_ptr, NF)
     prefix = tl.zeros([], tl.uint32)
@@ -371,10 +372,10 @@ def _select_pages_kernel(scores_ptr, forced_ptr, out_ptr, NP, NF, K, s_row, o_ro
         for c in range(0, CHUNKS):
             kc = _order_keys(src, c * BLOCK + off, NP, forced_ptr, NF)
             above += tl.sum((kc > prefix).to(tl.int32), axis=0)
-    ties_left = K - above
+    ties_left = K - above + tl.zeros([], tl.int32)
     for f in range(0, NF):
         tl.store(dst + f, tl.load(forced_ptr + f).to(tl.int32))
-    pos = NF
+    pos = NF + tl.zeros([], tl.int32)
     for c in range(0, CHUNKS):
         if CHUNKS == 1:
             kc = keys
