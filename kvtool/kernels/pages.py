@@ -13,11 +13,19 @@ head_dim, NP = ceil(T / P) pages of P tokens; dt = float16 / bfloat16 / float32,
 - :func:`paged_attention` (q ``[B, H, Tq, D]``, keys/values ``[B, Hkv, T, D]`` dt, pages int32
   ``[B, Hkv, Tq, n]``, page_size) -> partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]``
   float32) over the tokens of the listed pages (a page past T contributes its tokens below T only).
-  The list is split across programs (flash-decoding) and merged. Reference:
-  :func:`paged_attention_reference`.
-- :func:`pagestat_decode` (q, encoded layer, scale): criticality -> torch.topk pages (forced first
-  page and window pages, chosen on the device) -> paged attention; the kernel path of
-  ``pagestat``'s ``attend``. No host copies, so the step can be captured in a CUDA graph.
+  Reference: :func:`paged_attention_reference`.
+  The list is split across programs (flash-decoding); :func:`combine_splits` merges the splits in
+  one Triton launch (log2 space; ``merge="torch"`` keeps the older torch merge to compare).
+- :func:`select_pages_triton` (scores ``[B, Hkv, Tq, NP]`` float32, forced pages, k) -> int32
+  ``[B, Hkv, Tq, n_forced + k]``: forced pages, then the k best others in ascending page order; one
+  program per row, exact radix select on the scores' order-preserving uint32 image (NaN highest,
+  ties at the k-th value to the lowest pages), cumsum compaction. Reference:
+  :func:`select_pages_triton_reference`; torch.topk (:func:`select_pages_device`) picks the same set
+  unless the k-th value is tied.
+- :func:`pagestat_decode` (q, encoded layer, scale): criticality -> Triton page selection (forced
+  first page and window pages) -> paged attention -> Triton split merge: four launches; the kernel
+  path of ``pagestat``'s ``attend``. No host copies or syncs, so the step can be captured in a
+  CUDA graph.
 - :func:`make_pagestat_inputs`: random encoded inputs at any size, for benchmarks.
 """
 
@@ -191,11 +199,16 @@ def paged_attention(
     scale: float | None = None,
     splits: int | None = None,
     check: bool = True,
+    merge: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention over the listed pages (see the module docstring). ``pages`` int32
     ``[B, Hkv, Tq, n]`` (any strides; entries must be distinct and in range: checked here unless
     ``check=False``, for lists that come from top-k, which are). ``splits``: programs per
-    (batch, KV head, query) row (default: about 4 programs per SM)."""
+    (batch, KV head, query) row (default: about 4 programs per SM). ``merge``: ``"triton"`` merges
+    the splits in one :func:`_combine_splits_kernel` launch; ``"torch"`` runs the torch
+    :func:`~kvtool.kernels.retrieval_common.merge_splits` (the older, slower path, kept to compare)."""
+    if merge not in ("triton", "torch"):
+        raise UsageError(f"merge must be 'triton' or 'torch', got {merge!r}")
     if keys.ndim != 4 or values.shape != keys.shape:
         raise UsageError(f"keys/values must be [batch, kv_heads, tokens, head_dim] of one shape, got {list(keys.shape)} and {list(values.shape)}")
     b, hkv, t, d = keys.shape
@@ -232,8 +245,54 @@ def paged_attention(
         pages.stride(0), pages.stride(1), pages.stride(2),
         G=g, GP=gp, DP=dp, PAGE=page_size, BP=bp, DOT_PREC=prec, UPCAST=upcast,
     )
-    o, l = merge_splits(out[..., :d], lse, h)
-    return o, l
+    if merge == "torch":
+        return merge_splits(out[..., :d], lse, h)
+    return combine_splits(out, lse, h, d)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, S, HKV, TQ, D,
+                           G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr):
+    """One program per (batch, KV head, query token): merge its S split partials (normalised out
+    [S, GP, DP], natural-log lse [S, GP]) in log2 space into out [B, H, Tq, D] and lse [B, H, Tq]
+    (natural log); a head row with no key anywhere gets out 0 and lse -inf."""
+    pid = tl.program_id(0).to(tl.int64)  # ((b * HKV + kh) * TQ + t)
+    t = pid % TQ
+    bkh = pid // TQ  # b * HKV + kh; head h = kh * G + g, so (b * H + h) = bkh * G + g
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    for s in range(0, S):
+        m = tl.maximum(m, tl.load(plse_ptr + (pid * S + s) * GP + g) * 1.4426950408889634)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for s in range(0, S):
+        w = tl.exp2(tl.load(plse_ptr + (pid * S + s) * GP + g) * 1.4426950408889634 - m_safe)
+        total += w
+        acc += tl.load(part_ptr + ((pid * S + s) * GP + g[:, None]) * DP + d[None, :]) * w[:, None]
+    nonempty = total > 0
+    acc = acc / tl.where(nonempty, total, 1.0)[:, None]
+    lse = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    row = (bkh * G + g) * TQ + t
+    gmask = g < G
+    tl.store(out_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & (d[None, :] < D))
+    tl.store(lse_ptr + row, lse, mask=gmask)
+
+
+def combine_splits(part: torch.Tensor, plse: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton merge of split partials: part ``[B, Hkv, Tq, S, GP, DP]`` float32 (normalised per
+    split, contiguous) and plse ``[B, Hkv, Tq, S, GP]`` float32 (natural log, -inf for an empty
+    split) -> (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32), D = ``head_dim``. Same
+    maths as :func:`~kvtool.kernels.retrieval_common.merge_splits`, in one launch."""
+    b, hkv, tq, s, gp, dp = part.shape
+    g = heads // hkv
+    out = torch.empty(b, heads, tq, head_dim, dtype=torch.float32, device=part.device)
+    lse = torch.empty(b, heads, tq, dtype=torch.float32, device=part.device)
+    if out.numel() == 0 or lse.numel() == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    _combine_splits_kernel[(b * hkv * tq,)](part, plse, out, lse, s, hkv, tq, head_dim, G=g, GP=gp, DP=dp, num_warps=4)
+    return out, lse
 
 
 def paged_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, page_size: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,15 +325,121 @@ def select_pages_device(scores: torch.Tensor, forced: torch.Tensor, k: int) -> t
     return torch.cat([forced.expand(*scores.shape[:3], -1), top], -1)
 
 
+@triton.jit
+def _order_keys(ptr, n, NP, forced_ptr, NF):
+    """uint32 keys of scores ``ptr[n]`` whose unsigned order is the float order (NaN canonical
+    largest, 0xFFFFFFFF); forced pages and positions past NP get 0 (never chosen)."""
+    x = tl.load(ptr + n, mask=n < NP, other=0.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+    key = tl.where(x != x, tl.full([], 0xFFFFFFFF, tl.uint32), key)
+    keep = n < NP
+    for f in range(0, NF):
+        keep = keep & (n != tl.load(forced_ptr + f).to(tl.int32))
+    return tl.where(keep, key, tl.zeros([], tl.uint32))
+
+
+@triton.jit
+def _select_pages_kernel(scores_ptr, forced_ptr, out_ptr, NP, NF, K, s_row, o_row,
+                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    """One program per (batch, KV head, query token) row: out[row] = forced pages, then the K best
+    non-forced pages in ascending page order. Threshold = the K-th largest key, found bit by bit
+    (radix select, 32 counting passes); ties at it go to the lowest page indices."""
+    row = tl.program_id(0).to(tl.int64)
+    src = scores_ptr + row * s_row
+    dst = out_ptr + row * o_row
+    off = tl.arange(0, BLOCK)
+    # integer arguments equal to 1 arrive as constexprs on the GPU: make the scalars tensors first
+    kk = (K + tl.zeros([], tl.int32)).to(tl.uint32)
+    if CHUNKS == 1:
+        keys = _order_keys(src, off, NP, forced_ptr, NF)
+    prefix = tl.zeros([], tl.uint32)
+    for i in tl.static_range(32):
+        cand = prefix | (tl.full([], 1, tl.uint32) << (31 - i))
+        if CHUNKS == 1:
+            cnt = tl.sum((keys >= cand).to(tl.int32), axis=0)
+        else:
+            cnt = tl.zeros([], tl.int32)
+            for c in range(0, CHUNKS):
+                kc = _order_keys(src, c * BLOCK + off, NP, forced_ptr, NF)
+                cnt += tl.sum((kc >= cand).to(tl.int32), axis=0)
+        prefix = tl.where(cnt.to(tl.uint32) >= kk, cand, prefix)
+    # K == 0 leaves prefix at 0xFFFFFFFF: nothing is above it and no tie is needed
+    if CHUNKS == 1:
+        above = tl.sum((keys > prefix).to(tl.int32), axis=0)
+    else:
+        above = tl.zeros([], tl.int32)
+        for c in range(0, CHUNKS):
+            kc = _order_keys(src, c * BLOCK + off, NP, forced_ptr, NF)
+            above += tl.sum((kc > prefix).to(tl.int32), axis=0)
+    ties_left = K - above + tl.zeros([], tl.int32)
+    for f in range(0, NF):
+        tl.store(dst + f, tl.load(forced_ptr + f).to(tl.int32))
+    pos = NF + tl.zeros([], tl.int32)
+    for c in range(0, CHUNKS):
+        if CHUNKS == 1:
+            kc = keys
+        else:
+            kc = _order_keys(src, c * BLOCK + off, NP, forced_ptr, NF)
+        tie = (kc == prefix) & (kc != 0)
+        tie_i = tie.to(tl.int32)
+        tie_rank = tl.cumsum(tie_i, axis=0) - tie_i
+        sel = (kc > prefix) | (tie & (tie_rank < ties_left))
+        sel_i = sel.to(tl.int32)
+        at = pos + tl.cumsum(sel_i, axis=0) - sel_i
+        tl.store(dst + at, (c * BLOCK + off).to(tl.int32), mask=sel)
+        pos += tl.sum(sel_i, axis=0)
+        ties_left -= tl.sum(tie_i, axis=0)
+
+
+def select_pages_triton(scores: torch.Tensor, forced: torch.Tensor, k: int, block: int = 8192, num_warps: int = 8) -> torch.Tensor:
+    """Page lists int32 ``[B, Hkv, Tq, len(forced) + k]`` from scores ``[B, Hkv, Tq, NP]`` float32
+    and forced pages (int32/int64 device tensor, distinct, in range): the forced pages, then the k
+    best non-forced pages in ascending page order, one Triton program per row (radix select on the
+    order-preserving uint32 image of the scores, then a cumsum compaction). NaN ranks above +inf,
+    -inf below every finite score; equal scores at the k-th value go to the lowest page indices, so
+    the set is deterministic (torch.topk may pick other tied pages: the sets agree when the k-th
+    value is not tied). Rows longer than ``block`` are walked in chunks. No host sync."""
+    if scores.ndim != 4 or scores.dtype != torch.float32:
+        raise UsageError(f"scores must be float32 [batch, kv_heads, query_tokens, pages], got {scores.dtype} {list(scores.shape)}")
+    npages = scores.shape[3]
+    nf = forced.numel()
+    if k < 0 or k > npages - nf:
+        raise UsageError(f"k must be in 0..{npages - nf} (pages {npages} minus {nf} forced), got {k}")
+    check_device(scores=scores, forced=forced)
+    scores = scores.contiguous()
+    forced = forced.contiguous()
+    out = torch.empty(*scores.shape[:3], nf + k, dtype=torch.int32, device=scores.device)
+    rows = scores.shape[0] * scores.shape[1] * scores.shape[2]
+    if rows == 0 or nf + k == 0:
+        return out
+    bl = min(triton.next_power_of_2(max(block, 16)), max(16, triton.next_power_of_2(npages)))
+    chunks = -(-npages // bl)
+    _select_pages_kernel[(rows,)](scores, forced, out, npages, nf, k, npages, nf + k, BLOCK=bl, CHUNKS=chunks, num_warps=num_warps)
+    return out
+
+
+def select_pages_triton_reference(scores: torch.Tensor, forced: torch.Tensor, k: int) -> torch.Tensor:
+    """Torch reference of :func:`select_pages_triton` (same order keys, same tie rule): int32
+    ``[B, Hkv, Tq, len(forced) + k]``."""
+    bits = scores.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+    key = torch.where(torch.isnan(scores), torch.full_like(key, 0xFFFFFFFF), key)
+    key = key.index_fill(-1, forced.to(torch.int64), -1)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :k]
+    top = order.sort(-1).values
+    return torch.cat([forced.to(torch.int64).expand(*scores.shape[:3], -1), top], -1).to(torch.int32)
+
+
 def pagestat_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pagestat`` attention through the kernels: criticality, torch.topk over non-forced pages
-    (chosen on the device, :func:`select_pages_device`), paged attention. Same contract as
+    """``pagestat`` attention through the kernels: criticality, Triton page selection
+    (:func:`select_pages_triton`), paged attention with the Triton split merge. Same contract as
     ``PageStatFormat.attend``. No host copies or syncs, so the step can be captured in a CUDA graph."""
     m = enc.meta
     stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
     crit = page_criticality(q, stats, m["score"], m["lam"])
-    pages = select_pages_device(crit, forced_index(m["forced_pages"], q.device), m["select"]).to(torch.int32)
-    # top-k page lists are distinct and in range: skip the checks (and their device-to-host syncs)
+    pages = select_pages_triton(crit, forced_index(m["forced_pages"], q.device), m["select"])
+    # selected page lists are distinct and in range: skip the checks (and their device-to-host syncs)
     return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale, check=False)
 
 
