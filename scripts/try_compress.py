@@ -9,7 +9,8 @@ fraction = GB/s over a ``dst.copy_(src)`` of a 1 GiB fp16 tensor measured here.
 
 Variants: ``old`` (the encoder before this change, copied below: [channels, 64 tokens] key tiles,
 per-element popcounts), ``scan_w{4,8,16}`` (the library kernel: token-major loads, exclusive scans;
-num_warps 4/8/16; keys store the transposed tile), ``scan_w8_notrans`` (keys, untransposed store).
+num_warps 4/8/16; keys store the transposed tile), ``scan_w8_notrans`` (keys, untransposed store),
+``scan_w*_bpp{2,4}`` (2 or 4 consecutive blocks per program, a loop the compiler may pipeline).
 
     python scripts/try_compress.py [--json PATH]          # from the repo root, CUDA
     TRITON_INTERPRET=1 python scripts/try_compress.py --tiny   # CPU smoke test of every variant
@@ -144,25 +145,26 @@ def old_passes(x, kind, warps=None):
     return p1, p2, whole
 
 
-def scan_passes(warps=None, trans=None):
+def scan_passes(warps=None, trans=None, bpp=1):
     def make(x, kind):
         b, h, tc, d = x.shape
         nb, dt, bitmaps, counts = _setup(x, kind)
         xi = x.view(_INT_VIEW[x.dtype])
         dp = C._dp(d)
-        args = dict(IS_KEY=kind == "keys", DP=dp, num_warps=warps or min(16, max(4, dp // 16)))
+        args = dict(IS_KEY=kind == "keys", DP=dp, BPP=bpp, num_warps=warps or min(16, max(4, dp // 16)))
         tr = (kind == "keys") if trans is None else trans
         bm32 = bitmaps.view(torch.int32)
-        grid = (b * h * nb,)
+        nblk = b * h * nb
+        grid = (-(-nblk // bpp),)
 
         def p1():
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, TRANS=False, **args)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblk, WRITE=False, TRANS=False, **args)
 
         def p2(offsets, nz):
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, TRANS=tr, **args)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblk, WRITE=True, TRANS=tr, **args)
 
         def whole():
-            return C._encode_triton(x, kind, num_warps=warps, trans=trans)
+            return C._encode_triton(x, kind, num_warps=warps, trans=trans, blocks_per_program=bpp)
 
         return p1, p2, whole
 
@@ -175,6 +177,9 @@ VARIANTS = {
     "scan_w8": scan_passes(8),
     "scan_w16": scan_passes(16),
     "scan_w8_notrans": scan_passes(8, trans=False),
+    "scan_w8_bpp2": scan_passes(8, bpp=2),
+    "scan_w8_bpp4": scan_passes(8, bpp=4),
+    "scan_w4_bpp4": scan_passes(4, bpp=4),
 }
 
 

@@ -57,8 +57,8 @@ def test_compression_kernel_empty_tiles():
     for kind in ("keys", "values"):
         ref = encode_torch(x, kind)
         assert int(ref.offsets[1]) == 0 and int(ref.offsets[5] - ref.offsets[4]) == 64 * 64  # block (head 1, tokens 64..127)
-        for trans in (False, True):  # both store orders of pass 2
-            same_bytes(ref, C._encode_triton(x, kind, num_warps=4, trans=trans))
+        for trans, bpp in ((False, 1), (True, 1), (True, 2), (False, 4)):  # store orders, blocks per program
+            same_bytes(ref, C._encode_triton(x, kind, num_warps=4, trans=trans, blocks_per_program=bpp))
 
 
 CASES = [
@@ -144,10 +144,10 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
     build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True), stages=1)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
-csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
+csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", NBLK="i32")
 for key in (True, False):
     for write in (False, True):
-        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write), warps=8)
+        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write, BPP=2), warps=8)
 print("compiled")
 """
 

@@ -97,46 +97,50 @@ def _bitmap_compress_kernel(
     Tc,
     D,
     NB,
+    NBLK,  # B*Hkv*NB blocks in all
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
     TRANS: tl.constexpr,  # keys, pass 2: store the transposed tile (lanes along tokens)
+    BPP: tl.constexpr,  # blocks per program (consecutive)
 ):
-    g = tl.program_id(0).to(tl.int64)
-    bh = g // NB
-    blk = g % NB
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
     i32 = tl.arange(0, 32)
-    tok = blk * 64 + t
-    # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
-    m = (tok[:, None] < Tc) & (c[None, :] < D)
-    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
-    bits = (raw != 0).to(tl.int32)
-    if not WRITE:
-        if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
-            words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
-            h = tl.arange(0, 2)
-            tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=(c[None, :] < D) & (h[:, None] < 2))
-        else:  # token t's half-words: 32 consecutive channels each
-            words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
-            p = tl.arange(0, DP // 32)
-            dt2 = 2 * ((D + 63) // 64)
-            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=(tok[:, None] < Tc) & (p[None, :] < dt2))
-        tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
-    else:
-        start = tl.load(offset_ptr + g)
-        # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
-        if IS_KEY:
-            col = tl.sum(bits, axis=0)
-            pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
+    for i in range(BPP):
+        g = tl.program_id(0).to(tl.int64) * BPP + i
+        live = g < NBLK
+        bh = g // NB
+        tok = (g % NB) * 64 + t
+        tmask = (tok < Tc) & (g * 64 + t < NBLK * 64)  # past the last block: nothing
+        # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
+        m = tmask[:, None] & (c[None, :] < D)
+        raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
+        bits = (raw != 0).to(tl.int32)
+        if not WRITE:
+            if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
+                words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
+                h = tl.arange(0, 2)
+                tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=(c[None, :] < D) & (h[:, None] < 2 * live.to(tl.int32)))  # no halves past the last block
+            else:  # token t's half-words: 32 consecutive channels each
+                words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
+                p = tl.arange(0, DP // 32)
+                dt2 = 2 * ((D + 63) // 64)
+                tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
+            tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
         else:
-            row = tl.sum(bits, axis=1)
-            pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
-        if TRANS:
-            tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
-        else:
-            tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+            start = tl.load(offset_ptr + g, mask=live, other=0)
+            # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
+            if IS_KEY:
+                col = tl.sum(bits, axis=0)
+                pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
+            else:
+                row = tl.sum(bits, axis=1)
+                pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
+            if TRANS:
+                tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
+            else:
+                tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -154,7 +158,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     return _encode_triton(x, kind)
 
 
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None) -> BitmapTensor:
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1) -> BitmapTensor:
     """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
@@ -172,13 +176,15 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     dp = _dp(d)
     is_key = kind == "keys"
     warps = num_warps if num_warps is not None else min(16, max(4, dp // 16))
-    args = dict(IS_KEY=is_key, DP=dp, num_warps=warps)
+    bpp = blocks_per_program
+    args = dict(IS_KEY=is_key, DP=dp, BPP=bpp, num_warps=warps)
     bm32 = bitmaps.view(torch.int32)
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, TRANS=False, **args)
+    grid = (-(-nblocks // bpp),)
+    _bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblocks, WRITE=False, TRANS=False, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
     nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
     trans = is_key if trans is None else trans
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, TRANS=trans, **args)
+    _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
