@@ -236,7 +236,7 @@ def main():
                         print(f"{'ok  ' if not bad else 'FAIL'} {vname} {kind} {list(shp)} sparsity {sp}" + (f" differs in {bad}" if bad else ""))
                         if bad:
                             continue
-                        nz = torch.zeros_like(ref.nz)
+                        nz = torch.empty_like(ref.nz)
                         parts = {
                             "whole": (whole, moved_rd, moved_wr),
                             "pass1": (p1, moved_rd, ref.bitmaps.nbytes + ref.offsets.nbytes),

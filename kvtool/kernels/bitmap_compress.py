@@ -141,6 +141,10 @@ def _bitmap_compress_kernel(
                 tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
             else:
                 tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+            # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
+            end = tl.load(offset_ptr + g + 1, mask=live, other=0)
+            pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
+            tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -182,7 +186,7 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     grid = (-(-nblocks // bpp),)
     _bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblocks, WRITE=False, TRANS=False, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
-    nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
+    nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
     trans = is_key if trans is None else trans
     _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
