@@ -201,9 +201,7 @@ def copy_gbps(tiny):
     src = torch.empty(2**29, dtype=torch.float16, device="cuda").normal_()
     dst = torch.empty_like(src)
     us = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100) * 1e3
-    gbps = 2 * src.nbytes / us / 1e3
-    del src, dst
-    return gbps
+    return 2 * src.nbytes / us / 1e3
 
 
 def main():
@@ -253,7 +251,6 @@ def main():
                     except Exception as e:  # one variant's failure must not stop the others
                         print(f"FAIL {vname} {kind} sparsity {sp}: {type(e).__name__}: {e}")
                         traceback.print_exc(limit=3)
-                del ref
             del x
             if not a.tiny:
                 torch.cuda.empty_cache()
