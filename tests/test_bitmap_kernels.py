@@ -12,6 +12,7 @@ from kvtool.errors import UsageError
 from kvtool.formats import get_format
 from kvtool.formats.base import compress_cache, make_params
 from kvtool.kernels.bitmap_attention import bitmap_attention_reference, bitmap_decode_attention
+from kvtool.kernels import bitmap_compress as C
 from kvtool.kernels.bitmap_compress import encode_cache, encode_torch, encode_triton, random_pruned
 
 
@@ -34,6 +35,8 @@ def same_bytes(a, b):
         ((1, 2, 130, 128), 0.99, torch.float16),
         ((1, 1, 3, 200), 0.9, torch.float32),
         ((1, 1, 0, 64), 0.5, torch.float16),
+        ((1, 1, 70, 96), 0.3, torch.float32),
+        ((1, 2, 65, 96), 0.6, torch.bfloat16),
     ],
 )
 def test_compression_kernel_bytes_equal_torch_bytes(shape, s, dtype):
@@ -45,12 +48,20 @@ def test_compression_kernel_bytes_equal_torch_bytes(shape, s, dtype):
         got.validate()
 
 
-def test_compression_kernel_empty_tiles():
+def test_compression_kernel_empty_tiles(monkeypatch):
     x = random_pruned(1, 2, 130, 64, 0.5, seed=4)
     x[:, 0, :64] = 0  # a whole block of nothing
     x[:, 1, :, 10] = 0  # an empty key tile (channel 10) in every block
+    x[:, 1, 64:128] = 1.5  # a fully dense block
+    x[0, 1, 129, 3] = -0.0  # stored by its bit pattern
     for kind in ("keys", "values"):
-        same_bytes(encode_torch(x, kind), encode_triton(x, kind))
+        ref = encode_torch(x, kind)
+        assert int(ref.offsets[1]) == 0 and int(ref.offsets[5] - ref.offsets[4]) == 64 * 64  # block (head 1, tokens 64..127)
+        empty = torch.empty  # nz is allocated uninitialised: garbage there must not reach the padding
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(3.0))
+        for trans, bpp in ((False, 1), (True, 1), (True, 2), (False, 4)):  # store orders, blocks per program
+            same_bytes(ref, C._encode_triton(x, kind, num_warps=4, trans=trans, blocks_per_program=bpp))
+        monkeypatch.setattr(torch, "empty", empty)
 
 
 CASES = [
@@ -155,10 +166,10 @@ build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", 
 build(V._bitmap_pv_kernel, dict(p_ptr="*fp16", vbm_ptr="*i32", vnz_ptr="*fp16", voff_ptr="*i64", o_ptr="*fp32", Tc="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32"),
       dict(RP=16, DP=128, DTP=2, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
-csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", DT="i32")
-build(C._bitmap_compress_kernel, csig, dict(IS_KEY=True, DP=128, WRITE=True, USE_ASM=True), warps=8)
-build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=False, USE_ASM=True), warps=8)
-build(C._bitmap_compress_kernel, csig, dict(IS_KEY=False, DP=128, WRITE=True, USE_ASM=True), warps=8)
+csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", NBLK="i32")
+for key in (True, False):
+    for write in (False, True):
+        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write, BPP=2), warps=8)
 print("compiled")
 """
 

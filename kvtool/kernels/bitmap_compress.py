@@ -3,9 +3,11 @@
 Two encoders that produce identical bytes:
 
 - :func:`encode_torch` (plain torch, any device);
-- :func:`encode_triton` (Triton, two passes over the data: pass 1 writes each block's bitmaps and
-  popcount, the host turns the padded counts into offsets with one cumsum, pass 2 packs the
-  non-zeros, each at its run start + the popcount of the bits below it in its 32-bit half-word). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+- :func:`encode_triton` (Triton, two passes over the data, each loading a block as coalesced
+  ``[64 tokens, D]`` rows: pass 1 writes each block's bitmaps (keys: per-channel words by a reduction
+  over the token axis) and its count, the host turns the padded counts into offsets with one cumsum,
+  pass 2 packs the non-zeros, each at its run start + exclusive scans (``tl.cumsum``) in storage
+  order). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -95,54 +97,54 @@ def _bitmap_compress_kernel(
     Tc,
     D,
     NB,
-    DT,
+    NBLK,  # B*Hkv*NB blocks in all
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
-    USE_ASM: tl.constexpr,
+    TRANS: tl.constexpr,  # keys, pass 2: store the transposed tile (lanes along tokens)
+    BPP: tl.constexpr,  # blocks per program (consecutive)
 ):
-    g = tl.program_id(0).to(tl.int64)
-    bh = g // NB
-    blk = g % NB
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
     i32 = tl.arange(0, 32)
-    tok = blk * 64 + t
-    base = x_ptr + bh * Tc * D
-    # The block as [rows, columns] in storage order, columns cut into 32-bit half-words:
-    # keys rows = channels, columns = 64 tokens (2 half-words); values rows = tokens, columns = DP
-    # channels (DP / 32 half-words, two per 64-channel tile).
-    if IS_KEY:
-        m = (c[:, None] < D) & (tok[None, :] < Tc)
-        raw = tl.load(base + tok[None, :] * D + c[:, None], mask=m, other=0)  # [DP, 64]
-        bits = tl.reshape((raw != 0).to(tl.int32), (DP, 2, 32))
-    else:
-        m = (tok[:, None] < Tc) & (c[None, :] < D)
-        raw = tl.load(base + tok[:, None] * D + c[None, :], mask=m, other=0)  # [64, DP]
-        bits = tl.reshape((raw != 0).to(tl.int32), (64, DP // 32, 32))
-    words = tl.sum(bits << i32[None, None, :], axis=2)  # half-words (distinct bits: no overflow)
-    pc = _popc32(words, USE_ASM)
-    if not WRITE:
-        if IS_KEY:
-            h = tl.arange(0, 2)
-            tl.store(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], words, mask=(c[:, None] < D) & (h[None, :] < 2))
+    for i in range(BPP):
+        g = tl.program_id(0).to(tl.int64) * BPP + i
+        live = g < NBLK
+        bh = g // NB
+        tok = (g % NB) * 64 + t
+        tmask = (tok < Tc) & (g * 64 + t < NBLK * 64)  # past the last block: nothing
+        # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
+        m = tmask[:, None] & (c[None, :] < D)
+        raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
+        bits = (raw != 0).to(tl.int32)
+        if not WRITE:
+            if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
+                words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
+                h = tl.arange(0, 2)
+                tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=(c[None, :] < D) & (h[:, None] < 2 * live.to(tl.int32)))  # no halves past the last block
+            else:  # token t's half-words: 32 consecutive channels each
+                words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
+                p = tl.arange(0, DP // 32)
+                dt2 = 2 * ((D + 63) // 64)
+                tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
+            tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
         else:
-            p = tl.arange(0, DP // 32)
-            wmask = (tok[:, None] < Tc) & (p[None, :] < 2 * DT)
-            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * (2 * DT) + p[None, :], words, mask=wmask)
-        tl.store(count_ptr + g, tl.sum(tl.sum(pc, axis=1), axis=0).to(tl.int64))
-    else:
-        start = tl.load(offset_ptr + g)
-        row = tl.sum(pc, axis=1)
-        row_off = tl.cumsum(row, axis=0) - row
-        piece_off = tl.cumsum(pc, axis=1) - pc
-        below = ((tl.full([32], 1, tl.int32) << i32) - 1)[None, None, :]
-        pos3 = row_off[:, None, None] + piece_off[:, :, None] + _popc32(words[:, :, None] & below, USE_ASM)
-        if IS_KEY:
-            pos = tl.reshape(pos3, (DP, 64))
-        else:
-            pos = tl.reshape(pos3, (64, DP))
-        tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=raw != 0)
+            start = tl.load(offset_ptr + g, mask=live, other=0)
+            # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
+            if IS_KEY:
+                col = tl.sum(bits, axis=0)
+                pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
+            else:
+                row = tl.sum(bits, axis=1)
+                pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
+            if TRANS:
+                tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
+            else:
+                tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+            # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
+            end = tl.load(offset_ptr + g + 1, mask=live, other=0)
+            pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
+            tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -157,6 +159,11 @@ def _dp(d: int) -> int:
 def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     """Triton encoder (same bytes as :func:`encode_torch`). ``x`` ``[B, Hkv, Tc, D]`` on CUDA (or CPU
     under ``TRITON_INTERPRET=1``). One host sync: the total size of ``nz``."""
+    return _encode_triton(x, kind)
+
+
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1) -> BitmapTensor:
+    """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
     b, h, tc, d = x.shape
@@ -171,15 +178,17 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     if nblocks == 0:
         return BitmapTensor(kind, x.new_zeros(0), bitmaps, counts.new_zeros(1), tc, d)
     dp = _dp(d)
-    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    # 32 elements of the [64, DP] block per thread: no register spills on sm_90
-    args = dict(IS_KEY=kind == "keys", DP=dp, USE_ASM=use_asm, num_warps=min(16, max(4, dp // 16)))
+    is_key = kind == "keys"
+    warps = num_warps if num_warps is not None else min(16, max(4, dp // 16))
+    bpp = blocks_per_program
+    args = dict(IS_KEY=is_key, DP=dp, BPP=bpp, num_warps=warps)
     bm32 = bitmaps.view(torch.int32)
-    dummy = counts
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, dummy, xi, tc, d, nb, dt, WRITE=False, **args)
+    grid = (-(-nblocks // bpp),)
+    _bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblocks, WRITE=False, TRANS=False, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
-    nz = torch.zeros(int(offsets[-1]), dtype=x.dtype, device=x.device)
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, dt, WRITE=True, **args)
+    nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
+    trans = is_key if trans is None else trans
+    _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
