@@ -1,7 +1,7 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
-KERNEL: attention (PARAM = sparsity), heads (PARAM = k, grouped choice), compress
-(PARAM = sparsity), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
+KERNEL: attention (PARAM = sparsity), heads (PARAM = k, grouped choice), compress /
+compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
 torch.profiler table of 10 calls instead of running twice for ncu).
 Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128), fp16, random data."""
 
@@ -31,11 +31,11 @@ def main() -> None:
 
         idx = S.head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
         fn = lambda: heads.selective_head_attention(q, k, v, idx, validate=False)  # noqa: E731
-    elif kernel == "compress":
+    elif kernel in ("compress", "compress_values"):
         from kvtool.kernels import bitmap_compress
 
-        x = S.prune_per_token(k, 0.7 if param is None else param)
-        fn = lambda: bitmap_compress.encode_triton(x, "keys")  # noqa: E731
+        x = S.prune_per_token(k if kernel == "compress" else v, 0.7 if param is None else param)
+        fn = lambda: bitmap_compress.encode_triton(x, "keys" if kernel == "compress" else "values")  # noqa: E731
     elif kernel == "signvq":
         from kvtool.kernels import signvq_lut
 
