@@ -145,7 +145,7 @@ def old_passes(x, kind, warps=None):
     return p1, p2, whole
 
 
-def scan_passes(warps=None, trans=None, bpp=1):
+def scan_passes(warps=None, trans=None, bpp=1, sort=False, maxnreg=None):
     def make(x, kind):
         b, h, tc, d = x.shape
         nb, dt, bitmaps, counts = _setup(x, kind)
@@ -161,10 +161,11 @@ def scan_passes(warps=None, trans=None, bpp=1):
             C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblk, WRITE=False, TRANS=False, **args)
 
         def p2(offsets, nz):
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblk, WRITE=True, TRANS=tr, **args)
+            extra = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblk, WRITE=True, TRANS=tr, SORT=sort, **args, **extra)
 
         def whole():
-            return C._encode_triton(x, kind, num_warps=warps, trans=trans, blocks_per_program=bpp)
+            return C._encode_triton(x, kind, num_warps=warps, trans=trans, blocks_per_program=bpp, sort=sort, maxnreg=maxnreg)
 
         return p1, p2, whole
 
@@ -180,6 +181,12 @@ VARIANTS = {
     "scan_w8_bpp2": scan_passes(8, bpp=2),
     "scan_w8_bpp4": scan_passes(8, bpp=4),
     "scan_w4_bpp4": scan_passes(4, bpp=4),
+    "scan_w4_notrans": scan_passes(4, trans=False),
+    "scan_w4_notrans_r128": scan_passes(4, trans=False, maxnreg=128),
+    "sort_w4": scan_passes(4, trans=False, sort=True),
+    "sort_w8": scan_passes(8, trans=False, sort=True),
+    "sort_w4_r128": scan_passes(4, trans=False, sort=True, maxnreg=128),
+    "sort_w8_r128": scan_passes(8, trans=False, sort=True, maxnreg=128),
 }
 
 

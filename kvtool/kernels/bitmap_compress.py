@@ -103,6 +103,7 @@ def _bitmap_compress_kernel(
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
     TRANS: tl.constexpr,  # keys, pass 2: store the transposed tile (lanes along tokens)
     BPP: tl.constexpr,  # blocks per program (consecutive)
+    SORT: tl.constexpr = False,  # pass 2, 16-bit data: compact each tile by a sort, contiguous stores
 ):
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
@@ -130,17 +131,34 @@ def _bitmap_compress_kernel(
             tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
         else:
             start = tl.load(offset_ptr + g, mask=live, other=0)
-            # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
-            if IS_KEY:
-                col = tl.sum(bits, axis=0)
-                pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
+            if SORT:
+                # each tile (keys: a channel's 64 tokens; values: a token's DP channels) sorted on
+                # (not stored, index, 16 value bits) puts its stored elements first, in storage
+                # order: then every tile's run is one contiguous, coalesced store
+                if IS_KEY:
+                    tile = tl.trans(raw).to(tl.int32) & 0xFFFF  # [DP, 64]
+                    idx = t[None, :]
+                else:
+                    tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
+                    idx = c[None, :]
+                kept = tile != 0
+                srt = tl.sort(tl.where(kept, 0, 1 << 24) | (idx << 16) | tile, dim=1)
+                cnt = tl.sum(kept.to(tl.int32), axis=1)
+                base = tl.cumsum(cnt, axis=0) - cnt
+                j = idx
+                tl.store(nz_ptr + start + (base[:, None] + j).to(tl.int64), (srt & 0xFFFF).to(nz_ptr.dtype.element_ty), mask=j < cnt[:, None])
             else:
-                row = tl.sum(bits, axis=1)
-                pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
-            if TRANS:
-                tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
-            else:
-                tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+                # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
+                if IS_KEY:
+                    col = tl.sum(bits, axis=0)
+                    pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
+                else:
+                    row = tl.sum(bits, axis=1)
+                    pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
+                if TRANS:
+                    tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
+                else:
+                    tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
             # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
             end = tl.load(offset_ptr + g + 1, mask=live, other=0)
             pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
@@ -162,7 +180,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     return _encode_triton(x, kind)
 
 
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1) -> BitmapTensor:
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1, sort: bool = False, maxnreg: int | None = None) -> BitmapTensor:
     """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
@@ -192,7 +210,8 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     offsets = _offsets(counts, align_elements(x.dtype))
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
     trans = False if trans is None else trans
-    _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, num_warps=warps2, **args)
+    _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, SORT=sort and x.element_size() == 2, num_warps=warps2,
+                                  **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
