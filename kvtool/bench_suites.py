@@ -418,12 +418,12 @@ def suite_spmv(ctx: BenchContext) -> list[dict]:
             ctx.step(f"spmv_qk b={b} T={t} sparsity={sp}")
             fn = lambda kb=kb: popc.bitmap_qk(q, kb)  # noqa: E731
             tm, rel, st = _timed(ctx, fn, fn(), s_ref)
-            recs.append(B.make_record(ctx.env, "spmv_qk", "bitmap_qk_popc", shape, b, t, ctx.dtype, tm,
+            recs.append(B.make_record(ctx.env, "spmv_qk", "bitmap_qk", shape, b, t, ctx.dtype, tm,
                                       B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, q), sparsity=sp, rel=rel, status=st, data=data))
             ctx.step(f"spmv_pv b={b} T={t} sparsity={sp}")
             fn = lambda vb=vb, p=p: popc.bitmap_pv(p, vb)  # noqa: E731
             tm, rel, st = _timed(ctx, fn, fn(), pv_ref)
-            recs.append(B.make_record(ctx.env, "spmv_pv", "bitmap_pv_popc", shape, b, t, ctx.dtype, tm,
+            recs.append(B.make_record(ctx.env, "spmv_pv", "bitmap_pv", shape, b, t, ctx.dtype, tm,
                                       B.tensor_bytes(vb.nz, vb.bitmaps, vb.offsets, p), sparsity=sp, rel=rel, status=st, data=data))
             del kb, vb, p, s_ref, pv_ref
             _free(ctx)

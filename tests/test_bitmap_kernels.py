@@ -169,7 +169,7 @@ build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", NBLK="i32")
 for key in (True, False):
     for write in (False, True):
-        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write, BPP=2), warps=8)
+        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write, BPP=2, SORT=write and not key), warps=8)
 print("compiled")
 """
 

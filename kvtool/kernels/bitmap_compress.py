@@ -6,8 +6,13 @@ Two encoders that produce identical bytes:
 - :func:`encode_triton` (Triton, two passes over the data, each loading a block as coalesced
   ``[64 tokens, D]`` rows: pass 1 writes each block's bitmaps (keys: per-channel words by a reduction
   over the token axis) and its count, the host turns the padded counts into offsets with one cumsum,
-  pass 2 packs the non-zeros, each at its run start + exclusive scans (``tl.cumsum``) in storage
-  order). CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+  pass 2 packs the non-zeros: keys at their run start + exclusive scans (``tl.cumsum``) in storage
+  order, scattered stores; 16-bit values by sorting each token's channels on (not stored, channel,
+  value bits) so that its stored elements come first, then one contiguous store per token).
+  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128,
+  docs/benchmarks.md): pass 1 runs at 52% (keys) and 96% (values) of copy bandwidth; pass 2 is
+  bound by L2 write traffic (ncu: 74% excess sectors from 2-byte scattered stores, L2 at 79%), so
+  the whole encoder stays at 13-18% of copy.
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -103,7 +108,7 @@ def _bitmap_compress_kernel(
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
     TRANS: tl.constexpr,  # keys, pass 2: store the transposed tile (lanes along tokens)
     BPP: tl.constexpr,  # blocks per program (consecutive)
-    SORT: tl.constexpr = False,  # pass 2, 16-bit data: compact each tile by a sort, contiguous stores
+    SORT: tl.constexpr = False,  # pass 2, values, 16-bit data: compact each token by a sort, contiguous stores
 ):
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
@@ -132,15 +137,12 @@ def _bitmap_compress_kernel(
         else:
             start = tl.load(offset_ptr + g, mask=live, other=0)
             if SORT:
-                # each tile (keys: a channel's 64 tokens; values: a token's DP channels) sorted on
-                # (not stored, index, 16 value bits) puts its stored elements first, in storage
-                # order: then every tile's run is one contiguous, coalesced store
-                if IS_KEY:
-                    tile = tl.trans(raw).to(tl.int32) & 0xFFFF  # [DP, 64]
-                    idx = t[None, :]
-                else:
-                    tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
-                    idx = c[None, :]
+                # values only: each token's DP channels sorted on (not stored, channel, 16 value
+                # bits) put its stored elements first, in storage order; then each token's run is
+                # one contiguous, coalesced store (for keys the sort of the transposed tile was 15x
+                # slower on the H100, so keys always take the scans)
+                tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
+                idx = c[None, :]
                 kept = tile != 0
                 srt = tl.sort(tl.where(kept, 0, 1 << 24) | (idx << 16) | tile, dim=1)
                 cnt = tl.sum(kept.to(tl.int32), axis=1)
@@ -180,7 +182,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     return _encode_triton(x, kind)
 
 
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1, sort: bool = False, maxnreg: int | None = None) -> BitmapTensor:
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1, sort: bool | None = None, maxnreg: int | None = None) -> BitmapTensor:
     """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
@@ -198,10 +200,12 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     dp = _dp(d)
     is_key = kind == "keys"
     # H100, batch 8 / 32k / D 128 (scripts/try_compress.py, docs/benchmarks.md): pass 1 fastest with
-    # 4 warps (keys 360 µs vs 650 with 8); pass 2 of keys fastest with 8 warps and the direct store
-    # (1.42 ms vs 2.1-2.4 ms transposed at 50%), of values about equal at 4 and 8
+    # 4 warps (keys 360 µs vs 650 with 8); pass 2 of keys fastest with 4 warps and the direct store
+    # (0.91 ms vs 1.42 ms with 8 warps, 2.1 ms transposed, at 50%); pass 2 of values fastest as a
+    # sort with 8 warps at 50% (1.58 ms vs 2.4 ms for the scans; 1.58 vs 1.29 ms at 70%)
     warps1 = num_warps if num_warps is not None else 4
-    warps2 = num_warps if num_warps is not None else (8 if is_key else 4)
+    warps2 = num_warps if num_warps is not None else (4 if is_key else 8)
+    sort = (not is_key) if sort is None else (sort and not is_key)
     bpp = blocks_per_program
     args = dict(IS_KEY=is_key, DP=dp, BPP=bpp)
     bm32 = bitmaps.view(torch.int32)
