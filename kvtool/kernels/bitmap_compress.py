@@ -7,8 +7,9 @@ Two encoders that produce identical bytes:
   ``[64 tokens, D]`` rows: pass 1 writes each block's bitmaps (keys: per-channel words by a reduction
   over the token axis) and its count, the host turns the padded counts into offsets with one cumsum,
   pass 2 packs the non-zeros: keys at their run start + exclusive scans (``tl.cumsum``) in storage
-  order, scattered stores; 16-bit values by sorting each token's channels on (not stored, channel,
-  value bits) so that its stored elements come first, then one contiguous store per token).
+  order, scattered stores; values the same way, or, for 16-bit values with more than 40% of the
+  elements stored, by sorting each token's channels on (not stored, channel, value bits) so that its
+  stored elements come first, then one contiguous store per token).
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128,
   docs/benchmarks.md): pass 1 runs at 52% (keys) and 96% (values) of copy bandwidth; pass 2 is
   bound by L2 write traffic (ncu: 74% excess sectors from 2-byte scattered stores, L2 at 79%), so
@@ -202,10 +203,11 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     # H100, batch 8 / 32k / D 128 (scripts/try_compress.py, docs/benchmarks.md): pass 1 fastest with
     # 4 warps (keys 360 µs vs 650 with 8); pass 2 of keys fastest with 4 warps and the direct store
     # (0.91 ms vs 1.42 ms with 8 warps, 2.1 ms transposed, at 50%); pass 2 of values fastest as a
-    # sort with 8 warps at 50% (1.58 ms vs 2.4 ms for the scans; 1.58 vs 1.29 ms at 70%)
+    # sort with 8 warps at 50% sparsity (1.58 ms vs 2.4 ms for the scans) but not at 70% (1.58 vs
+    # 1.29 ms): the sort is chosen from the stored fraction, known after pass 1
     warps1 = num_warps if num_warps is not None else 4
     warps2 = num_warps if num_warps is not None else (4 if is_key else 8)
-    sort = (not is_key) if sort is None else (sort and not is_key)
+    sort = sort and not is_key
     bpp = blocks_per_program
     args = dict(IS_KEY=is_key, DP=dp, BPP=bpp)
     bm32 = bitmaps.view(torch.int32)
@@ -213,6 +215,8 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     _bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblocks, WRITE=False, TRANS=False, num_warps=warps1, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
+    if sort is None:  # the sort wins when many elements are stored (H100: 1.95 vs 2.7 ms at 50%, 1.95 vs 1.6 ms at 30% stored)
+        sort = not is_key and nz.numel() > 0.4 * x.numel()
     trans = False if trans is None else trans
     _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, SORT=sort and x.element_size() == 2, num_warps=warps2,
                                   **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
