@@ -185,9 +185,9 @@ def _workspace(groups: int, splits: int, gp: int, dp: int, device: torch.device)
     return acc, m, l
 
 
-def default_splits(groups: int, tokens: int, device: torch.device) -> int:
+def default_splits(groups: int, tokens: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Token-axis splits: about 4 programs per SM on CUDA, 1 on the CPU interpreter."""
-    blocks = max(1, -(-tokens // BLOCK_N))
+    blocks = max(1, -(-tokens // block_n))
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -202,11 +202,17 @@ def selective_head_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     validate: bool = True,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention for the listed (batch, head) pairs only; see the module docstring.
 
     ``validate=False`` skips the head-index value check (its device-to-host copy), for timing loops
-    over an index tensor that was validated before; shapes and dtypes are always checked."""
+    over an index tensor that was validated before; shapes and dtypes are always checked.
+    ``num_splits``, ``block_n`` (tokens per step, a power of two >= 16), ``num_warps``,
+    ``num_stages`` and ``maxnreg`` (register cap, CUDA only) are tuning knobs."""
     check_inputs(q, keys, values, head_index, check_values=validate)
     b, hkv, n, d = keys.shape
     h = q.shape[1]
@@ -220,11 +226,13 @@ def selective_head_attention(
         q = q.contiguous()
     idx = head_index.to(torch.int32).contiguous()
     groups = b * hkv
-    splits = default_splits(groups, n, q.device) if num_splits is None else int(num_splits)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise UsageError(f"block_n must be a power of two >= 16, got {block_n}")
+    splits = default_splits(groups, n, q.device, block_n) if num_splits is None else int(num_splits)
     if splits < 1:
         raise UsageError(f"num_splits must be at least 1, got {num_splits}")
-    tps = max(BLOCK_N, -(-max(n, 1) // splits))
-    tps = -(-tps // BLOCK_N) * BLOCK_N
+    tps = max(block_n, -(-max(n, 1) // splits))
+    tps = -(-tps // block_n) * block_n
     splits = max(1, -(-n // tps))
     gp = max(16, triton.next_power_of_2(g))
     dp = max(16, triton.next_power_of_2(d))
@@ -240,7 +248,8 @@ def selective_head_attention(
         q, keys, values, idx, acc, m, l,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         hkv, n, d, k, tps, splits, float(scale) * LOG2E,
-        G=g, GP=gp, KP=kp, DP=dp, BN=BLOCK_N, DOT_PREC=prec, UPCAST=upcast, num_warps=4,
+        G=g, GP=gp, KP=kp, DP=dp, BN=block_n, DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
+        **({"num_stages": num_stages} if num_stages else {}), **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
     )
     _combine_heads_kernel[(groups,)](idx, acc, m, l, out, lse, hkv, h, d, k, splits, G=g, GP=gp, KP=kp, DP=dp, num_warps=4)
     return out, lse
