@@ -186,13 +186,15 @@ def _workspace(groups: int, splits: int, gp: int, dp: int, device: torch.device)
 
 
 def default_splits(groups: int, tokens: int, device: torch.device, block_n: int = BLOCK_N) -> int:
-    """Token-axis splits: about 2 programs per SM on CUDA, 1 on the CPU interpreter (H100, batch 1 /
-    32k: 51 µs with 2 per SM against 70 µs with 4; batch 8 / 32k: equal; scripts/try_heads.py)."""
+    """Token-axis splits: on CUDA about 2 programs per SM under 32 KV-head groups in all (batch 1 of
+    an 8-KV-head model), 4 above; 1 on the CPU interpreter. H100 (docs/benchmarks.md): batch 1 / 32k
+    50 µs with 2 per SM against 61 µs with 4; batch 32 / 32k 783 µs with 2 against 723 µs with 4."""
     blocks = max(1, -(-tokens // block_n))
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(blocks, math.ceil(2 * sms / max(groups, 1))))
+    per_sm = 2 if groups < 32 else 4
+    return max(1, min(blocks, math.ceil(per_sm * sms / max(groups, 1))))
 
 
 def selective_head_attention(
