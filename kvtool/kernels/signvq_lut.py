@@ -109,13 +109,14 @@ def _lut_score_kernel(
 
 
 def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", gather: bool = True,
-                      block_tokens: int | None = None, iters: int = 16, num_warps: int = 4) -> torch.Tensor:
+                      block_tokens: int | None = None, iters: int = 16, num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """LUT scores ``[B, Hkv, Tq, Tc]`` float32 (see the module docstring). With ``gqa="sum"`` the
     table is built once from the summed query of the group (the sum of the per-head tables).
     ``block_tokens``: tokens per step (default 64 with gather, 32 with the one-hot sum); at most
     ``iters`` steps per program (one table per program; fewer when that would leave under about 4
     programs per SM). Codes are read as 32-bit words when D is a multiple of 32 and each token's
-    codes are contiguous and 4-byte aligned, else one byte per group."""
+    codes are contiguous and 4-byte aligned, else one byte per group. ``maxnreg``: register cap per
+    thread (CUDA; a tuning knob)."""
     if gqa not in ("sum", "max"):
         raise UsageError(f"gqa must be sum or max, got {gqa!r}")
     if codebook.ndim != 5 or tuple(codebook.shape[3:]) != (16, 4):
@@ -151,7 +152,7 @@ def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
         q.stride(0), q.stride(1), q.stride(2), src.stride(0), src.stride(1), src.stride(2),
         codebook.stride(0), codebook.stride(1), out.stride(0), out.stride(1), out.stride(2),
         G=h // hkv, BG=bg, BW=bw, BT=bt, ITERS=iters, MAX=gqa == "max", WORDS=words, USE_GATHER=gather,
-        num_warps=num_warps,
+        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}),
     )
     return out
 
