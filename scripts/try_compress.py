@@ -7,10 +7,12 @@ whole (both passes, the host sync for ``len(nz)``, allocations) and per pass wit
 ``triton.testing.do_bench(warmup=25, rep=100)`` (L2 flushed). Bytes = read + written, like a copy;
 fraction = GB/s over a ``dst.copy_(src)`` of a 1 GiB fp16 tensor measured here.
 
-Variants: ``old`` (the encoder before this change, copied below: [channels, 64 tokens] key tiles,
-per-element popcounts), ``scan_w{4,8,16}`` (the library kernel: token-major loads, exclusive scans;
-num_warps 4/8/16; keys store the transposed tile), ``scan_w8_notrans`` (keys, untransposed store),
-``scan_w*_bpp{2,4}`` (2 or 4 consecutive blocks per program, a loop the compiler may pipeline).
+Variants: ``old`` (the encoder before the second round, copied below: [channels, 64 tokens] key
+tiles, per-element popcounts), ``scan_w{4,8,16}`` (the library kernel: token-major loads, exclusive
+scans, scattered stores; num_warps 4/8/16), ``sort_w{4,8}`` (values packed by a per-token sort and
+contiguous stores; keys as scan), ``*_r128`` (pass 2 capped at 128 registers). Two more settings
+were timed in the second round and removed after it (JSON in docs/benchmarks/try_compress_h100.json):
+keys stored from the transposed tile (slower) and 2-4 blocks per program (no faster).
 
     python scripts/try_compress.py [--json PATH]          # from the repo root, CUDA
     TRITON_INTERPRET=1 python scripts/try_compress.py --tiny   # CPU smoke test of every variant
@@ -33,19 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtool.kernels import bitmap_compress as C  # noqa: E402
 from kvtool.kernels.bitmap_layout import _INT_VIEW, TILE, align_elements  # noqa: E402
-
-
-@triton.jit
-def _popc32_old(x, USE_ASM: tl.constexpr):
-    """Set bits of each int32: one ``popc.b32`` on CUDA, SWAR on the unsigned view otherwise."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        u = x.to(tl.uint32, bitcast=True)
-        u = u - ((u >> 1) & 0x55555555)
-        u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
-        u = (u + (u >> 4)) & 0x0F0F0F0F
-        return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -84,7 +73,7 @@ def _old_kernel(
         raw = tl.load(base + tok[:, None] * D + c[None, :], mask=m, other=0)  # [64, DP]
         bits = tl.reshape((raw != 0).to(tl.int32), (64, DP // 32, 32))
     words = tl.sum(bits << i32[None, None, :], axis=2)  # half-words (distinct bits: no overflow)
-    pc = _popc32_old(words, USE_ASM)
+    pc = C._popc32(words, USE_ASM)
     if not WRITE:
         if IS_KEY:
             h = tl.arange(0, 2)
@@ -100,7 +89,7 @@ def _old_kernel(
         row_off = tl.cumsum(row, axis=0) - row
         piece_off = tl.cumsum(pc, axis=1) - pc
         below = ((tl.full([32], 1, tl.int32) << i32) - 1)[None, None, :]
-        pos3 = row_off[:, None, None] + piece_off[:, :, None] + _popc32_old(words[:, :, None] & below, USE_ASM)
+        pos3 = row_off[:, None, None] + piece_off[:, :, None] + C._popc32(words[:, :, None] & below, USE_ASM)
         if IS_KEY:
             pos = tl.reshape(pos3, (DP, 64))
         else:
@@ -145,27 +134,26 @@ def old_passes(x, kind, warps=None):
     return p1, p2, whole
 
 
-def scan_passes(warps=None, trans=None, bpp=1, sort=False, maxnreg=None):
+def scan_passes(warps=None, sort=False, maxnreg=None):
+    """(pass1, pass2_given_offsets, whole) closures for the library kernel with these settings."""
     def make(x, kind):
         b, h, tc, d = x.shape
         nb, dt, bitmaps, counts = _setup(x, kind)
         xi = x.view(_INT_VIEW[x.dtype])
-        dp = C._dp(d)
-        args = dict(IS_KEY=kind == "keys", DP=dp, BPP=bpp, num_warps=warps or min(16, max(4, dp // 16)))
-        tr = (kind == "keys") if trans is None else trans
+        args = dict(IS_KEY=kind == "keys", DP=C._dp(d), num_warps=warps or 4)
         bm32 = bitmaps.view(torch.int32)
-        nblk = b * h * nb
-        grid = (-(-nblk // bpp),)
+        grid = (b * h * nb,)
+        extra = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
 
         def p1():
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblk, WRITE=False, TRANS=False, **args)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, **args)
 
         def p2(offsets, nz):
-            extra = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblk, WRITE=True, TRANS=tr, SORT=sort, **args, **extra)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True,
+                                            SORT=sort and kind == "values", **args, **extra)
 
         def whole():
-            return C._encode_triton(x, kind, num_warps=warps, trans=trans, blocks_per_program=bpp, sort=sort, maxnreg=maxnreg)
+            return C._encode_triton(x, kind, num_warps=warps, sort=sort, maxnreg=maxnreg)
 
         return p1, p2, whole
 
@@ -177,16 +165,11 @@ VARIANTS = {
     "scan_w4": scan_passes(4),
     "scan_w8": scan_passes(8),
     "scan_w16": scan_passes(16),
-    "scan_w8_notrans": scan_passes(8, trans=False),
-    "scan_w8_bpp2": scan_passes(8, bpp=2),
-    "scan_w8_bpp4": scan_passes(8, bpp=4),
-    "scan_w4_bpp4": scan_passes(4, bpp=4),
-    "scan_w4_notrans": scan_passes(4, trans=False),
-    "scan_w4_notrans_r128": scan_passes(4, trans=False, maxnreg=128),
-    "sort_w4": scan_passes(4, trans=False, sort=True),
-    "sort_w8": scan_passes(8, trans=False, sort=True),
-    "sort_w4_r128": scan_passes(4, trans=False, sort=True, maxnreg=128),
-    "sort_w8_r128": scan_passes(8, trans=False, sort=True, maxnreg=128),
+    "scan_w4_r128": scan_passes(4, maxnreg=128),
+    "sort_w4": scan_passes(4, sort=True),
+    "sort_w8": scan_passes(8, sort=True),
+    "sort_w4_r128": scan_passes(4, sort=True, maxnreg=128),
+    "sort_w8_r128": scan_passes(8, sort=True, maxnreg=128),
 }
 
 
@@ -232,8 +215,6 @@ def main():
                 moved_rd = x.nbytes
                 moved_wr = ref.nz.nbytes + ref.bitmaps.nbytes + ref.offsets.nbytes
                 for vname in a.variants.split(","):
-                    if kind == "values" and vname.endswith("notrans"):
-                        continue
                     try:
                         p1, p2, whole = VARIANTS[vname](x, kind)
                         got = whole()

@@ -59,8 +59,8 @@ def test_compression_kernel_empty_tiles(monkeypatch):
         assert int(ref.offsets[1]) == 0 and int(ref.offsets[5] - ref.offsets[4]) == 64 * 64  # block (head 1, tokens 64..127)
         empty = torch.empty  # nz is allocated uninitialised: garbage there must not reach the padding
         monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(3.0))
-        for trans, bpp in ((False, 1), (True, 1), (True, 2), (False, 4)):  # store orders, blocks per program
-            same_bytes(ref, C._encode_triton(x, kind, num_warps=4, trans=trans, blocks_per_program=bpp))
+        for sort in (False, True):  # scattered stores; per-token sort (values, 16-bit)
+            same_bytes(ref, C._encode_triton(x, kind, num_warps=4, sort=sort))
         monkeypatch.setattr(torch, "empty", empty)
 
 
@@ -166,10 +166,10 @@ build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", 
 build(V._bitmap_pv_kernel, dict(p_ptr="*fp16", vbm_ptr="*i32", vnz_ptr="*fp16", voff_ptr="*i64", o_ptr="*fp32", Tc="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32"),
       dict(RP=16, DP=128, DTP=2, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
 build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
-csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32", NBLK="i32")
+csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
 for key in (True, False):
     for write in (False, True):
-        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, TRANS=key and write, BPP=2, SORT=write and not key), warps=8)
+        build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, SORT=write and not key), warps=8)
 print("compiled")
 """
 

@@ -13,7 +13,7 @@ Two encoders that produce identical bytes:
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128,
   docs/benchmarks.md): pass 1 runs at 52% (keys) and 96% (values) of copy bandwidth; pass 2 is
   bound by L2 write traffic (ncu: 74% excess sectors from 2-byte scattered stores, L2 at 79%), so
-  the whole encoder stays at 13-18% of copy.
+  the whole encoder stays at 15-21% of copy.
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -103,69 +103,60 @@ def _bitmap_compress_kernel(
     Tc,
     D,
     NB,
-    NBLK,  # B*Hkv*NB blocks in all
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
-    TRANS: tl.constexpr,  # keys, pass 2: store the transposed tile (lanes along tokens)
-    BPP: tl.constexpr,  # blocks per program (consecutive)
     SORT: tl.constexpr = False,  # pass 2, values, 16-bit data: compact each token by a sort, contiguous stores
 ):
+    g = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
     i32 = tl.arange(0, 32)
-    for i in range(BPP):
-        g = tl.program_id(0).to(tl.int64) * BPP + i
-        live = g < NBLK
-        bh = g // NB
-        tok = (g % NB) * 64 + t
-        tmask = (tok < Tc) & (g * 64 + t < NBLK * 64)  # past the last block: nothing
-        # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
-        m = tmask[:, None] & (c[None, :] < D)
-        raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
-        bits = (raw != 0).to(tl.int32)
-        if not WRITE:
-            if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
-                words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
-                h = tl.arange(0, 2)
-                tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=(c[None, :] < D) & (h[:, None] < 2 * live.to(tl.int32)))  # no halves past the last block
-            else:  # token t's half-words: 32 consecutive channels each
-                words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
-                p = tl.arange(0, DP // 32)
-                dt2 = 2 * ((D + 63) // 64)
-                tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
-            tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64), mask=live)
+    bh = g // NB
+    tok = (g % NB) * 64 + t
+    tmask = tok < Tc
+    # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
+    m = tmask[:, None] & (c[None, :] < D)
+    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
+    bits = (raw != 0).to(tl.int32)
+    if not WRITE:
+        if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
+            words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
+            h = tl.arange(0, 2)
+            tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=c[None, :] < D)
+        else:  # token t's half-words: 32 consecutive channels each
+            words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
+            p = tl.arange(0, DP // 32)
+            dt2 = 2 * ((D + 63) // 64)
+            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
+        tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
+    else:
+        start = tl.load(offset_ptr + g)
+        if SORT:
+            # values only: each token's DP channels sorted on (not stored, channel, 16 value
+            # bits) put its stored elements first, in storage order; then each token's run is
+            # one contiguous, coalesced store (for keys the sort of the transposed tile was 15x
+            # slower on the H100, so keys always take the scans)
+            tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
+            idx = c[None, :]
+            kept = tile != 0
+            srt = tl.sort(tl.where(kept, 0, 1 << 24) | (idx << 16) | tile, dim=1)
+            cnt = tl.sum(kept.to(tl.int32), axis=1)
+            base = tl.cumsum(cnt, axis=0) - cnt
+            tl.store(nz_ptr + start + (base[:, None] + idx).to(tl.int64), (srt & 0xFFFF).to(nz_ptr.dtype.element_ty), mask=idx < cnt[:, None])
         else:
-            start = tl.load(offset_ptr + g, mask=live, other=0)
-            if SORT:
-                # values only: each token's DP channels sorted on (not stored, channel, 16 value
-                # bits) put its stored elements first, in storage order; then each token's run is
-                # one contiguous, coalesced store (for keys the sort of the transposed tile was 15x
-                # slower on the H100, so keys always take the scans)
-                tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
-                idx = c[None, :]
-                kept = tile != 0
-                srt = tl.sort(tl.where(kept, 0, 1 << 24) | (idx << 16) | tile, dim=1)
-                cnt = tl.sum(kept.to(tl.int32), axis=1)
-                base = tl.cumsum(cnt, axis=0) - cnt
-                j = idx
-                tl.store(nz_ptr + start + (base[:, None] + j).to(tl.int64), (srt & 0xFFFF).to(nz_ptr.dtype.element_ty), mask=j < cnt[:, None])
+            # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
+            if IS_KEY:
+                col = tl.sum(bits, axis=0)
+                pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
             else:
-                # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
-                if IS_KEY:
-                    col = tl.sum(bits, axis=0)
-                    pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
-                else:
-                    row = tl.sum(bits, axis=1)
-                    pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
-                if TRANS:
-                    tl.store(nz_ptr + start + tl.trans(pos).to(tl.int64), tl.trans(raw), mask=tl.trans(bits) != 0)
-                else:
-                    tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
-            # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
-            end = tl.load(offset_ptr + g + 1, mask=live, other=0)
-            pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
-            tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
+                row = tl.sum(bits, axis=1)
+                pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
+            tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+        # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
+        end = tl.load(offset_ptr + g + 1)
+        pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
+        tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -183,7 +174,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     return _encode_triton(x, kind)
 
 
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, trans: bool | None = None, blocks_per_program: int = 1, sort: bool | None = None, maxnreg: int | None = None) -> BitmapTensor:
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, sort: bool | None = None, maxnreg: int | None = None) -> BitmapTensor:
     """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
@@ -202,24 +193,21 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, tra
     is_key = kind == "keys"
     # H100, batch 8 / 32k / D 128 (scripts/try_compress.py, docs/benchmarks.md): pass 1 fastest with
     # 4 warps (keys 360 µs vs 650 with 8); pass 2 of keys fastest with 4 warps and the direct store
-    # (0.91 ms vs 1.42 ms with 8 warps, 2.1 ms transposed, at 50%); pass 2 of values fastest as a
+    # (0.91 ms vs 1.42 ms with 8 warps, 2.1 ms storing a transposed tile, at 50%); pass 2 of values fastest as a
     # sort with 8 warps at 50% sparsity (1.58 ms vs 2.4 ms for the scans) but not at 70% (1.58 vs
     # 1.29 ms): the sort is chosen from the stored fraction, known after pass 1
     warps1 = num_warps if num_warps is not None else 4
     warps2 = num_warps if num_warps is not None else (4 if is_key else 8)
-    sort = sort and not is_key
-    bpp = blocks_per_program
-    args = dict(IS_KEY=is_key, DP=dp, BPP=bpp)
+    args = dict(IS_KEY=is_key, DP=dp)
     bm32 = bitmaps.view(torch.int32)
-    grid = (-(-nblocks // bpp),)
-    _bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, nblocks, WRITE=False, TRANS=False, num_warps=warps1, **args)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
     offsets = _offsets(counts, align_elements(x.dtype))
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
     if sort is None:  # the sort wins when many elements are stored (H100: 1.95 vs 2.7 ms at 50%, 1.95 vs 1.6 ms at 30% stored)
-        sort = not is_key and nz.numel() > 0.4 * x.numel()
-    trans = False if trans is None else trans
-    _bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, nblocks, WRITE=True, TRANS=trans, SORT=sort and x.element_size() == 2, num_warps=warps2,
-                                  **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
+        sort = nz.numel() > 0.4 * x.numel()
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True,
+                                        SORT=sort and not is_key and x.element_size() == 2, num_warps=warps2,
+                                        **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
