@@ -60,35 +60,53 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _key_words(kbm_ptr, g, c, cmask, D):
+    """32-bit bitmap half-words ``[DP, 2]`` int32 of key block ``g`` (channel c: tokens 0-31, 32-63)."""
+    halves = tl.arange(0, 2)
+    return tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)
+
+
+@triton.jit
+def _value_words(vbm_ptr, vrow, tmask, DT, DTP: tl.constexpr):
+    """32-bit bitmap half-words ``[64, 2 * DTP]`` int32 of a value block's tokens (``vrow`` = bh * Tc
+    + token; pieces past 2 * DT and tokens outside ``tmask`` read as 0)."""
+    pieces = tl.arange(0, 2 * DTP)
+    return tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
+
+
+@triton.jit
+def _word_runs(words, USE_ASM: tl.constexpr):
+    """Where each half-word's run starts in its block's packed elements, int32 ``[rows, pieces]``:
+    the exclusive prefix sum of the popcounts in storage order (row by row, pieces within a row)."""
+    pc = _popc32(words, USE_ASM)
+    row = tl.sum(pc, axis=1)
+    return (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(pc, axis=1) - pc
+
+
+@triton.jit
+def _expand_words_popc(words, nz_block, bit3, below3, USE_ASM: tl.constexpr):
+    """Slots ``[rows, pieces, 32]`` of half-words ``[rows, pieces]`` whose runs start at
+    ``nz_block``: each element at its run start + the popcount of the bits below it (0 where not
+    stored)."""
+    w3 = words[:, :, None]
+    pos = _word_runs(words, USE_ASM)[:, :, None] + _popc32(w3 & below3, USE_ASM)
+    return tl.load(nz_block + pos, mask=(w3 & bit3) != 0, other=0.0)
+
+
+@triton.jit
 def _expand_keys(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, bit3, below3, DP: tl.constexpr, USE_ASM: tl.constexpr):
     """Dense K^T tile ``[DP, 64]`` of key block ``g`` (channels x tokens, zeros where not stored)."""
-    halves = tl.arange(0, 2)
-    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
-    kpc = _popc32(kw, USE_ASM)
-    kpre = tl.cumsum(kpc, axis=1) - kpc
-    ktile = tl.sum(kpc, axis=1)
-    kbase = tl.cumsum(ktile, axis=0) - ktile
-    kw3 = kw[:, :, None]
-    kset = (kw3 & bit3) != 0
-    kpos = kbase[:, None, None] + kpre[:, :, None] + _popc32(kw3 & below3, USE_ASM)
-    kblock = knz_ptr + tl.load(koff_ptr + g)
-    return tl.reshape(tl.load(kblock + kpos, mask=kset, other=0.0), (DP, 64))
+    kw = _key_words(kbm_ptr, g, c, cmask, D)
+    x = _expand_words_popc(kw, knz_ptr + tl.load(koff_ptr + g), bit3, below3, USE_ASM)
+    return tl.reshape(x, (DP, 64))
 
 
 @triton.jit
 def _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, bit3, below3, DP: tl.constexpr, DTP: tl.constexpr, USE_ASM: tl.constexpr):
     """Dense V tile ``[64, DP]`` of value block ``g`` (tokens x channels); ``vrow`` = bh * Tc + token."""
-    pieces = tl.arange(0, 2 * DTP)
-    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
-    vpc = _popc32(vw, USE_ASM)
-    vpre = tl.cumsum(vpc, axis=1) - vpc
-    vtok = tl.sum(vpc, axis=1)
-    vbase = tl.cumsum(vtok, axis=0) - vtok
-    vw3 = vw[:, :, None]
-    vset = (vw3 & bit3) != 0
-    vpos = vbase[:, None, None] + vpre[:, :, None] + _popc32(vw3 & below3, USE_ASM)
-    vblock = vnz_ptr + tl.load(voff_ptr + g)
-    return tl.reshape(tl.load(vblock + vpos, mask=vset, other=0.0), (64, DP))
+    vw = _value_words(vbm_ptr, vrow, tmask, DT, DTP)
+    x = _expand_words_popc(vw, vnz_ptr + tl.load(voff_ptr + g), bit3, below3, USE_ASM)
+    return tl.reshape(x, (64, DP))
 
 
 def _walk_ptx() -> str:
@@ -149,14 +167,8 @@ def _walk_words(words, run_ptr, WALK: tl.constexpr):
 @triton.jit
 def _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP: tl.constexpr, WALK: tl.constexpr):
     """Same tile as :func:`_expand_keys`, each 32-bit word expanded by :func:`_walk_words`."""
-    halves = tl.arange(0, 2)
-    kw = tl.load(kbm_ptr + (g * D + c[:, None]) * 2 + halves[None, :], mask=cmask[:, None], other=0)  # [DP, 2]
-    kpc = _popc32(kw, True)
-    kpre = tl.cumsum(kpc, axis=1) - kpc
-    ktile = tl.sum(kpc, axis=1)
-    kbase = tl.cumsum(ktile, axis=0) - ktile
-    run = knz_ptr + tl.load(koff_ptr + g) + kbase[:, None] + kpre
-    x = _walk_words(kw, run, WALK)  # [DP, 2, 2, 2, 2, 2, 2]
+    kw = _key_words(kbm_ptr, g, c, cmask, D)
+    x = _walk_words(kw, knz_ptr + tl.load(koff_ptr + g) + _word_runs(kw, True), WALK)  # [DP, 2, 2, 2, 2, 2, 2]
     x = tl.permute(x, (0, 1, 6, 5, 4, 3, 2))
     return tl.reshape(x, (DP, 64)).to(knz_ptr.dtype.element_ty, bitcast=True)
 
@@ -164,14 +176,8 @@ def _expand_keys_walk(kbm_ptr, knz_ptr, koff_ptr, g, c, cmask, D, DP: tl.constex
 @triton.jit
 def _expand_values_walk(vbm_ptr, vnz_ptr, voff_ptr, g, vrow, tmask, DT, DP: tl.constexpr, DTP: tl.constexpr, WALK: tl.constexpr):
     """Same tile as :func:`_expand_values`, each 32-bit word expanded by :func:`_walk_words`."""
-    pieces = tl.arange(0, 2 * DTP)
-    vw = tl.load(vbm_ptr + vrow[:, None] * (2 * DT) + pieces[None, :], mask=tmask[:, None] & (pieces[None, :] < 2 * DT), other=0)
-    vpc = _popc32(vw, True)
-    vpre = tl.cumsum(vpc, axis=1) - vpc
-    vtok = tl.sum(vpc, axis=1)
-    vbase = tl.cumsum(vtok, axis=0) - vtok
-    run = vnz_ptr + tl.load(voff_ptr + g) + vbase[:, None] + vpre
-    x = _walk_words(vw, run, WALK)  # [64, 2 * DTP, 2, 2, 2, 2, 2]
+    vw = _value_words(vbm_ptr, vrow, tmask, DT, DTP)
+    x = _walk_words(vw, vnz_ptr + tl.load(voff_ptr + g) + _word_runs(vw, True), WALK)  # [64, 2 * DTP, 2, 2, 2, 2, 2]
     x = tl.permute(x, (0, 1, 6, 5, 4, 3, 2))
     return tl.reshape(x, (64, DP)).to(vnz_ptr.dtype.element_ty, bitcast=True)
 
@@ -282,6 +288,21 @@ def default_splits(bh: int, blocks: int, device: torch.device) -> int:
     return max(1, min(-(-blocks // 2), -(-per_sm * sms // max(bh, 1))))
 
 
+def expansion_options(x: torch.Tensor, dp: int, expansion: str | None = None, maxnreg: int | None = 128) -> dict:
+    """Launch options of the kernels that expand bitmap blocks (this module's and
+    :mod:`.bitmap_spmv`'s) for tensors like ``x`` and padded head_dim ``dp``: the ``USE_ASM`` and
+    ``WALK`` constexprs (``expansion`` None picks walk where it can run) and the register cap (CUDA,
+    ``dp`` <= 128). UsageError for an unknown expansion or walk where it cannot run."""
+    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    can_walk = use_asm and x.dtype != torch.float32
+    if expansion not in (None, "walk", "popc"):
+        raise UsageError(f"expansion must be walk or popc, got {expansion!r}")
+    if expansion == "walk" and not can_walk:
+        raise UsageError("the walk expansion needs CUDA and 16-bit caches (inline PTX); use expansion='popc'")
+    walk = can_walk if expansion is None else expansion == "walk"
+    return dict(USE_ASM=use_asm, WALK=WALK_PTX if walk else "", **({"maxnreg": maxnreg} if maxnreg and use_asm and dp <= 128 else {}))
+
+
 def bitmap_decode_attention(
     q: torch.Tensor,
     cache: BitmapCache,
@@ -333,13 +354,6 @@ def bitmap_decode_attention(
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     empty = torch.zeros(1, dtype=q.dtype, device=q.device)
-    use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-    can_walk = use_asm and k.dtype != torch.float32
-    if expansion not in (None, "walk", "popc"):
-        raise UsageError(f"expansion must be walk or popc, got {expansion!r}")
-    if expansion == "walk" and not can_walk:
-        raise UsageError("the walk expansion needs CUDA and 16-bit caches (inline PTX); use expansion='popc'")
-    walk = can_walk if expansion is None else expansion == "walk"
     _bitmap_attention_kernel[(bh, splits + 1)](
         qc,
         k.bitmaps.view(torch.int32),
@@ -367,11 +381,9 @@ def bitmap_decode_attention(
         DTP=dp // TILE,
         DOT_PREC=prec,
         UPCAST=upcast,
-        USE_ASM=use_asm,
-        WALK=WALK_PTX if walk else "",
         num_warps=num_warps,
         num_stages=num_stages,
-        **({"maxnreg": maxnreg} if maxnreg and use_asm and dp <= 128 else {}),
+        **expansion_options(q, dp, expansion, maxnreg),
     )
     _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
     return out, lse

@@ -12,14 +12,13 @@ References: the dense products of the decoded tensors (``BitmapTensor.decode()``
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..errors import UsageError
-from .bitmap_attention import WALK_PTX, _expand_keys, _expand_keys_walk, _expand_values, _expand_values_walk, default_splits
+from .bitmap_attention import _expand_keys, _expand_keys_walk, _expand_values, _expand_values_walk, default_splits, expansion_options
 from .bitmap_compress import _check_device
 from .bitmap_layout import TILE
 
@@ -68,17 +67,6 @@ def _bitmap_pv_kernel(p_ptr, vbm_ptr, vnz_ptr, voff_ptr, o_ptr, Tc, D, DT, NB, R
     tl.store(o_ptr + ((bh * nsplit + split) * RP + rows[:, None]) * DP + c[None, :], acc)
 
 
-def _use_asm(x: torch.Tensor) -> bool:
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
-def _launch_opts(x: torch.Tensor, dp: int) -> dict:
-    """WALK / USE_ASM constexprs and the register cap, as bitmap_decode_attention chooses them."""
-    asm = _use_asm(x)
-    walk = asm and x.dtype != torch.float32
-    return dict(USE_ASM=asm, WALK=WALK_PTX if walk else "", num_warps=4, **({"maxnreg": 128} if asm and dp <= 128 else {}))
-
-
 def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
     """Scores ``[B, H, Tc]`` float32 (unscaled q·Kᵀ) of q ``[B, H, D]`` (keys' dtype) against the
     bitmap-compressed keys (:class:`~.bitmap_layout.BitmapTensor`, kind ``keys``, ``[B, Hkv, Tc, D]``).
@@ -96,7 +84,7 @@ def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
         return out
     rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
     _bitmap_qk_kernel[(b * hkv, keys.blocks)](q.contiguous(), keys.bitmaps.view(torch.int32), keys.nz, keys.offsets, out, tc, d,
-                                              keys.blocks, rows, RP=rp, DP=dp, **_launch_opts(q, dp))
+                                              keys.blocks, rows, RP=rp, DP=dp, num_warps=4, **expansion_options(q, dp))
     return out
 
 
@@ -121,5 +109,5 @@ def bitmap_pv(p: torch.Tensor, values, num_splits: int | None = None) -> torch.T
     rp, dp = max(16, triton.next_power_of_2(rows)), max(64, triton.next_power_of_2(d))
     part = torch.empty(b * hkv, splits, rp, dp, dtype=torch.float32, device=p.device)
     _bitmap_pv_kernel[(b * hkv, splits)](p.contiguous(), values.bitmaps.view(torch.int32), values.nz, values.offsets, part, tc, d,
-                                         -(-d // TILE), nb, rows, bps, RP=rp, DP=dp, DTP=dp // TILE, **_launch_opts(p, dp))
+                                         -(-d // TILE), nb, rows, bps, RP=rp, DP=dp, DTP=dp // TILE, num_warps=4, **expansion_options(p, dp))
     return part.sum(1)[:, :rows, :d].reshape(b, h, d)
