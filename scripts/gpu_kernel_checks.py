@@ -6,6 +6,7 @@ same comparisons compiled for the GPU: odd token counts, partial and empty block
 (relative L2 error of the output, and the largest lse difference) and exits 1 if any case fails.
 
     python scripts/gpu_kernel_checks.py            # on a machine with a CUDA GPU, from the repo root
+    python scripts/gpu_kernel_checks.py signvq     # only some groups: bitmap heads signvq pages
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def signvq(b, hkv, g, t, d, budget, dtype):
     codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
     ref_scores = lut_scores(q, codes, book, gqa)
     report(f"lut_scores b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa), ref_scores, dtype)
-    report(f"lut_scores one-hot b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa, gather=False), ref_scores, dtype)
+    for lookup in ("gather", "onehot"):
+        report(f"lut_scores {lookup} b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, gqa, lookup=lookup), ref_scores, dtype)
+    report(f"lut_scores max b{b} hkv{hkv} g{g} t{t} d{d} {dtype}", lut_scores_kernel(q, codes, book, "max"), lut_scores(q, codes, book, "max"), dtype)
     out, lse = signvq_decode(q, enc)
     ref, ref_lse = SignVQFormat().attend(q, enc)
     report(f"signvq_decode b{b} hkv{hkv} g{g} t{t} d{d} budget{budget} {dtype}", out, ref, dtype, lse, ref_lse)
@@ -119,20 +122,21 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this script checks the compiled kernels on a GPU")
         return 2
+    groups = set(sys.argv[1:]) or {"bitmap", "heads", "signvq", "pages"}
     f16, bf16 = torch.float16, torch.bfloat16
     bitmap_kernels = [("bitmap_attention", "bitmap_decode_attention", None),
                       ("bitmap_attention", "bitmap_decode_attention", {"expansion": "popc", "maxnreg": None})]
-    for module, fn_name, opts in bitmap_kernels:
+    for module, fn_name, opts in bitmap_kernels if "bitmap" in groups else []:
         for args in [(1, 8, 4, 32768, 128, 0.7, 32, f16), (8, 8, 4, 4096, 128, 0.5, 32, f16), (2, 3, 3, 1000, 64, 0.0, 7, f16),
                      (1, 2, 8, 777, 96, 0.99, 0, bf16), (3, 1, 1, 130, 128, 0.7, 64, bf16), (1, 4, 4, 40, 64, 0.5, 40, f16),
                      (2, 2, 4, 300, 80, 0.6, 3, f16), (1, 2, 2, 200, 32, 0.3, 0, bf16)]:
             bitmap(*args, module, fn_name, opts)
-    for args in [(8, 8, 4, 32768, 128, 16, f16), (1, 8, 4, 4097, 128, 3, bf16), (3, 3, 3, 1000, 64, 9, f16), (2, 2, 1, 77, 128, 1, f16), (1, 1, 8, 129, 64, 8, bf16)]:
+    for args in [(8, 8, 4, 32768, 128, 16, f16), (1, 8, 4, 4097, 128, 3, bf16), (3, 3, 3, 1000, 64, 9, f16), (2, 2, 1, 77, 128, 1, f16), (1, 1, 8, 129, 64, 8, bf16)] if "heads" in groups else []:
         heads(*args)
-    for args in [(8, 8, 4, 32768, 128, 2048, f16), (1, 3, 3, 1000, 64, 100, bf16), (2, 2, 1, 4097, 128, 512, f16), (1, 1, 8, 300, 128, 64, f16)]:
+    for args in [(8, 8, 4, 32768, 128, 2048, f16), (1, 3, 3, 1000, 64, 100, bf16), (2, 2, 1, 4097, 128, 512, f16), (1, 1, 8, 300, 128, 64, f16)] if "signvq" in groups else []:
         signvq(*args)
     for args in [(2, 8, 4, 131072, 128, 2048, 16, f16, "unique"), (1, 3, 3, 1000, 64, 100, 5, bf16, "quest"), (2, 2, 1, 4097, 128, 512, 16, f16, "mean"),
-                 (1, 1, 8, 300, 128, 64, 8, bf16, "unique")]:
+                 (1, 1, 8, 300, 128, 64, 8, bf16, "unique")] if "pages" in groups else []:
         pages(*args)
     print(f"{len(FAILED)} failed" + (": " + "; ".join(FAILED) if FAILED else ""))
     return 1 if FAILED else 0

@@ -1,15 +1,18 @@
 """Sign-VQ LUT scoring variants against the fp16 q·Kᵀ cuBLAS product, on the GPU.
 
 Variants (gqa "sum", the format's default and what ``signvq_decode`` runs; one decode query):
-- ``lib``: the library's ``lut_scores_kernel`` (table [16, G4] float32, one ``tl.gather`` per
-  (token, group)), with a sweep of block_tokens / iters / num_warps;
+- ``lib``: the library's ``lut_scores_kernel(lookup="gather")`` (table [16, G4] float32, one
+  ``tl.gather`` per (token, group)), with a sweep of block_tokens / iters / num_warps;
+- ``table``: ``lut_scores_kernel(lookup="table")``: one token per lane, the table written to a
+  scratch slot and read back through L1 (all lanes of a warp in one 64-byte row per group);
 - ``pair32`` / ``pair16``: one 256-entry table per pair of groups (entry v = lut[v & 15, 2p] +
   lut[v >> 4, 2p + 1], built by a broadcast sum, no gather), one lookup per code byte (half the
   lookups), float32 or float16 table, float32 accumulation;
 - ``onehot``: the lookups as an MMA: a one-hot fp16 matrix [BT, 16*G4] (code compares) times the
   table [16*G4, 16] (column 0 the summed query's table, the rest zero).
 Every variant is checked against ``kvtool.formats.signvq.lut_scores`` (rel L2 <= 1e-2) on the same
-random codes / codebooks, then timed with do_bench (L2 flushed) beside torch.matmul of the grouped
+random codes / codebooks, then timed as CUDA-graph replays with L2 flushed (``kvtool.bench.Timer``,
+the bench's timer: a plain do_bench here times the Python wrapper's launch overhead) beside torch.matmul of the grouped
 fp16 queries [B, Hkv, G, D] with Kᵀ [B, Hkv, D, T], and a 1 GiB copy for the bandwidth fraction.
 
     python scripts/try_lut.py [--json /tmp/lut.json]      # GPU, from the repo root
@@ -146,10 +149,13 @@ def variants(tiny: bool):
     v = {}
     sweep = [(64, 16, 4)] if tiny else [(64, 16, 4), (128, 8, 4), (128, 16, 8), (256, 8, 8), (64, 32, 4)]
     for bt, it, nw in sweep:
-        v[f"lib_bt{bt}_it{it}_w{nw}"] = lambda q, c, cb, bt=bt, it=it, nw=nw: lut_scores_kernel(q, c, cb, "sum", block_tokens=bt, iters=it, num_warps=nw)
+        v[f"lib_bt{bt}_it{it}_w{nw}"] = lambda q, c, cb, bt=bt, it=it, nw=nw: lut_scores_kernel(q, c, cb, "sum", lookup="gather", block_tokens=bt, iters=it, num_warps=nw)
         for half in (False, True):
             name = f"pair{16 if half else 32}_bt{bt}_it{it}_w{nw}"
             v[name] = lambda q, c, cb, bt=bt, it=it, nw=nw, half=half: pair_scores(q, c, cb, half, bt, it, nw)
+    tsweep = [(64, 2, 4)] if tiny else [(128, 16, 4), (256, 8, 4), (256, 16, 4), (512, 8, 4), (256, 8, 8), (512, 8, 8), (512, 4, 4), (1024, 4, 8)]
+    for bt, it, nw in tsweep:
+        v[f"table_bt{bt}_it{it}_w{nw}"] = lambda q, c, cb, bt=bt, it=it, nw=nw: lut_scores_kernel(q, c, cb, "sum", lookup="table", block_tokens=bt, iters=it, num_warps=nw)
     for bt, it, nw in ([(64, 4, 4)] if tiny else [(64, 8, 4), (128, 8, 4), (128, 8, 8)]):
         v[f"onehot_bt{bt}_it{it}_w{nw}"] = lambda q, c, cb, bt=bt, it=it, nw=nw: onehot_scores(q, c, cb, bt, it, nw)
     return v
@@ -159,21 +165,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="tiny CPU shapes (TRITON_INTERPRET=1 smoke test)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="", help="comma-separated variant name prefixes to run (default: all)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
     h, hkv, d = (8, 2, 64) if args.tiny else (32, 8, 128)
     configs = [(1, 37), (2, 130)] if args.tiny else [(1, 32768), (8, 32768)]
     g4 = d // 4
-    from triton.testing import do_bench
+    from kvtool.bench import Timer, detect_env
+
+    env = detect_env() if not args.tiny else None
+    timer = Timer(env, cuda_graph=True) if not args.tiny else None
+
+    def do_bench(fn, warmup=25, rep=100):  # milliseconds, like triton.testing.do_bench
+        return timer.time(fn).median_us / 1e3
 
     copy_bw = None
     if not args.tiny:
-        src = torch.empty(512 * 2**20, dtype=torch.float16, device=dev)
-        dst = torch.empty_like(src)
-        ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-        copy_bw = 2 * src.nbytes / (ms * 1e-3)
+        copy_bw = env.copy_gbps * 1e9
         print(f"device {torch.cuda.get_device_name()} copy {copy_bw / 1e12:.2f} TB/s; torch {torch.__version__} triton {triton.__version__}")
-        del src, dst
     recs = []
     for b, t in configs:
         gen = torch.Generator(device="cpu").manual_seed(b * 7 + t)
@@ -193,7 +202,10 @@ def main() -> None:
             print(f"{'cublas_qk':28s} {shape}  {base_us:8.1f} us  {bb / base_us / 1e3:7.1f} GB/s  {bb / base_us * 1e6 / copy_bw:5.1%}")
             recs.append(dict(variant="cublas_qk", batch=b, seq=t, median_us=base_us, bytes_read=bb, bandwidth_fraction=bb / base_us * 1e6 / copy_bw))
             del keys, kt
+        only = tuple(p for p in args.only.split(",") if p)
         for name, fn in variants(args.tiny).items():
+            if only and not name.startswith(only):
+                continue
             try:
                 out = fn(q, codes, book)
                 rel = float((out.double() - ref.double()).norm() / ref.double().norm())

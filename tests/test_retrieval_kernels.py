@@ -46,8 +46,8 @@ def test_lut_scores_kernel(group, dtype, d, tokens, bits, gqa):
     q = torch.cat([q, -q], 2)
     t = enc.tensors
     ref = lut_scores(q, t["index.codes"], t["index.codebook"], gqa)
-    for gather in (True, False):
-        got = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], gqa, gather=gather, block_tokens=16)
+    for lookup in ("table", "gather", "onehot"):
+        got = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], gqa, lookup=lookup, block_tokens=16)
         assert got.shape == ref.shape and got.dtype == torch.float32
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
     untied_topk_equal(got, ref, 8)
@@ -59,16 +59,19 @@ def test_lut_scores_kernel_word_reads_several_blocks_per_program(group, d, token
     """D a multiple of 32: codes read as 32-bit words, 3 blocks of 32 tokens per program (one table)."""
     q, enc = make_signvq_inputs(2, 2 * group, 2, tokens, d, dtype=dtype, device="cpu", budget=32, gqa=gqa)
     codes, book = enc.tensors["index.codes"], enc.tensors["index.codebook"]
-    got = lut_scores_kernel(q, codes, book, gqa, block_tokens=32, iters=3)
     ref = lut_scores(q, codes, book, gqa)
-    assert got.shape == ref.shape
-    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
+    for lookup in ("table", "gather"):
+        got = lut_scores_kernel(q, codes, book, gqa, lookup=lookup, block_tokens=32, iters=3)
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3 * ref.abs().max().item())
 
 
 def test_lut_scores_kernel_bad_gqa_mode():
     q, enc = make_signvq_inputs(1, 4, 2, 64, 64, dtype=torch.float16, device="cpu", budget=16)
     with pytest.raises(UsageError, match="gqa must be"):
         lut_scores_kernel(q, enc.tensors["index.codes"], enc.tensors["index.codebook"], "mean")
+    with pytest.raises(UsageError, match="lookup must be"):
+        lut_scores_kernel(q, enc.tensors["index.codes"], enc.tensors["index.codebook"], lookup="shared")
 
 
 @pytest.mark.parametrize("group,dtype,d,tokens,bits,gqa", CASES)

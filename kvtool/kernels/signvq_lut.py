@@ -6,12 +6,14 @@ tokens, D head_dim, G4 = D / 4; dt = float16 / bfloat16 / float32, fp32 accumula
 - :func:`lut_scores_kernel` (q ``[B, H, Tq, D]`` dt, codes uint8 ``[B, Hkv, Tc, ceil(G4/2)]``,
   codebook dt ``[B, Hkv, G4, 16, 4]``, gqa ``"sum"|"max"``) -> scores ``[B, Hkv, Tq, Tc]`` float32.
   Each program builds the table ``q_g . codebook[g, c]`` (G4 x 16 entries, per query head, or once
-  for the summed query with ``sum``) in registers once and sums one table entry per group for up to
-  ``iters`` blocks of tokens (``tl.gather``; ``gather=False`` uses a one-hot sum). The packed 4-bit
-  codes are read as 32-bit words, lanes along the words of a token (coalesced), when D is a multiple
-  of 32 and the codes are 4-byte aligned; otherwise one byte per group. (Bench, H100, batch 8, 32k
-  tokens: 55 µs with the one-table, word-read design vs 89 µs for a table per 128-token block read a
-  byte per lane; see docs/benchmarks.md.)
+  for the summed query with ``sum``) once and sums one table entry per group for up to ``iters``
+  blocks of tokens. Default ``lookup="table"``: one token per lane, the table written to a scratch
+  slot of the program and read back through L1 (the lanes of a warp read the same 64-byte row of
+  the table at once, so a lookup is one L1 wavefront). ``"gather"`` keeps the table in registers
+  and looks up with ``tl.gather`` (shared-memory round trips); ``"onehot"`` sums masked entries.
+  The packed 4-bit codes are read as 32-bit words when D is a multiple of 32 and the codes are
+  4-byte aligned, otherwise one byte per pair of groups. (H100, batch 8, 32k tokens, CUDA graphs:
+  30 µs with the table, 55 µs with the gather; see docs/benchmarks.md.)
   Reference: :func:`kvtool.formats.signvq.lut_scores`.
 - :func:`signvq_attention` (q, encoded layer, idx int32 ``[B, Hkv, Tq, k]`` compressed-token
   indices) -> partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) over the chosen
@@ -108,17 +110,82 @@ def _lut_score_kernel(
         tl.store(out_ptr + b * so_b + kh * so_h + pid_q * so_t + t, score, mask=tmask)
 
 
-def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", gather: bool = True,
-                      block_tokens: int | None = None, iters: int = 16, num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+@triton.jit
+def _lut_table_kernel(
+    q_ptr, codes_ptr, cb_ptr, tab_ptr, out_ptr, TC, HKV,
+    sq_b, sq_h, sq_t, sc_b, sc_h, sc_t, sb_b, sb_h, so_b, so_h, so_t,
+    G: tl.constexpr, G4: tl.constexpr, BG: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, ITERS: tl.constexpr,
+    WORDS: tl.constexpr,
+):
+    """One program: ITERS blocks of BT tokens of one (batch, KV head, query token), one token per
+    lane. The NT tables ([NT, G4, 16] float32: the summed query's when NT == 1, else one per query
+    head, maxed) are built in registers, written to this program's scratch slot and read back
+    through L1 (lanes of a warp look up the same group at once: one 64-byte row). WORDS: each
+    token's codes are read as G4 / 8 int32 words, else as ceil(G4 / 2) bytes."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_q = tl.program_id(2)
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
+    n = tl.arange(0, BG)
+    c = tl.arange(0, 16)
+    j = tl.arange(0, 4)
+    nmask = n < G4
+    slot = ((pid_q * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_t).to(tl.int64)
+    tab = tab_ptr + slot * (NT * G4 * 16)
+    cb = tl.load(cb_ptr + b * sb_b + kh * sb_h + n[None, :, None] * 64 + c[:, None, None] * 4 + j[None, None, :],
+                 mask=nmask[None, :, None], other=0.0).to(tl.float32)  # [16, BG, 4]
+    qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
+    if NT == 1:
+        qs = tl.zeros([BG, 4], tl.float32)
+        for h in tl.static_range(G):
+            qs += tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
+        tl.store(tab + n[None, :] * 16 + c[:, None], tl.sum(cb * qs[None, :, :], axis=2), mask=nmask[None, :])
+    else:
+        for h in tl.static_range(NT):
+            qh = tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
+            tl.store(tab + (h * G4 + n[None, :]) * 16 + c[:, None], tl.sum(cb * qh[None, :, :], axis=2), mask=nmask[None, :])
+    tl.debug_barrier()
+    for it in tl.static_range(ITERS):
+        t = (pid_t * ITERS + it) * BT + tl.arange(0, BT)
+        tmask = t < TC
+        row = codes_ptr + b * sc_b + kh * sc_h + t * sc_t  # [BT]
+        score = tl.full([BT], float("-inf"), tl.float32)
+        for h in tl.static_range(NT):
+            s = tl.zeros([BT], tl.float32)
+            if WORDS:
+                for k in tl.static_range(G4 // 8):
+                    w = tl.load(row + k, mask=tmask, other=0)
+                    for i in tl.static_range(8):
+                        s += tl.load(tab + (h * G4 + k * 8 + i) * 16 + ((w >> (4 * i)) & 15))
+            else:
+                for k in tl.static_range((G4 + 1) // 2):
+                    byte = tl.load(row + k, mask=tmask, other=0).to(tl.int32)
+                    s += tl.load(tab + (h * G4 + 2 * k) * 16 + (byte & 15))
+                    if 2 * k + 1 < G4:
+                        s += tl.load(tab + (h * G4 + 2 * k + 1) * 16 + (byte >> 4))
+            score = tl.maximum(score, s)
+        tl.store(out_ptr + b * so_b + kh * so_h + pid_q * so_t + t, score, mask=tmask)
+
+
+LOOKUPS = ("table", "gather", "onehot")
+
+
+def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, gqa: str = "sum", lookup: str = "table",
+                      block_tokens: int | None = None, iters: int | None = None, num_warps: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """LUT scores ``[B, Hkv, Tq, Tc]`` float32 (see the module docstring). With ``gqa="sum"`` the
     table is built once from the summed query of the group (the sum of the per-head tables).
-    ``block_tokens``: tokens per step (default 64 with gather, 32 with the one-hot sum); at most
-    ``iters`` steps per program (one table per program; fewer when that would leave under about 4
-    programs per SM). Codes are read as 32-bit words when D is a multiple of 32 and each token's
-    codes are contiguous and 4-byte aligned, else one byte per group. ``maxnreg``: register cap per
-    thread (CUDA; a tuning knob)."""
+    ``lookup``: ``"table"`` (default) one token per lane, the tables in a scratch slot read through
+    L1; ``"gather"`` a register table and ``tl.gather``; ``"onehot"`` a one-hot sum (slowest).
+    ``block_tokens``: tokens per step (default 256 for the table, 64 with gather, 32 one-hot); at
+    most ``iters`` steps per program (default 8 for the table, else 16; one table per program;
+    fewer when that would leave under about 4 programs per SM). Codes are read as 32-bit words when D is a multiple of 32 and each
+    token's codes are contiguous and 4-byte aligned, else one byte per group. ``maxnreg``: register
+    cap per thread (CUDA; a tuning knob)."""
     if gqa not in ("sum", "max"):
         raise UsageError(f"gqa must be sum or max, got {gqa!r}")
+    if lookup not in LOOKUPS:
+        raise UsageError(f"lookup must be one of {', '.join(LOOKUPS)}, got {lookup!r}")
     if codebook.ndim != 5 or tuple(codebook.shape[3:]) != (16, 4):
         raise UsageError(f"codebook must be [batch, kv_heads, head_dim/4, 16, 4], got {list(codebook.shape)}")
     b, hkv, g4 = codebook.shape[:3]
@@ -139,7 +206,8 @@ def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
     bw = triton.next_power_of_2(nw) if words else 1
     bg = bw * 8 if words else max(2, triton.next_power_of_2(g4))
     src = codes.view(torch.int32) if words else codes  # [B, Hkv, Tc, nbytes / 4] when words
-    block_tokens = block_tokens or (64 if gather else 32)
+    block_tokens = block_tokens or {"table": 256, "gather": 64, "onehot": 32}[lookup]
+    iters = iters or (8 if lookup == "table" else 16)
     bt = max(16, min(triton.next_power_of_2(block_tokens), triton.next_power_of_2(tc)))
     if device.type == "cuda":
         # keep about 4 programs per SM: fewer token blocks per program when there are few heads
@@ -147,12 +215,20 @@ def lut_scores_kernel(q: torch.Tensor, codes: torch.Tensor, codebook: torch.Tens
         iters = min(iters, max(1, triton.cdiv(tc, bt) * b * hkv * tq // (4 * sms)))
     iters = max(1, min(iters, triton.cdiv(tc, bt)))
     grid = (triton.cdiv(tc, bt * iters), b * hkv, tq)
+    strides = (q.stride(0), q.stride(1), q.stride(2), src.stride(0), src.stride(1), src.stride(2),
+               codebook.stride(0), codebook.stride(1), out.stride(0), out.stride(1), out.stride(2))
+    launch = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {})}
+    if lookup == "table":
+        nt = 1 if gqa == "sum" else h // hkv
+        scratch = torch.empty(grid[0] * grid[1] * grid[2], nt * g4 * 16, dtype=torch.float32, device=device)
+        _lut_table_kernel[grid](q, src, codebook, scratch, out, tc, hkv, *strides,
+                                G=h // hkv, G4=g4, BG=max(2, triton.next_power_of_2(g4)), NT=nt, BT=bt, ITERS=iters,
+                                WORDS=words, **launch)
+        return out
     _lut_score_kernel[grid](
-        q, src, codebook, out, tc, hkv, g4, nw,
-        q.stride(0), q.stride(1), q.stride(2), src.stride(0), src.stride(1), src.stride(2),
-        codebook.stride(0), codebook.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        G=h // hkv, BG=bg, BW=bw, BT=bt, ITERS=iters, MAX=gqa == "max", WORDS=words, USE_GATHER=gather,
-        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg and device.type == "cuda" else {}),
+        q, src, codebook, out, tc, hkv, g4, nw, *strides,
+        G=h // hkv, BG=bg, BW=bw, BT=bt, ITERS=iters, MAX=gqa == "max", WORDS=words, USE_GATHER=lookup == "gather",
+        **launch,
     )
     return out
 
@@ -312,7 +388,7 @@ def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor,
 FULL_PAGE = 16
 
 
-def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, gather: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, lookup: str = "table") -> tuple[torch.Tensor, torch.Tensor]:
     """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
     fused dequantising attention over the chosen tokens, and the full-precision tokens through the
     paged kernel (pages of 16 over ``full.keys``). Same contract as ``SignVQFormat.attend``."""
@@ -320,7 +396,7 @@ def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, gat
     t, m = enc.tensors, enc.meta
     b, hkv = t["keys.mag"].shape[:2]
     tq = q.shape[2]
-    scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], gather=gather)
+    scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
     idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
     part = signvq_attention(q, enc, idx, scale, check=False)
     f = t["full.keys"].shape[2]
