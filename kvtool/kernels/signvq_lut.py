@@ -21,9 +21,10 @@ tokens, D head_dim, G4 = D / 4; dt = float16 / bfloat16 / float32, fp32 accumula
   dequantised in the load (k = c + s*alpha*(code*scale + zero), rounded to dt as ``decode`` does);
   all G query heads share one pass; the k tokens are split across programs and merged.
   Reference: :func:`signvq_attention_reference`.
-- :func:`signvq_decode` (q, encoded layer, scale): LUT scores -> torch.topk -> attention over the
-  chosen tokens merged with the full-precision (sink / keep-top / window) tokens, which go through
-  :func:`kvtool.kernels.pages.paged_attention`; the kernel path of ``signvq``'s ``attend``.
+- :func:`signvq_decode` (q, encoded layer, scale): LUT scores -> torch.topk -> one launch of the
+  fused attention over the chosen tokens, with the full-precision (sink / keep-top / window)
+  tokens read by extra splits of the same launch -> :func:`kvtool.kernels.pages.combine_splits`;
+  the kernel path of ``signvq``'s ``attend``.
 - :func:`make_signvq_inputs`: random encoded inputs at any size, for benchmarks.
 """
 
@@ -33,12 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attend_partial, default_scale, expand_kv, merge_partials
+from ..attention import attend_partial, default_scale, expand_kv
 from ..errors import UsageError
 from ..formats.base import Encoded
 from ..formats.signvq import SignVQFormat, SignVQParams, dequant_keys, dequant_values, mask_kept, topk_indices
-from .pages import _attend_block, _store_partial, paged_attention
-from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits, random_decode_inputs
+from .pages import _attend_block, _store_partial, combine_splits
+from .retrieval_common import LOG2E, check_device, check_query, dot_flags, num_splits, random_decode_inputs
 
 
 # ----------------------------------------------------------------------------- LUT scores
@@ -250,15 +251,17 @@ def _to_dtype(x, like, UPCAST: tl.constexpr):
 
 @triton.jit
 def _signvq_attention_kernel(
-    q_ptr, idx_ptr, codes_ptr, mag_ptr, kqp_ptr, vq_ptr, vqp_ptr, center_ptr, alpha_ptr, out_ptr, lse_ptr,
-    scale_log2, K, TPS, S, HKV, TQ, D, TC, NB, NQB, NGRP,
+    q_ptr, idx_ptr, codes_ptr, mag_ptr, kqp_ptr, vq_ptr, vqp_ptr, center_ptr, alpha_ptr, fk_ptr, fv_ptr, out_ptr, lse_ptr,
+    scale_log2, K, TPS, SC, S, HKV, TQ, D, TC, NB, NQB, NGRP, F,
     sq_b, sq_h, sq_t, si_b, si_h, si_t,
     G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, QG: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One program: chosen tokens [split*TPS, (split+1)*TPS) of one (batch, KV head, query token),
-    all G query heads. The per-token tensors are contiguous [B*Hkv*Tc, row]: codes NB bytes, mag
-    and values NQB bytes, qparams NGRP (scale, zero) pairs; centre and alpha [B*Hkv, D]."""
+    """One program, all G query heads of one (batch, KV head, query token). Splits below SC: the
+    chosen compressed tokens [split*TPS, (split+1)*TPS), dequantised in the load; splits SC..S-1:
+    full-precision tokens [(split-SC)*TPS, ...) of F. The per-token tensors are contiguous
+    [B*Hkv*Tc, row]: codes NB bytes, mag and values NQB bytes, qparams NGRP (scale, zero) pairs;
+    centre and alpha [B*Hkv, D]; full keys / values [B*Hkv, F, D]."""
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -280,6 +283,8 @@ def _signvq_attention_kernel(
     acc = tl.zeros([GP, DP], tl.float32)
     start = pid_s * TPS
     end = tl.minimum(start + TPS, K)
+    if pid_s >= SC:  # full-precision tokens: no chosen token in this split
+        end = start
     for t0 in range(start, end, BT):
         ti = t0 + tl.arange(0, BT)
         tmask = ti < end
@@ -295,6 +300,18 @@ def _signvq_attention_kernel(
         vcode = ((tl.load(vq_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
         pv = vqp_ptr + (r * NGRP + qgrp) * 2
         v = _to_dtype(vcode * tl.load(pv, mask=lm, other=0.0).to(tl.float32) + tl.load(pv + 1, mask=lm, other=0.0).to(tl.float32), q, UPCAST)
+        m_i, l_i, acc = _attend_block(q, tl.trans(k), v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    fstart = (pid_s - SC) * TPS
+    fend = tl.minimum(fstart + TPS, F)
+    if pid_s < SC:
+        fend = fstart
+    for t0 in range(fstart, fend, BT):
+        ti = t0 + tl.arange(0, BT)
+        tmask = ti < fend
+        r = (pid_bh.to(tl.int64) * F + ti)[:, None] * D
+        lm = tmask[:, None] & dmask[None, :]
+        k = tl.load(fk_ptr + r + d[None, :], mask=lm, other=0.0)
+        v = tl.load(fv_ptr + r + d[None, :], mask=lm, other=0.0)
         m_i, l_i, acc = _attend_block(q, tl.trans(k), v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     prow = (pid_bh * TQ + pid_t) * S + pid_s
     _store_partial(out_ptr, lse_ptr, prow, acc, m_i, l_i, g, d, GP, DP)
@@ -331,44 +348,64 @@ def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
     check_query(q, b, hkv, d, dtype)
 
 
-def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None, block_tokens: int = 32, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
-    entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
-    kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
-    (default: about 4 programs per SM); ``block_tokens``: tokens per inner step."""
-    check_encoded(q, enc)
+def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None, splits: int | None,
+                     block_tokens: int, num_warps: int, with_full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch :func:`_signvq_attention_kernel`: raw split partials (out ``[B, Hkv, Tq, S, GP, DP]``,
+    lse ``[B, Hkv, Tq, S, GP]`` float32) over the tokens of ``idx`` and, with ``with_full``, the
+    full-precision tokens in extra splits (checked inputs)."""
     t, m = enc.tensors, enc.meta
     b, hkv, tc = t["keys.mag"].shape[:3]
     h, tq, d = q.shape[1], q.shape[2], q.shape[3]
-    if idx.ndim != 4 or tuple(idx.shape[:3]) != (b, hkv, tq) or idx.dtype != torch.int32:
-        raise UsageError(f"idx must be int32 [{b}, {hkv}, {tq}, k], got {idx.dtype} {list(idx.shape)}")
-    device = check_device(q=q, idx=idx, **{n.replace(".", "_"): t[n] for n in SIGNVQ_TENSORS})
+    device = q.device
     k = idx.shape[3]
-    if check and k and (int(idx.min()) < 0 or int(idx.max()) >= tc):
-        raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
-    if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
-        raise UsageError("idx lists a token twice for one query")
     ten = {n: t[n].contiguous() for n in SIGNVQ_TENSORS}
+    full_k, full_v = (t["full.keys"].contiguous(), t["full.values"].contiguous()) if with_full else (ten["keys.center"], ten["keys.center"])
+    f = full_k.shape[2] if with_full else 0
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = max(16, triton.next_power_of_2(d))
     bt = max(16, triton.next_power_of_2(block_tokens))
-    s = num_splits(b * hkv * tq, -(-k // bt), device) if splits is None else max(1, int(splits))
-    tps = bt * max(1, -(-k // (bt * s)))
-    s = max(1, -(-k // tps)) if k else 1
+    blocks = -(-k // bt) + -(-f // bt)
+    s = num_splits(b * hkv * tq, blocks, device) if splits is None else max(1, int(splits))
+    tps = bt * max(1, -(-(k + f) // (bt * s)))
+    sc = max(1, -(-k // tps)) if k else (0 if f else 1)
+    s = sc + -(-f // tps)
     out = torch.empty(b, hkv, tq, s, gp, dp, dtype=torch.float32, device=device)
     lse = torch.empty(b, hkv, tq, s, gp, dtype=torch.float32, device=device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
     _signvq_attention_kernel[(s, b * hkv, tq)](
         q, idx, ten["index.codes"], ten["keys.mag"], ten["keys.qparams"], ten["values.q"], ten["values.qparams"],
-        ten["keys.center"], ten["keys.alpha"], out, lse,
-        float(scale) * LOG2E, k, tps, s, hkv, tq, d, tc,
-        ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3],
+        ten["keys.center"], ten["keys.alpha"], full_k, full_v, out, lse,
+        float(scale) * LOG2E, k, tps, sc, s, hkv, tq, d, tc,
+        ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3], f,
         q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
-        G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], DOT_PREC=prec, UPCAST=upcast,
+        G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
     )
-    return merge_splits(out[..., :d], lse, h)
+    return out, lse
+
+
+def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None,
+                     block_tokens: int = 16, num_warps: int = 8, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
+    entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
+    kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
+    (default: about 4 programs per SM); ``block_tokens``: tokens per inner step. The splits are
+    merged by :func:`kvtool.kernels.pages.combine_splits`."""
+    check_encoded(q, enc)
+    t = enc.tensors
+    b, hkv, tc = t["keys.mag"].shape[:3]
+    tq = q.shape[2]
+    if idx.ndim != 4 or tuple(idx.shape[:3]) != (b, hkv, tq) or idx.dtype != torch.int32:
+        raise UsageError(f"idx must be int32 [{b}, {hkv}, {tq}, k], got {idx.dtype} {list(idx.shape)}")
+    check_device(q=q, idx=idx, **{n.replace(".", "_"): t[n] for n in SIGNVQ_TENSORS})
+    k = idx.shape[3]
+    if check and k and (int(idx.min()) < 0 or int(idx.max()) >= tc):
+        raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
+    if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
+        raise UsageError("idx lists a token twice for one query")
+    out, lse = _signvq_partials(q, enc, idx, scale, splits, block_tokens, num_warps, with_full=False)
+    return combine_splits(out, lse, q.shape[1], q.shape[3])
 
 
 def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,26 +422,18 @@ def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor,
 # ----------------------------------------------------------------------------- the format's decode step
 
 
-FULL_PAGE = 16
-
 
 def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, lookup: str = "table") -> tuple[torch.Tensor, torch.Tensor]:
     """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
-    fused dequantising attention over the chosen tokens, and the full-precision tokens through the
-    paged kernel (pages of 16 over ``full.keys``). Same contract as ``SignVQFormat.attend``."""
+    then one launch of the fused dequantising attention over the chosen tokens with the
+    full-precision (sink / keep-top / window) tokens in extra splits, and the Triton split merge.
+    Same contract as ``SignVQFormat.attend``. No host sync (CUDA-graph capturable)."""
     check_encoded(q, enc)
     t, m = enc.tensors, enc.meta
-    b, hkv = t["keys.mag"].shape[:2]
-    tq = q.shape[2]
     scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
     idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
-    part = signvq_attention(q, enc, idx, scale, check=False)
-    f = t["full.keys"].shape[2]
-    if f == 0:
-        return part
-    pages = torch.arange(-(-f // FULL_PAGE), dtype=torch.int32, device=q.device).expand(b, hkv, tq, -1)
-    full = paged_attention(q, t["full.keys"], t["full.values"], pages, FULL_PAGE, scale, check=False)
-    return merge_partials(part, full)
+    out, lse = _signvq_partials(q, enc, idx, scale, None, 16, 8, with_full=True)
+    return combine_splits(out, lse, q.shape[1], q.shape[3])
 
 
 def make_signvq_inputs(
