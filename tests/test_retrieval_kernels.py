@@ -90,6 +90,16 @@ def test_signvq_attention_kernel_and_decode(group, dtype, d, tokens, bits, gqa):
     assert rel_l2(out, r_out) < 1e-2 and torch.allclose(lse, r_lse, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("qgroup", [8, 16, 64])
+def test_signvq_attention_quantisation_groups_per_token(qgroup):
+    """8 groups per token (per-element scale loads), 4 and 1 (per-token loads spread by group)."""
+    q, enc = make_signvq_inputs(batch=2, heads=4, kv_heads=2, tokens=70, head_dim=64, dtype=torch.float16, device="cpu",
+                                group=qgroup, budget=24, sinks=2, dense_window=5)
+    out, lse = signvq_decode(q, enc)
+    r_out, r_lse = SIGNVQ.attend(q, enc)
+    assert rel_l2(out, r_out) < 1e-2 and torch.allclose(lse, r_lse, atol=1e-3, rtol=1e-3)
+
+
 def test_signvq_attention_empty_selection_is_an_empty_partial():
     q, enc = make_signvq_inputs(batch=1, heads=4, kv_heads=2, tokens=40, head_dim=16, dtype=torch.float16, device="cpu", group=16, budget=8)
     out, lse = signvq_attention(q, enc, torch.zeros(1, 2, 1, 0, dtype=torch.int32))

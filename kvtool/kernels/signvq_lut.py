@@ -250,12 +250,31 @@ def _to_dtype(x, like, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _token_qparams(qp_ptr, r, NGRP, qgrp, lm, tmask, NG: tl.constexpr):
+    """(scale, zero) float32 [BT, DP] of each element's quantisation group, rows r [BT, 1]. NG > 0
+    (NG == NGRP groups per token): NG per-token loads of each, spread by group (far fewer loads);
+    else one load per element."""
+    if NG > 0:
+        sc = tl.zeros(lm.shape, tl.float32)
+        zp = tl.zeros(lm.shape, tl.float32)
+        for gi in tl.static_range(NG):
+            p = qp_ptr + (r * NGRP + gi) * 2  # [BT, 1]
+            sel = qgrp == gi
+            sc = tl.where(sel, tl.load(p, mask=tmask[:, None], other=0.0).to(tl.float32), sc)
+            zp = tl.where(sel, tl.load(p + 1, mask=tmask[:, None], other=0.0).to(tl.float32), zp)
+        return sc, zp
+    else:
+        p = qp_ptr + (r * NGRP + qgrp) * 2
+        return tl.load(p, mask=lm, other=0.0).to(tl.float32), tl.load(p + 1, mask=lm, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _signvq_attention_kernel(
     q_ptr, idx_ptr, codes_ptr, mag_ptr, kqp_ptr, vq_ptr, vqp_ptr, center_ptr, alpha_ptr, fk_ptr, fv_ptr, out_ptr, lse_ptr,
     scale_log2, K, TPS, SC, S, HKV, TQ, D, TC, NB, NQB, NGRP, F,
     sq_b, sq_h, sq_t, si_b, si_h, si_t,
     G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr, QG: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    NG: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program, all G query heads of one (batch, KV head, query token). Splits below SC: the
     chosen compressed tokens [split*TPS, (split+1)*TPS), dequantised in the load; splits SC..S-1:
@@ -294,12 +313,12 @@ def _signvq_attention_kernel(
         sbyte = tl.load(codes_ptr + r * NB + (d // 8)[None, :], mask=lm, other=0).to(tl.int32)
         sign = ((sbyte >> sbit) & 1).to(tl.float32) * 2.0 - 1.0
         mcode = ((tl.load(mag_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
-        pk = kqp_ptr + (r * NGRP + qgrp) * 2
-        mag = mcode * tl.load(pk, mask=lm, other=0.0).to(tl.float32) + tl.load(pk + 1, mask=lm, other=0.0).to(tl.float32)
+        ksc, kzp = _token_qparams(kqp_ptr, r, NGRP, qgrp, lm, tmask, NG)
+        mag = mcode * ksc + kzp
         k = _to_dtype(center[None, :] + sign * alpha[None, :] * mag, q, UPCAST)  # [BT, DP]
         vcode = ((tl.load(vq_ptr + r * NQB + qbyte, mask=lm, other=0).to(tl.int32) >> qshift) & levels).to(tl.float32)
-        pv = vqp_ptr + (r * NGRP + qgrp) * 2
-        v = _to_dtype(vcode * tl.load(pv, mask=lm, other=0.0).to(tl.float32) + tl.load(pv + 1, mask=lm, other=0.0).to(tl.float32), q, UPCAST)
+        vsc, vzp = _token_qparams(vqp_ptr, r, NGRP, qgrp, lm, tmask, NG)
+        v = _to_dtype(vcode * vsc + vzp, q, UPCAST)
         m_i, l_i, acc = _attend_block(q, tl.trans(k), v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     fstart = (pid_s - SC) * TPS
     fend = tl.minimum(fstart + TPS, F)
@@ -374,19 +393,21 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     lse = torch.empty(b, hkv, tq, s, gp, dtype=torch.float32, device=device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
+    ngrp = ten["keys.qparams"].shape[3]
     _signvq_attention_kernel[(s, b * hkv, tq)](
         q, idx, ten["index.codes"], ten["keys.mag"], ten["keys.qparams"], ten["values.q"], ten["values.qparams"],
         ten["keys.center"], ten["keys.alpha"], full_k, full_v, out, lse,
         float(scale) * LOG2E, k, tps, sc, s, hkv, tq, d, tc,
         ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3], f,
         q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
-        G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
+        G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], NG=ngrp if ngrp <= 4 else 0, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=num_warps,
     )
     return out, lse
 
 
 def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None,
-                     block_tokens: int = 16, num_warps: int = 8, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_tokens: int = 16, num_warps: int = 4, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
     entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
     kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
@@ -432,7 +453,7 @@ def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, loo
     t, m = enc.tensors, enc.meta
     scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
     idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
-    out, lse = _signvq_partials(q, enc, idx, scale, None, 16, 8, with_full=True)
+    out, lse = _signvq_partials(q, enc, idx, scale, None, 16, 4, with_full=True)
     return combine_splits(out, lse, q.shape[1], q.shape[3])
 
 
