@@ -155,6 +155,19 @@ def test_kernel_matches_reference(b, h, hkv, n, d, k, dtype, splits):
     run_case(b, h, hkv, n, d, k, dtype, splits)
 
 
+def test_kernel_merges_more_splits_than_one_combine_step():
+    """44 splits of 16 tokens: the combine kernel walks them in steps of 32 (online rescaling)."""
+    g = torch.Generator().manual_seed(5)
+    q, keys, values = torch.randn(2, 8, 16, generator=g), torch.randn(2, 2, 700, 16, generator=g), torch.randn(2, 2, 700, 16, generator=g)
+    keys[:, :, 650:] *= 4  # the largest scores sit in the last step's splits
+    idx = torch.tensor([[0, 5, 6], [7, 1, 2]])
+    out, lse = kh.selective_head_attention(q.half(), keys.half(), values.half(), idx, num_splits=44, block_n=16)
+    ref_out, ref_lse = kh.selective_head_attention_reference(q.half(), keys.half(), values.half(), idx)
+    listed = torch.zeros(2, 8, dtype=torch.bool).scatter_(1, idx, True)
+    assert (out - ref_out).norm() / ref_out.norm() < 1e-2
+    torch.testing.assert_close(lse[listed], ref_lse[listed], rtol=1e-3, atol=1e-3)
+
+
 def test_kernel_skips_unlisted_kv_heads(monkeypatch):
     sentinel = 1234.5
     real = kh._workspace

@@ -17,8 +17,9 @@ reads the row ``head_index[b]`` and finds which of KV head g's G query heads are
 returns at once and **the KV head's keys and values are never read**. Otherwise it makes one pass
 over its token range of that KV head (blocks of 64 tokens), scoring all listed query heads of the
 group together (one read of the group's KV for however many of its heads are listed), with an online
-softmax in base 2 and float32 accumulation. A second kernel merges the S partials per KV head and
-writes every query head's row (zeros / -inf for unlisted heads), so ``out`` needs no memset. Bytes
+softmax in base 2 and float32 accumulation. A second kernel, one program per (batch, query head),
+merges that head's S partials (up to 32 splits per vector load, online rescaling) and writes its
+row (zeros / -inf for unlisted heads), so ``out`` needs no memset. Bytes
 read: the keys and values of the KV heads with at least one listed query head, see
 :func:`bytes_read`.
 
@@ -102,37 +103,44 @@ def _select_heads_kernel(
 def _combine_heads_kernel(
     idx_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
     Hkv, H, D, K, S,
-    G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr,
 ):
+    """One program per (batch, query head): merges the S split partials of its head row, SB splits
+    per step (one vector load of their m, l and acc rows), and writes out / lse (zeros / -inf for
+    a head that is not listed, whose slots are never read)."""
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // Hkv
-    kvh = pid % Hkv
-    rows = tl.arange(0, GP)
-    heads = kvh * G + rows
-    c = tl.arange(0, DP)
+    b = pid // H
+    head = pid % H
+    kvh = head // G
+    row = head % G
     kk = tl.arange(0, KP)
     listed = tl.load(idx_ptr + b * K + kk, mask=kk < K, other=-1)
-    sel = (tl.max((listed[None, :] == heads[:, None]).to(tl.int32), axis=1) > 0) & (rows < G)
-    any_sel = tl.max(sel.to(tl.int32), axis=0) > 0
-    m_max = tl.full([GP], float("-inf"), tl.float32)
-    total = tl.zeros([GP], tl.float32)
-    out = tl.zeros([GP, DP], tl.float32)
-    if any_sel:
-        for s in range(0, S):
-            m_max = tl.maximum(m_max, tl.load(m_ptr + (pid * S + s) * GP + rows))
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        for s in range(0, S):
-            slot = pid * S + s
-            w = tl.exp2(tl.load(m_ptr + slot * GP + rows) - m_safe)
-            total += tl.load(l_ptr + slot * GP + rows) * w
-            out += tl.load(acc_ptr + (slot * GP + rows[:, None]) * DP + c[None, :]) * w[:, None]
-        m_max = m_safe
+    sel = tl.max((listed == head).to(tl.int32), axis=0) > 0
+    c = tl.arange(0, DP)
+    sb = tl.arange(0, SB)
+    m_run = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    out = tl.zeros([DP], tl.float32)
+    if sel:
+        base = (b * Hkv + kvh) * S
+        for s0 in range(0, S, SB):
+            smask = s0 + sb < S
+            slot = base + s0 + sb  # [SB]
+            m = tl.load(m_ptr + slot * GP + row, mask=smask, other=float("-inf"))
+            l = tl.load(l_ptr + slot * GP + row, mask=smask, other=0.0)
+            acc = tl.load(acc_ptr + (slot * GP + row)[:, None] * DP + c[None, :], mask=smask[:, None], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w_old = tl.exp2(m_run - m_safe)
+            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))
+            total = total * w_old + tl.sum(l * w, axis=0)
+            out = out * w_old + tl.sum(acc * w[:, None], axis=0)
+            m_run = m_new
     ok = sel & (total > 0)
-    out = tl.where(ok[:, None], out / tl.where(ok, total, 1.0)[:, None], 0.0)
-    lse = tl.where(ok, (m_max + tl.log2(tl.where(ok, total, 1.0))) * 0.6931471805599453, float("-inf"))
-    rmask = rows < G
-    tl.store(out_ptr + (b * H + heads[:, None]) * D + c[None, :], out, mask=rmask[:, None] & (c[None, :] < D))
-    tl.store(lse_ptr + b * H + heads, lse, mask=rmask)
+    out = tl.where(ok, out / tl.where(ok, total, 1.0), 0.0)
+    lse = tl.where(ok, (m_run + tl.log2(tl.where(ok, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(out_ptr + (b * H + head) * D + c, out, mask=c < D)
+    tl.store(lse_ptr + b * H + head, lse)
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -254,7 +262,8 @@ def selective_head_attention(
         G=g, GP=gp, KP=kp, DP=dp, BN=block_n, DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}), **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
     )
-    _combine_heads_kernel[(groups,)](idx, acc, m, l, out, lse, hkv, h, d, k, splits, G=g, GP=gp, KP=kp, DP=dp, num_warps=4)
+    sb = min(32, max(2, triton.next_power_of_2(splits)))
+    _combine_heads_kernel[(b * h,)](idx, acc, m, l, out, lse, hkv, h, d, k, splits, G=g, GP=gp, KP=kp, DP=dp, SB=sb, num_warps=4)
     return out, lse
 
 
