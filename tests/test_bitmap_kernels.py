@@ -165,7 +165,10 @@ build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", 
       dict(RP=16, DP=128, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
 build(V._bitmap_pv_kernel, dict(p_ptr="*fp16", vbm_ptr="*i32", vnz_ptr="*fp16", voff_ptr="*i64", o_ptr="*fp32", Tc="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32"),
       dict(RP=16, DP=128, DTP=2, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
-build(A._combine_kernel, dict(acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", R="i32", D="i32", S="i32"), dict(RP=16, DP=128))
+from kvtool.kernels import online_softmax as O
+msig = dict(val_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", idx_ptr="*i32", S="i32", R="i32", TQ="i32", D="i32", HKV="i32", K="i32")
+for norm, listed in ((False, False), (True, False), (False, True)):
+    build(O.merge_splits_kernel, msig, dict(RP=16, DP=128, SB=32, KP=16, NORMALISED=norm, LISTED=listed))
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
 for key in (True, False):
     for write in (False, True):

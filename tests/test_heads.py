@@ -179,17 +179,13 @@ def test_kernel_skips_unlisted_kv_heads(monkeypatch):
 
     monkeypatch.setattr(kh, "_workspace", marked)
     captured = {}
-    orig_combine = kh._combine_heads_kernel
+    orig_merge = kh.merge_split_partials
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(idx, acc, m, l, *rest, **kw):
-                captured["m"] = m.clone()
-                return orig_combine[grid](idx, acc, m, l, *rest, **kw)
+    def spy(acc, m, l, *rest, **kw):
+        captured["m"] = m.clone()
+        return orig_merge(acc, m, l, *rest, **kw)
 
-            return launch
-
-    monkeypatch.setattr(kh, "_combine_heads_kernel", Spy())
+    monkeypatch.setattr(kh, "merge_split_partials", spy)
     q = torch.randn(2, 6, 16).half()
     keys, values = torch.randn(2, 3, 50, 16).half(), torch.randn(2, 3, 50, 16).half()
     idx = torch.tensor([[0, 1], [5, 2]])  # batch 0: KV head 0 only; batch 1: KV heads 2 and 1

@@ -54,7 +54,7 @@ from ..attention import attend_partial, default_scale
 from ..errors import UsageError
 from .bitmap_compress import _check_device, _popc32
 from .bitmap_layout import TILE, BitmapCache
-from .online_softmax import attend_block as _attend_block
+from .online_softmax import attend_block as _attend_block, merge_split_partials
 
 LOG2E = 1.4426950408889634
 
@@ -233,31 +233,6 @@ def _bitmap_attention_kernel(
     tl.store(l_ptr + slot * RP + rows, l_i)
 
 
-@triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, R, D, S, RP: tl.constexpr, DP: tl.constexpr):
-    """Merge the S + 1 partials of one KV head's query rows: out [B*Hkv, R, D], lse [B*Hkv, R]."""
-    bh = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, RP)
-    c = tl.arange(0, DP)
-    m_max = tl.full([RP], float("-inf"), tl.float32)
-    for s in range(0, S + 1):
-        m_max = tl.maximum(m_max, tl.load(m_ptr + (bh * (S + 1) + s) * RP + rows))
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros([RP], tl.float32)
-    out = tl.zeros([RP, DP], tl.float32)
-    for s in range(0, S + 1):
-        slot = bh * (S + 1) + s
-        w = tl.exp2(tl.load(m_ptr + slot * RP + rows) - m_safe)
-        total += tl.load(l_ptr + slot * RP + rows) * w
-        out += tl.load(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], mask=rows[:, None] < R, other=0.0) * w[:, None]
-    nonempty = total > 0
-    out = out / tl.where(nonempty, total, 1.0)[:, None]
-    lse = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * 0.6931471805599453, float("-inf"))
-    rmask = rows < R
-    tl.store(out_ptr + (bh * R + rows[:, None]) * D + c[None, :], out, mask=rmask[:, None] & (c[None, :] < D))
-    tl.store(lse_ptr + bh * R + rows, lse, mask=rmask)
-
-
 def check_query(q: torch.Tensor, cache: BitmapCache) -> None:
     """Shapes, dtype and device of ``q`` against the cache; UsageError naming what disagrees."""
     k = cache.keys
@@ -385,7 +360,7 @@ def bitmap_decode_attention(
         num_stages=num_stages,
         **expansion_options(q, dp, expansion, maxnreg),
     )
-    _combine_kernel[(bh,)](acc, m, l, out, lse, rows, d, splits, RP=rp, DP=dp, num_warps=4)
+    merge_split_partials(acc, m, l, out, lse, rows)
     return out, lse
 
 

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ..attention import attend_partial, default_scale
 from ..errors import UsageError
+from .online_softmax import merge_split_partials
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -97,50 +98,6 @@ def _select_heads_kernel(
         tl.store(acc_ptr + (slot * GP + rows[:, None]) * DP + c[None, :], acc)
         tl.store(m_ptr + slot * GP + rows, m_i)
         tl.store(l_ptr + slot * GP + rows, l_i)
-
-
-@triton.jit
-def _combine_heads_kernel(
-    idx_ptr, acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
-    Hkv, H, D, K, S,
-    G: tl.constexpr, GP: tl.constexpr, KP: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr,
-):
-    """One program per (batch, query head): merges the S split partials of its head row, SB splits
-    per step (one vector load of their m, l and acc rows), and writes out / lse (zeros / -inf for
-    a head that is not listed, whose slots are never read)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    head = pid % H
-    kvh = head // G
-    row = head % G
-    kk = tl.arange(0, KP)
-    listed = tl.load(idx_ptr + b * K + kk, mask=kk < K, other=-1)
-    sel = tl.max((listed == head).to(tl.int32), axis=0) > 0
-    c = tl.arange(0, DP)
-    sb = tl.arange(0, SB)
-    m_run = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
-    out = tl.zeros([DP], tl.float32)
-    if sel:
-        base = (b * Hkv + kvh) * S
-        for s0 in range(0, S, SB):
-            smask = s0 + sb < S
-            slot = base + s0 + sb  # [SB]
-            m = tl.load(m_ptr + slot * GP + row, mask=smask, other=float("-inf"))
-            l = tl.load(l_ptr + slot * GP + row, mask=smask, other=0.0)
-            acc = tl.load(acc_ptr + (slot * GP + row)[:, None] * DP + c[None, :], mask=smask[:, None], other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w_old = tl.exp2(m_run - m_safe)
-            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))
-            total = total * w_old + tl.sum(l * w, axis=0)
-            out = out * w_old + tl.sum(acc * w[:, None], axis=0)
-            m_run = m_new
-    ok = sel & (total > 0)
-    out = tl.where(ok, out / tl.where(ok, total, 1.0), 0.0)
-    lse = tl.where(ok, (m_run + tl.log2(tl.where(ok, total, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(out_ptr + (b * H + head) * D + c, out, mask=c < D)
-    tl.store(lse_ptr + b * H + head, lse)
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -262,8 +219,7 @@ def selective_head_attention(
         G=g, GP=gp, KP=kp, DP=dp, BN=block_n, DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}), **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
     )
-    sb = min(32, max(2, triton.next_power_of_2(splits)))
-    _combine_heads_kernel[(b * h,)](idx, acc, m, l, out, lse, hkv, h, d, k, splits, G=g, GP=gp, KP=kp, DP=dp, SB=sb, num_warps=4)
+    merge_split_partials(acc, m, l, out, lse, g, listed=(idx, hkv))
     return out, lse
 
 

@@ -28,3 +28,76 @@ def attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.const
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+@triton.jit
+def merge_splits_kernel(val_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, idx_ptr, S, R, TQ, D, HKV, K,
+                        RP: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr, KP: tl.constexpr,
+                        NORMALISED: tl.constexpr, LISTED: tl.constexpr):
+    """Flash-decoding merge, one program per (partial group p, row r < R): reads the row's S split
+    partials, SB splits per vector load with online rescaling, and writes one output row.
+
+    Partials: val ``[P, S, RP, DP]`` float32, m ``[P, S, RP]`` float32 (and l, same shape) at slot
+    ``(p * S + s) * RP + r``. NORMALISED: val is each split's normalised output and m its natural
+    log-sum-exp (-inf for an empty split; l unused); else val is the unnormalised accumulator, m the
+    running max of the base-2 scores and l the sum of exp2(score - m). Output row
+    ``(p // TQ) * R * TQ + r * TQ + p % TQ`` of out ``[rows, D]`` / lse ``[rows]`` float32 (natural
+    log; 0 / -inf for a row that saw no key). LISTED: query head ``(p % HKV) * R + r`` of batch
+    ``p // HKV`` is merged only when it is among the K entries of ``idx[batch]`` (else 0 / -inf,
+    and its slots are not read)."""
+    pid = tl.program_id(0).to(tl.int64)
+    p = pid // R
+    r = pid % R
+    c = tl.arange(0, DP)
+    sb = tl.arange(0, SB)
+    valid = tl.full([], 1, tl.int32) > 0
+    if LISTED:
+        kk = tl.arange(0, KP)
+        listed = tl.load(idx_ptr + (p // HKV) * K + kk, mask=kk < K, other=-1)
+        valid = tl.max((listed == (p % HKV) * R + r).to(tl.int32), axis=0) > 0
+    m_run = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    out = tl.zeros([DP], tl.float32)
+    if valid:
+        for s0 in range(0, S, SB):
+            smask = s0 + sb < S
+            slot = (p * S + s0 + sb) * RP + r  # [SB]
+            m = tl.load(m_ptr + slot, mask=smask, other=float("-inf"))
+            if NORMALISED:
+                m = m * 1.4426950408889634
+                mass = tl.where(smask, 1.0, 0.0)
+            else:
+                mass = tl.load(l_ptr + slot, mask=smask, other=0.0)
+            val = tl.load(val_ptr + slot[:, None] * DP + c[None, :], mask=smask[:, None], other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w_old = tl.exp2(m_run - m_safe)
+            w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))
+            total = total * w_old + tl.sum(mass * w, axis=0)
+            out = out * w_old + tl.sum(val * w[:, None], axis=0)
+            m_run = m_new
+    ok = valid & (total > 0)
+    out = tl.where(ok, out / tl.where(ok, total, 1.0), 0.0)
+    lse = tl.where(ok, (m_run + tl.log2(tl.where(ok, total, 1.0))) * 0.6931471805599453, float("-inf"))
+    orow = (p // TQ) * R * TQ + r * TQ + p % TQ
+    tl.store(out_ptr + orow * D + c, out, mask=c < D)
+    tl.store(lse_ptr + orow, lse)
+
+
+def merge_split_partials(val, m, l, out, lse, rows: int, tq: int = 1, normalised: bool = False, listed=None) -> None:
+    """Launch :func:`merge_splits_kernel` over partials val ``[P, S, RP, DP]``, m / l ``[P, S, RP]``
+    (contiguous float32; ``l`` None when ``normalised``) into out ``[P * rows, D]`` and lse
+    ``[P * rows]`` (contiguous float32, any view), ``rows`` <= RP rows per partial group. ``listed``:
+    None, or ``(idx, kv_heads)`` with idx int32 ``[B, K]`` the query heads to merge (P = B * kv_heads,
+    rows = the GQA group)."""
+    p, s, rp, dp = val.shape
+    if p * rows == 0:
+        return
+    d = out.shape[-1]
+    idx, hkv = listed if listed is not None else (m, 1)
+    k = idx.shape[1] if listed is not None else 1
+    merge_splits_kernel[(p * rows,)](
+        val, m, m if l is None else l, out, lse, idx, s, rows, tq, d, hkv, k,
+        RP=rp, DP=dp, SB=min(32, max(2, triton.next_power_of_2(s))), KP=max(2, triton.next_power_of_2(k)),
+        NORMALISED=normalised, LISTED=listed is not None, num_warps=4,
+    )

@@ -40,7 +40,7 @@ from ..errors import UsageError
 from ..formats.base import Encoded
 from ..formats.pagestat import SCORES, PageStatParams, PageStatFormat, page_scores, pages_to_token_mask, select_pages
 from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits, random_decode_inputs
-from .online_softmax import attend_block as _attend_block
+from .online_softmax import attend_block as _attend_block, merge_split_partials
 
 SCORE_ID = {"unique": 0, "quest": 1, "mean": 2}
 
@@ -205,7 +205,7 @@ def paged_attention(
     ``[B, Hkv, Tq, n]`` (any strides; entries must be distinct and in range: checked here unless
     ``check=False``, for lists that come from top-k, which are). ``splits``: programs per
     (batch, KV head, query) row (default: about 4 programs per SM). ``merge``: ``"triton"`` merges
-    the splits in one :func:`_combine_splits_kernel` launch; ``"torch"`` runs the torch
+    the splits in one :func:`combine_splits` launch; ``"torch"`` runs the torch
     :func:`~kvtool.kernels.retrieval_common.merge_splits` (the older, slower path, kept to compare)."""
     if merge not in ("triton", "torch"):
         raise UsageError(f"merge must be 'triton' or 'torch', got {merge!r}")
@@ -250,48 +250,19 @@ def paged_attention(
     return combine_splits(out, lse, h, d)
 
 
-@triton.jit
-def _combine_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, S, HKV, TQ, D,
-                           G: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr):
-    """One program per (batch, KV head, query token): merge its S split partials (normalised out
-    [S, GP, DP], natural-log lse [S, GP]) in log2 space into out [B, H, Tq, D] and lse [B, H, Tq]
-    (natural log); a head row with no key anywhere gets out 0 and lse -inf."""
-    pid = tl.program_id(0).to(tl.int64)  # ((b * HKV + kh) * TQ + t)
-    t = pid % TQ
-    bkh = pid // TQ  # b * HKV + kh; head h = kh * G + g, so (b * H + h) = bkh * G + g
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    for s in range(0, S):
-        m = tl.maximum(m, tl.load(plse_ptr + (pid * S + s) * GP + g) * 1.4426950408889634)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
-    for s in range(0, S):
-        w = tl.exp2(tl.load(plse_ptr + (pid * S + s) * GP + g) * 1.4426950408889634 - m_safe)
-        total += w
-        acc += tl.load(part_ptr + ((pid * S + s) * GP + g[:, None]) * DP + d[None, :]) * w[:, None]
-    nonempty = total > 0
-    acc = acc / tl.where(nonempty, total, 1.0)[:, None]
-    lse = tl.where(nonempty, (m_safe + tl.log2(tl.where(nonempty, total, 1.0))) * 0.6931471805599453, float("-inf"))
-    row = (bkh * G + g) * TQ + t
-    gmask = g < G
-    tl.store(out_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None] & (d[None, :] < D))
-    tl.store(lse_ptr + row, lse, mask=gmask)
-
-
 def combine_splits(part: torch.Tensor, plse: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton merge of split partials: part ``[B, Hkv, Tq, S, GP, DP]`` float32 (normalised per
     split, contiguous) and plse ``[B, Hkv, Tq, S, GP]`` float32 (natural log, -inf for an empty
     split) -> (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32), D = ``head_dim``. Same
-    maths as :func:`~kvtool.kernels.retrieval_common.merge_splits`, in one launch."""
+    maths as :func:`~kvtool.kernels.retrieval_common.merge_splits`, in one launch of the shared
+    :func:`~kvtool.kernels.online_softmax.merge_splits_kernel` (one program per query head row)."""
     b, hkv, tq, s, gp, dp = part.shape
     g = heads // hkv
     out = torch.empty(b, heads, tq, head_dim, dtype=torch.float32, device=part.device)
     lse = torch.empty(b, heads, tq, dtype=torch.float32, device=part.device)
     if out.numel() == 0 or lse.numel() == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    _combine_splits_kernel[(b * hkv * tq,)](part, plse, out, lse, s, hkv, tq, head_dim, G=g, GP=gp, DP=dp, num_warps=4)
+    merge_split_partials(part.view(b * hkv * tq, s, gp, dp), plse.view(b * hkv * tq, s, gp), None, out, lse, g, tq=tq, normalised=True)
     return out, lse
 
 
