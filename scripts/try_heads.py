@@ -46,12 +46,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--configs", default="", help="batch x tokens list, e.g. 8x4096,32x4096 (default: five configurations)")
+    ap.add_argument("--grid", action="store_true", help="sweep warps / tokens per step / stages instead of the splits")
     a = ap.parse_args()
     dev = "cpu" if a.tiny else "cuda"
     shape = model_shape("smollm2" if a.tiny else "llama3-8b")
     configs = [(1, 128)] if a.tiny else [(1, 4096), (8, 4096), (32, 4096), (1, 32768), (8, 32768)]
+    if a.configs:
+        configs = [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")]
     settings = {"default": {}}
-    if not a.tiny:
+    if a.grid and not a.tiny:
+        for w in (4, 8):
+            for bn in (32, 64, 128):
+                for st in (1, 2, 3, 4):
+                    settings[f"w{w}_bn{bn}_st{st}"] = dict(num_warps=w, block_n=bn, num_stages=st)
+    elif not a.tiny:
         for f in (0.5, 0.75, 1, 1.5, 2, 3):
             settings[f"splits_x{f}"] = {"split_factor": f}
             settings[f"bn128_st1_splits_x{f}"] = {"split_factor": f, "block_n": 128, "num_stages": 1}
