@@ -70,16 +70,15 @@ def main() -> None:
             "topk_torch": lambda: topk_indices(masked, k),
             "mask_kept+topk": lambda: topk_indices(mask_kept(scores, enc), k),
         }
-        for blk, nw in ((8192, 16), (32768, 16)):
-            parts[f"radix_select_b{blk}_w{nw}"] = lambda blk=blk, nw=nw: select_pages_triton(masked, none, k, block=blk, num_warps=nw)
-        for bt, nw, sp in ((16, 4, None), (64, 8, None), (16, 4, 2), (16, 4, 4), (32, 4, 4), (16, 4, 8)):
+        for bt, nw, sp, mr in ((16, 4, None, None), (16, 4, 2, None), (16, 4, None, 128), (16, 4, None, 96), (16, 4, 2, 128),
+                               (32, 4, None, 128), (32, 8, None, 128), (16, 8, None, 96)):
             splits = None if sp is None else sp * S.num_splits(b * hkv, -(-k // bt), q.device)
-            def att(bt=bt, nw=nw, splits=splits):
-                o, s_ = S._signvq_partials(q, enc, idx, None, splits, bt, nw, with_full=True)
+            def att(bt=bt, nw=nw, splits=splits, mr=mr):
+                o, s_ = S._signvq_partials(q, enc, idx, None, splits, bt, nw, with_full=True, maxnreg=mr)
                 return combine_splits(o, s_, h, d)
             o, _ = att()
             err = float((o - ref).norm() / ref.norm())
-            parts[f"attention_bt{bt}_w{nw}_splits{splits} (rel {err:.1e})"] = att
+            parts[f"attention_bt{bt}_w{nw}_splits{splits}_r{mr} (rel {err:.1e})"] = att
         for name, fn in parts.items():
             try:
                 t_us = us(fn)

@@ -368,10 +368,12 @@ def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
 
 
 def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None, splits: int | None,
-                     block_tokens: int, num_warps: int, with_full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     block_tokens: int, num_warps: int, with_full: bool, maxnreg: int | None = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_signvq_attention_kernel`: raw split partials (out ``[B, Hkv, Tq, S, GP, DP]``,
     lse ``[B, Hkv, Tq, S, GP]`` float32) over the tokens of ``idx`` and, with ``with_full``, the
-    full-precision tokens in extra splits (checked inputs)."""
+    full-precision tokens in extra splits (checked inputs). ``maxnreg``: register cap (CUDA; 128 by
+    default: unbounded, ptxas takes 189 and two programs fit on an SM; H100 batch 1 / 32k 28.8 ->
+    24.4 µs with the cap)."""
     t, m = enc.tensors, enc.meta
     b, hkv, tc = t["keys.mag"].shape[:3]
     h, tq, d = q.shape[1], q.shape[2], q.shape[3]
@@ -385,7 +387,12 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     dp = max(16, triton.next_power_of_2(d))
     bt = max(16, triton.next_power_of_2(block_tokens))
     blocks = -(-k // bt) + -(-f // bt)
-    s = num_splits(b * hkv * tq, blocks, device) if splits is None else max(1, int(splits))
+    if splits is None:
+        # about 4 programs per SM, 8 when there are 32 rows or more (H100, try_signvq_h100.json run 4:
+        # batch 8 / 32k 123 -> 104 µs with the register cap; batch 1 is slower with more)
+        s = min(num_splits(b * hkv * tq, blocks, device) * (2 if b * hkv * tq >= 32 else 1), max(blocks, 1))
+    else:
+        s = max(1, int(splits))
     tps = bt * max(1, -(-(k + f) // (bt * s)))
     sc = max(1, -(-k // tps)) if k else (0 if f else 1)
     s = sc + -(-f // tps)
@@ -401,7 +408,7 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
         ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3], f,
         q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
         G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], NG=ngrp if ngrp <= 4 else 0, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=num_warps,
+        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
     )
     return out, lse
 
