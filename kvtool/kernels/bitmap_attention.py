@@ -16,7 +16,8 @@ How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks the 64-token b
 of KV head bh, BPS = ceil(NB / S). For each block it expands K^T ``[D, 64]`` and V ``[64, D]`` to
 dense tiles and scores all G * Tq query rows of the group at once (one pass over the group's data),
 with an online softmax (base 2, float32) and P.V accumulated in float32. Program (bh, S) does the
-same over the dense window. A second kernel merges the S + 1 partials (flash-decoding combine).
+same over the dense window. A second launch merges the S + 1 partials (flash-decoding combine,
+:func:`kvtool.kernels.online_softmax.merge_splits_kernel`, shared with the heads and pages kernels).
 Two expansions of a block, same result:
 
 - ``walk`` (CUDA, 16-bit caches; the default there): each thread takes 32-bit bitmap words and walks
