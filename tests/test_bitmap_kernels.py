@@ -169,6 +169,10 @@ from kvtool.kernels import online_softmax as O
 msig = dict(val_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32", out_ptr="*fp32", lse_ptr="*fp32", idx_ptr="*i32", S="i32", R="i32", TQ="i32", D="i32", HKV="i32", K="i32")
 for norm, listed in ((False, False), (True, False), (False, True)):
     build(O.merge_splits_kernel, msig, dict(RP=16, DP=128, SB=32, KP=16, NORMALISED=norm, LISTED=listed))
+from kvtool.kernels import signvq_lut as L
+lsig = dict(q_ptr="*fp16", codes_ptr="*i32", cb_ptr="*fp16", tab_ptr="*fp32", out_ptr="*fp32", TC="i32", HKV="i32",
+            **{n: "i32" for n in ("sq_b", "sq_h", "sq_t", "sc_b", "sc_h", "sc_t", "sb_b", "sb_h", "so_b", "so_h", "so_t")})
+build(L._lut_table_kernel, lsig, dict(G=4, G4=32, BG=32, NT=1, BT=256, ITERS=8, WORDS=True))
 csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
 for key in (True, False):
     for write in (False, True):

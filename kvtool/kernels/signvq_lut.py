@@ -59,6 +59,23 @@ def _lookup(lut_t, codes, nmask, USE_GATHER: tl.constexpr):
 
 
 @triton.jit
+def _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG: tl.constexpr):
+    """Program prologue of the LUT kernels: the (batch, KV head) codebook as float32 [16 codes, BG
+    groups, 4] (groups past G4 zero), the query row's base pointers [BG, 4] (add a head's stride),
+    the group mask [BG] and the KV head index (int64)."""
+    b = (pid_bh // HKV).to(tl.int64)
+    kh = (pid_bh % HKV).to(tl.int64)
+    n = tl.arange(0, BG)
+    c = tl.arange(0, 16)
+    j = tl.arange(0, 4)
+    nmask = n < G4
+    cb = tl.load(cb_ptr + b * sb_b + kh * sb_h + n[None, :, None] * 64 + c[:, None, None] * 4 + j[None, None, :],
+                 mask=nmask[None, :, None], other=0.0).to(tl.float32)
+    qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
+    return cb, qbase, nmask, kh
+
+
+@triton.jit
 def _lut_score_kernel(
     q_ptr, codes_ptr, cb_ptr, out_ptr, TC, HKV, G4, NW,
     sq_b, sq_h, sq_t, sc_b, sc_h, sc_t, sb_b, sb_h, so_b, so_h, so_t,
@@ -71,16 +88,9 @@ def _lut_score_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_q = tl.program_id(2)
+    cb, qbase, nmask, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
     b = (pid_bh // HKV).to(tl.int64)
-    kh = (pid_bh % HKV).to(tl.int64)
     n = tl.arange(0, BG)
-    c = tl.arange(0, 16)
-    j = tl.arange(0, 4)
-    nmask = n < G4
-    # codebook as [16 codes, BG groups, 4]
-    cb = tl.load(cb_ptr + b * sb_b + kh * sb_h + n[None, :, None] * 64 + c[:, None, None] * 4 + j[None, None, :],
-                 mask=nmask[None, :, None], other=0.0).to(tl.float32)
-    qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
     if not MAX:
         qs = tl.zeros([BG, 4], tl.float32)
         for h in tl.static_range(G):
@@ -126,17 +136,12 @@ def _lut_table_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_q = tl.program_id(2)
+    cb, qbase, nmask, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
     b = (pid_bh // HKV).to(tl.int64)
-    kh = (pid_bh % HKV).to(tl.int64)
     n = tl.arange(0, BG)
     c = tl.arange(0, 16)
-    j = tl.arange(0, 4)
-    nmask = n < G4
     slot = ((pid_q * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_t).to(tl.int64)
     tab = tab_ptr + slot * (NT * G4 * 16)
-    cb = tl.load(cb_ptr + b * sb_b + kh * sb_h + n[None, :, None] * 64 + c[:, None, None] * 4 + j[None, None, :],
-                 mask=nmask[None, :, None], other=0.0).to(tl.float32)  # [16, BG, 4]
-    qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
     if NT == 1:
         qs = tl.zeros([BG, 4], tl.float32)
         for h in tl.static_range(G):
