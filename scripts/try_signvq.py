@@ -74,7 +74,7 @@ def main() -> None:
                                (32, 4, None, 128), (32, 8, None, 128), (16, 8, None, 96)):
             splits = None if sp is None else sp * S.num_splits(b * hkv, -(-k // bt), q.device)
             def att(bt=bt, nw=nw, splits=splits, mr=mr):
-                o, s_ = S._signvq_partials(q, enc, idx, None, splits, bt, nw, with_full=True, maxnreg=mr)
+                o, s_ = S._signvq_partials(q, enc, idx, None, splits, True, bt, nw, maxnreg=mr)
                 return combine_splits(o, s_, h, d)
             o, _ = att()
             err = float((o - ref).norm() / ref.norm())

@@ -62,7 +62,7 @@ def _lookup(lut_t, codes, nmask, USE_GATHER: tl.constexpr):
 def _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG: tl.constexpr):
     """Program prologue of the LUT kernels: the (batch, KV head) codebook as float32 [16 codes, BG
     groups, 4] (groups past G4 zero), the query row's base pointers [BG, 4] (add a head's stride),
-    the group mask [BG] and the KV head index (int64)."""
+    the group mask [BG] and the batch and KV head indices (int64)."""
     b = (pid_bh // HKV).to(tl.int64)
     kh = (pid_bh % HKV).to(tl.int64)
     n = tl.arange(0, BG)
@@ -72,7 +72,17 @@ def _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b,
     cb = tl.load(cb_ptr + b * sb_b + kh * sb_h + n[None, :, None] * 64 + c[:, None, None] * 4 + j[None, None, :],
                  mask=nmask[None, :, None], other=0.0).to(tl.float32)
     qbase = q_ptr + b * sq_b + pid_q * sq_t + (n * 4)[:, None] + j[None, :]
-    return cb, qbase, nmask, kh
+    return cb, qbase, nmask, b, kh
+
+
+@triton.jit
+def _query_table(cb, qbase, nmask, head0, sq_h, NH: tl.constexpr, BG: tl.constexpr):
+    """Table ``q_g . codebook[g, c]`` float32 [16, BG] of the sum of query heads head0 .. head0+NH-1
+    (NH = G: the GQA group's summed query; NH = 1: one head)."""
+    qs = tl.zeros([BG, 4], tl.float32)
+    for h in tl.static_range(NH):
+        qs += tl.load(qbase + (head0 + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
+    return tl.sum(cb * qs[None, :, :], axis=2)
 
 
 @triton.jit
@@ -88,14 +98,10 @@ def _lut_score_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_q = tl.program_id(2)
-    cb, qbase, nmask, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
-    b = (pid_bh // HKV).to(tl.int64)
+    cb, qbase, nmask, b, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
     n = tl.arange(0, BG)
     if not MAX:
-        qs = tl.zeros([BG, 4], tl.float32)
-        for h in tl.static_range(G):
-            qs += tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
-        lut_t = tl.sum(cb * qs[None, :, :], axis=2)  # [16, BG]
+        lut_t = _query_table(cb, qbase, nmask, kh * G, sq_h, G, BG)  # [16, BG]
     for it in tl.static_range(ITERS):
         t = (pid_t * ITERS + it) * BT + tl.arange(0, BT)
         tmask = t < TC
@@ -113,8 +119,7 @@ def _lut_score_kernel(
         if MAX:
             score = tl.full([BT], float("-inf"), tl.float32)
             for h in tl.static_range(G):
-                qh = tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
-                lut_h = tl.sum(cb * qh[None, :, :], axis=2)
+                lut_h = _query_table(cb, qbase, nmask, kh * G + h, sq_h, 1, BG)
                 score = tl.maximum(score, _lookup(lut_h, codes, nmask, USE_GATHER))
         else:
             score = _lookup(lut_t, codes, nmask, USE_GATHER)
@@ -136,21 +141,14 @@ def _lut_table_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_q = tl.program_id(2)
-    cb, qbase, nmask, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
-    b = (pid_bh // HKV).to(tl.int64)
+    cb, qbase, nmask, b, kh = _codebook_and_query(cb_ptr, q_ptr, pid_bh, pid_q, HKV, G4, sq_b, sq_t, sb_b, sb_h, BG)
     n = tl.arange(0, BG)
     c = tl.arange(0, 16)
     slot = ((pid_q * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_t).to(tl.int64)
     tab = tab_ptr + slot * (NT * G4 * 16)
-    if NT == 1:
-        qs = tl.zeros([BG, 4], tl.float32)
-        for h in tl.static_range(G):
-            qs += tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
-        tl.store(tab + n[None, :] * 16 + c[:, None], tl.sum(cb * qs[None, :, :], axis=2), mask=nmask[None, :])
-    else:
-        for h in tl.static_range(NT):
-            qh = tl.load(qbase + (kh * G + h) * sq_h, mask=nmask[:, None], other=0.0).to(tl.float32)
-            tl.store(tab + (h * G4 + n[None, :]) * 16 + c[:, None], tl.sum(cb * qh[None, :, :], axis=2), mask=nmask[None, :])
+    for h in tl.static_range(NT):  # NT == 1: the summed query's table; else one per query head
+        lut_h = _query_table(cb, qbase, nmask, kh * G + h, sq_h, G if NT == 1 else 1, BG)
+        tl.store(tab + (h * G4 + n[None, :]) * 16 + c[:, None], lut_h, mask=nmask[None, :])
     tl.debug_barrier()
     for it in tl.static_range(ITERS):
         t = (pid_t * ITERS + it) * BT + tl.arange(0, BT)
@@ -372,8 +370,8 @@ def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
     check_query(q, b, hkv, d, dtype)
 
 
-def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None, splits: int | None,
-                     block_tokens: int, num_warps: int, with_full: bool, maxnreg: int | None = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None, splits: int | None, with_full: bool,
+                     block_tokens: int = 16, num_warps: int = 4, maxnreg: int | None = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_signvq_attention_kernel`: raw split partials (out ``[B, Hkv, Tq, S, GP, DP]``,
     lse ``[B, Hkv, Tq, S, GP]`` float32) over the tokens of ``idx`` and, with ``with_full``, the
     full-precision tokens in extra splits (checked inputs). ``maxnreg``: register cap (CUDA; 128 by
@@ -385,6 +383,7 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     device = q.device
     k = idx.shape[3]
     ten = {n: t[n].contiguous() for n in SIGNVQ_TENSORS}
+    ngrp = ten["keys.qparams"].shape[3]
     full_k, full_v = (t["full.keys"].contiguous(), t["full.values"].contiguous()) if with_full else (ten["keys.center"], ten["keys.center"])
     f = full_k.shape[2] if with_full else 0
     g = h // hkv
@@ -405,12 +404,11 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     lse = torch.empty(b, hkv, tq, s, gp, dtype=torch.float32, device=device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
-    ngrp = ten["keys.qparams"].shape[3]
     _signvq_attention_kernel[(s, b * hkv, tq)](
         q, idx, ten["index.codes"], ten["keys.mag"], ten["keys.qparams"], ten["values.q"], ten["values.qparams"],
         ten["keys.center"], ten["keys.alpha"], full_k, full_v, out, lse,
         float(scale) * LOG2E, k, tps, sc, s, hkv, tq, d, tc,
-        ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ten["keys.qparams"].shape[3], f,
+        ten["index.codes"].shape[3], ten["keys.mag"].shape[3], ngrp, f,
         q.stride(0), q.stride(1), q.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
         G=g, GP=gp, DP=dp, BT=bt, BITS=m["bits"], QG=m["group"], NG=ngrp if ngrp <= 4 else 0, DOT_PREC=prec, UPCAST=upcast,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}),
@@ -423,7 +421,7 @@ def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
     entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
     kernel (see the module docstring). ``splits``: programs per (batch, KV head, query) row
-    (default: about 4 programs per SM); ``block_tokens``: tokens per inner step. The splits are
+    (default: about 4 programs per SM, 8 from 32 rows up); ``block_tokens``: tokens per inner step. The splits are
     merged by :func:`kvtool.kernels.pages.combine_splits`."""
     check_encoded(q, enc)
     t = enc.tensors
@@ -437,7 +435,7 @@ def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
         raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
     if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
         raise UsageError("idx lists a token twice for one query")
-    out, lse = _signvq_partials(q, enc, idx, scale, splits, block_tokens, num_warps, with_full=False)
+    out, lse = _signvq_partials(q, enc, idx, scale, splits, False, block_tokens, num_warps)
     return combine_splits(out, lse, q.shape[1], q.shape[3])
 
 
@@ -465,7 +463,7 @@ def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, loo
     t, m = enc.tensors, enc.meta
     scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
     idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
-    out, lse = _signvq_partials(q, enc, idx, scale, None, 16, 4, with_full=True)
+    out, lse = _signvq_partials(q, enc, idx, scale, None, True)
     return combine_splits(out, lse, q.shape[1], q.shape[3])
 
 
