@@ -10,7 +10,9 @@ fraction = GB/s over a ``dst.copy_(src)`` of a 1 GiB fp16 tensor measured here.
 Variants: ``old`` (the encoder before the second round, copied below: [channels, 64 tokens] key
 tiles, per-element popcounts), ``scan_w{4,8,16}`` (the library kernel: token-major loads, exclusive
 scans, scattered stores; num_warps 4/8/16), ``sort_w{4,8}`` (values packed by a per-token sort and
-contiguous stores; keys as scan), ``*_r128`` (pass 2 capped at 128 registers). Two more settings
+contiguous stores; keys as scan; removed in the fourth session with the sort itself, JSON in
+docs/benchmarks/try_compress_sort_h100.json), ``*_r128`` (pass 2 capped at 128 registers). The
+library kernel's variants now run its current code (scripts/try_compress2.py times its layouts). Two more settings
 were timed in the second round and removed after it (JSON in docs/benchmarks/try_compress_h100.json):
 keys stored from the transposed tile (slower) and 2-4 blocks per program (no faster).
 
@@ -134,13 +136,13 @@ def old_passes(x, kind, warps=None):
     return p1, p2, whole
 
 
-def scan_passes(warps=None, sort=False, maxnreg=None):
+def scan_passes(warps=None, maxnreg=None):
     """(pass1, pass2_given_offsets, whole) closures for the library kernel with these settings."""
     def make(x, kind):
         b, h, tc, d = x.shape
         nb, dt, bitmaps, counts = _setup(x, kind)
         xi = x.view(_INT_VIEW[x.dtype])
-        args = dict(IS_KEY=kind == "keys", DP=C._dp(d), num_warps=warps or 4)
+        args = dict(IS_KEY=kind == "keys", DP=C._dp(d), num_warps=warps or 4, USE_ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
         bm32 = bitmaps.view(torch.int32)
         grid = (b * h * nb,)
         extra = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
@@ -149,11 +151,10 @@ def scan_passes(warps=None, sort=False, maxnreg=None):
             C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, **args)
 
         def p2(offsets, nz):
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True,
-                                            SORT=sort and kind == "values", **args, **extra)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, **args, **extra)
 
         def whole():
-            return C._encode_triton(x, kind, num_warps=warps, sort=sort, maxnreg=maxnreg)
+            return C._encode_triton(x, kind, num_warps=warps, maxnreg=maxnreg)
 
         return p1, p2, whole
 
@@ -166,10 +167,6 @@ VARIANTS = {
     "scan_w8": scan_passes(8),
     "scan_w16": scan_passes(16),
     "scan_w4_r128": scan_passes(4, maxnreg=128),
-    "sort_w4": scan_passes(4, sort=True),
-    "sort_w8": scan_passes(8, sort=True),
-    "sort_w4_r128": scan_passes(4, sort=True, maxnreg=128),
-    "sort_w8_r128": scan_passes(8, sort=True, maxnreg=128),
 }
 
 

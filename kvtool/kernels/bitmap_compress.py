@@ -4,16 +4,15 @@ Two encoders that produce identical bytes:
 
 - :func:`encode_torch` (plain torch, any device);
 - :func:`encode_triton` (Triton, two passes over the data, each loading a block as coalesced
-  ``[64 tokens, D]`` rows: pass 1 writes each block's bitmaps (keys: per-channel words by a reduction
-  over the token axis) and its count, the host turns the padded counts into offsets with one cumsum,
-  pass 2 packs the non-zeros: keys at their run start + exclusive scans (``tl.cumsum``) in storage
-  order, scattered stores; values the same way, or, for 16-bit values with more than 40% of the
-  elements stored, by sorting each token's channels on (not stored, channel, value bits) so that its
-  stored elements come first, then one contiguous store per token).
-  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128,
-  docs/benchmarks.md): pass 1 runs at 52% (keys) and 96% (values) of copy bandwidth; pass 2 is
-  bound by L2 write traffic (ncu: 74% excess sectors from 2-byte scattered stores, L2 at 79%), so
-  the whole encoder stays at 15-21% of copy.
+  ``[64 tokens, D]`` rows): pass 1 writes each block's bitmaps (keys: per-channel words by masked
+  reductions over the token axis) and its count; the host turns the padded counts into offsets with
+  one cumsum and sizes ``nz`` (one sync); pass 2 places every stored element from the bitmap words
+  pass 1 wrote (the words' popcount prefix + the popcount of the bits below it) and writes them
+  with one 1-D store in storage order, so that a warp's lanes write neighbouring elements.
+  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128, 70%,
+  docs/benchmarks.md, fourth session): pass 1 271 µs (keys, 71% of copy) and 198 µs (values, 97%),
+  pass 2 358 µs (keys, 65%) and 304 µs (values, 77%); the 2-D stores before sent a warp's lanes to
+  32 different runs (pass 2 840 µs for keys, 1297 µs for values).
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -97,7 +96,7 @@ def _popc32(x, USE_ASM: tl.constexpr):
 def _bitmap_compress_kernel(
     x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
     bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
-    count_ptr,  # int64 [B*Hkv*NB] (pass 1 writes)
+    count_ptr,  # int64 [B*Hkv*NB]: pass 1 writes each block's count rounded up to ALIGN
     offset_ptr,  # int64 [B*Hkv*NB + 1] (pass 2 reads)
     nz_ptr,  # int view [total] (pass 2 writes)
     Tc,
@@ -106,7 +105,8 @@ def _bitmap_compress_kernel(
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
     WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
-    SORT: tl.constexpr = False,  # pass 2, values, 16-bit data: compact each token by a sort, contiguous stores
+    USE_ASM: tl.constexpr = False,  # popc.b32 (CUDA) instead of SWAR arithmetic
+    ALIGN: tl.constexpr = 8,  # elements per 16 bytes: every block's run is padded to a multiple
 ):
     g = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, 64)
@@ -118,44 +118,54 @@ def _bitmap_compress_kernel(
     # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
     m = tmask[:, None] & (c[None, :] < D)
     raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
-    bits = (raw != 0).to(tl.int32)
     if not WRITE:
-        if IS_KEY:  # channel c's word halves: tokens 0..31 and 32..63, a reduction over tokens
-            words = tl.sum(tl.reshape(bits, (2, 32, DP)) << i32[None, :, None], axis=1)  # [2, DP]
-            h = tl.arange(0, 2)
-            tl.store(bitmap_ptr + (g * D + c[None, :]) * 2 + h[:, None], words, mask=c[None, :] < D)
+        bits = (raw != 0).to(tl.int32)
+        if IS_KEY:  # channel c's word halves (tokens 0..31, 32..63): two masked reductions over the
+            # token axis as loaded (H100, 70%: 271 µs; one int64 reduction 304 µs; reducing a
+            # reshaped [2, 32, DP] tile 359 µs)
+            sh = (t % 32)[:, None]
+            lo = tl.sum(tl.where(t[:, None] < 32, bits << sh, 0), axis=0)  # [DP]
+            hi = tl.sum(tl.where(t[:, None] >= 32, bits << sh, 0), axis=0)
+            tl.store(bitmap_ptr + (g * D + c) * 2, lo, mask=c < D)
+            tl.store(bitmap_ptr + (g * D + c) * 2 + 1, hi, mask=c < D)
         else:  # token t's half-words: 32 consecutive channels each
             words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
             p = tl.arange(0, DP // 32)
             dt2 = 2 * ((D + 63) // 64)
             tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
-        tl.store(count_ptr + g, tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64))
+        cnt = tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64)
+        tl.store(count_ptr + g, (cnt + ALIGN - 1) // ALIGN * ALIGN)
     else:
-        start = tl.load(offset_ptr + g)
-        if SORT:
-            # values only: each token's DP channels sorted on (not stored, channel, 16 value
-            # bits) put its stored elements first, in storage order; then each token's run is
-            # one contiguous, coalesced store (for keys the sort of the transposed tile was 15x
-            # slower on the H100, so keys always take the scans)
-            tile = raw.to(tl.int32) & 0xFFFF  # [64, DP]
-            idx = c[None, :]
-            kept = tile != 0
-            srt = tl.sort(tl.where(kept, 0, 1 << 24) | (idx << 16) | tile, dim=1)
-            cnt = tl.sum(kept.to(tl.int32), axis=1)
-            base = tl.cumsum(cnt, axis=0) - cnt
-            tl.store(nz_ptr + start + (base[:, None] + idx).to(tl.int64), (srt & 0xFFFF).to(nz_ptr.dtype.element_ty), mask=idx < cnt[:, None])
+        # The block's 32-bit bitmap words in storage order (NW = 2 * DP; keys: channel-major halves
+        # of the 64-bit channel words; values: each token's words, zero for padding): element e of
+        # the storage-order tile lands at the block's start + the exclusive prefix of the words'
+        # popcounts at word e // 32 + the popcount of the word's bits below e % 32.
+        if IS_KEY:
+            h = tl.arange(0, 2)
+            w2 = tl.load(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], mask=(c[:, None] < D) & (h[None, :] < 2), other=0)  # [DP, 2]
+            vals = tl.trans(raw)  # storage order (channel, token)
         else:
-            # storage position = exclusive scans: (channel, token) order for keys, (token, channel) for values
-            if IS_KEY:
-                col = tl.sum(bits, axis=0)
-                pos = (tl.cumsum(col, axis=0) - col)[None, :] + tl.cumsum(bits, axis=0) - bits
-            else:
-                row = tl.sum(bits, axis=1)
-                pos = (tl.cumsum(row, axis=0) - row)[:, None] + tl.cumsum(bits, axis=1) - bits
-            tl.store(nz_ptr + start + pos.to(tl.int64), raw, mask=bits != 0)
+            p = tl.arange(0, DP // 32)
+            dt2 = 2 * ((D + 63) // 64)
+            w2 = tl.load(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], mask=tmask[:, None] & (p[None, :] < dt2), other=0)  # [64, DP/32]
+            vals = raw  # storage order (token, channel)
+        words = tl.reshape(w2, (2 * DP,))
+        pc = _popc32(words, USE_ASM)
+        bit = tl.arange(0, 32)[None, :]
+        w = words[:, None]
+        pos = (tl.cumsum(pc, axis=0) - pc)[:, None] + _popc32(w & ((tl.full([1, 32], 1, tl.int32) << bit) - 1), USE_ASM)  # [NW, 32]
+        keep = ((w >> bit) & 1) != 0
+        # One 1-D store in storage order. The [NW, 32] tensors above take Triton's default layout
+        # (lanes along the 32 bits), which the flattening keeps: only the data tile changes layout
+        # (for keys, its transposition). One warp store then covers one or two packed runs. A 2-D
+        # store gets the layout Triton's pass picks for a data-dependent address (3.6: lanes along
+        # the first axis), which sent the values' lanes to 32 different runs (pass 2 1297 µs
+        # against 304 µs now, on the H100 at 70%).
+        start = tl.load(offset_ptr + g)
+        tl.store(nz_ptr + start + tl.reshape(pos, (DP * 64,)).to(tl.int64), tl.reshape(vals, (DP * 64,)), mask=tl.reshape(keep, (DP * 64,)))
         # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
         end = tl.load(offset_ptr + g + 1)
-        pad = start + tl.sum(tl.sum(bits, axis=1), axis=0) + tl.arange(0, 8)
+        pad = start + tl.sum(pc, axis=0) + tl.arange(0, 8)
         tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
 
 
@@ -174,8 +184,8 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     return _encode_triton(x, kind)
 
 
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, sort: bool | None = None, maxnreg: int | None = None) -> BitmapTensor:
-    """:func:`encode_triton` with the launch settings open (``scripts/try_compress.py`` sweeps them)."""
+def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, maxnreg: int | None = None) -> BitmapTensor:
+    """:func:`encode_triton` with the launch settings open (``scripts/try_compress2.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
     b, h, tc, d = x.shape
@@ -185,28 +195,27 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, sor
     xi = x.view(_INT_VIEW[x.dtype])
     nblocks = b * h * nb
     shape = (b, h, nb, d) if kind == "keys" else (b, h, tc, dt)
-    bitmaps = torch.zeros(shape, dtype=torch.int64, device=x.device)
-    counts = torch.zeros(nblocks, dtype=torch.int64, device=x.device)
+    # pass 1 writes every bitmap word and every count
+    bitmaps = torch.empty(shape, dtype=torch.int64, device=x.device)
+    counts = torch.empty(nblocks, dtype=torch.int64, device=x.device)
     if nblocks == 0:
         return BitmapTensor(kind, x.new_zeros(0), bitmaps, counts.new_zeros(1), tc, d)
-    dp = _dp(d)
+    # H100, batch 8 / 32k / D 128, 70% (scripts/try_compress2.py, docs/benchmarks.md): pass 1
+    # fastest with 2 warps for keys (271 µs against 363 with 4) and 4 for values;
+    # pass 2 with 8 for keys (358 µs against 377 with 4, 427 with 16) and 4 for values (304 µs
+    # against 353 with 8); a persistent pass 2, with or without prefetching the next block, and
+    # register caps of 64-96 were slower in every case timed
     is_key = kind == "keys"
-    # H100, batch 8 / 32k / D 128 (scripts/try_compress.py, docs/benchmarks.md): pass 1 fastest with
-    # 4 warps (keys 360 µs vs 650 with 8); pass 2 of keys fastest with 4 warps and the direct store
-    # (0.91 ms vs 1.42 ms with 8 warps, 2.1 ms storing a transposed tile, at 50%); pass 2 of values fastest as a
-    # sort with 8 warps at 50% sparsity (1.58 ms vs 2.4 ms for the scans) but not at 70% (1.58 vs
-    # 1.29 ms): the sort is chosen from the stored fraction, known after pass 1
-    warps1 = num_warps if num_warps is not None else 4
-    warps2 = num_warps if num_warps is not None else (4 if is_key else 8)
-    args = dict(IS_KEY=is_key, DP=dp)
+    warps1 = num_warps if num_warps is not None else (2 if is_key else 4)
+    warps2 = num_warps if num_warps is not None else (8 if is_key else 4)
+    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    args = dict(IS_KEY=is_key, DP=_dp(d), USE_ASM=use_asm, ALIGN=align_elements(x.dtype))
     bm32 = bitmaps.view(torch.int32)
     _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
-    offsets = _offsets(counts, align_elements(x.dtype))
+    offsets = torch.zeros(nblocks + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(counts, 0, out=offsets[1:])  # counts come padded: two launches before the sync
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
-    if sort is None:  # the sort wins when many elements are stored (H100: 1.95 vs 2.7 ms at 50%, 1.95 vs 1.6 ms at 30% stored)
-        sort = nz.numel() > 0.4 * x.numel()
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True,
-                                        SORT=sort and not is_key and x.element_size() == 2, num_warps=warps2,
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
                                         **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
