@@ -193,7 +193,8 @@ def _pass2_persistent(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, NBLK,
 
 
 @triton.jit
-def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr):
+def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr,
+                 EVICT: tl.constexpr = ""):
     """Pass 2 from the block's 32-bit bitmap words in storage order: element e of the storage-order
     tile lands at start + (exclusive prefix of the words' popcounts)[e // 32] + popc(bits below e
     % 32). Tensors [NW, 32] with NW = 2 * DP words; only the values' tile goes through a layout
@@ -204,7 +205,7 @@ def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.co
     bh = g // NB
     tok = (g % NB) * 64 + t
     tmask = tok < Tc
-    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=tmask[:, None] & (c[None, :] < D), other=0)
+    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=tmask[:, None] & (c[None, :] < D), other=0, eviction_policy=EVICT)
     if IS_KEY:
         h = tl.arange(0, 2)
         w2 = tl.load(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], mask=(c[:, None] < D) & (h[None, :] < 2), other=0)  # [DP, 2]
@@ -230,7 +231,7 @@ def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.co
 
 
 def variant(flat: int, keyt: bool, warps1: int, warps2: int, smallpos: bool = False, per_sm: int | None = None,
-            prefetch: bool = False, maxnreg: int | None = None):
+            prefetch: bool = False, maxnreg: int | None = None, evict: str = ""):
     """Pass 1 and pass 2 closures; ``per_sm`` set: pass 2 is the persistent kernel (``flat`` 2
     maths), ``per_sm`` programs per SM."""
     def make(x, kind):
@@ -254,7 +255,7 @@ def variant(flat: int, keyt: bool, warps1: int, warps2: int, smallpos: bool = Fa
         def p2(offsets, nz):
             if per_sm == -1:
                 _pass2_words[grid](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, IS_KEY=kind == "keys", DP=C._dp(d), USE_ASM=asm,
-                                   num_warps=warps2, **extra)
+                                   num_warps=warps2, EVICT=evict, **extra)
             elif per_sm:
                 sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
                 _pass2_persistent[(min(grid[0], per_sm * sms),)](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, grid[0],
@@ -298,6 +299,9 @@ for _w in (2, 4, 8, 16):
     VARIANTS[f"words_w2{_w}"] = variant(2, 2, 2, _w, per_sm=-1)
 VARIANTS["words_w44"] = variant(2, 2, 4, 4, per_sm=-1)
 VARIANTS["words_k32_w28"] = variant(2, 3, 2, 8, per_sm=-1)
+VARIANTS["words_k32_w24"] = variant(2, 3, 2, 4, per_sm=-1)
+VARIANTS["words_k32_w28_ef"] = variant(2, 3, 2, 8, per_sm=-1, evict="evict_first")
+VARIANTS["words_k32_w24_ef"] = variant(2, 3, 2, 4, per_sm=-1, evict="evict_first")
 VARIANTS["words_k32_w48"] = variant(2, 3, 4, 8, per_sm=-1)
 for _ps in (2, 4, 8):
     VARIANTS[f"pers{_ps}_w28"] = variant(2, 2, 2, 8, per_sm=_ps)
@@ -313,6 +317,43 @@ def same(a, b):
     def raw(t):
         return t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t
     return [n for n in ("nz", "bitmaps", "offsets") if not torch.equal(raw(getattr(a, n)), raw(getattr(b, n)))]
+
+
+def host_gap(recs):
+    """The library encoder's steps with CUDA events between them (launches queued behind a GPU
+    sleep): pass 1, the gap (the offsets' cumsum, the host sync for len(nz), the allocation and
+    the pass-2 launch, as the GPU sees it), pass 2."""
+    x = C.random_pruned(8, 8, 32768, 128, 0.7, dtype=torch.float16, device="cuda", seed=1)
+    xi = x.view(torch.int16)
+    b, h, tc, d = x.shape
+    nb = tc // 64
+    n = b * h * nb
+    for kind in ("keys", "values"):
+        is_key = kind == "keys"
+        shape = (b, h, nb, d) if is_key else (b, h, tc, 2)
+        args = dict(IS_KEY=is_key, DP=128, USE_ASM=True, ALIGN=8)
+        w1, w2 = (2, 8) if is_key else (4, 4)
+        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(12)]
+        for i in range(12):
+            torch.cuda._sleep(2_000_000)
+            bitmaps = torch.empty(shape, dtype=torch.int64, device="cuda")
+            counts = torch.empty(n, dtype=torch.int64, device="cuda")
+            bm32 = bitmaps.view(torch.int32)
+            ev[i][0].record()
+            C._bitmap_compress_kernel[(n,)](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, num_warps=w1, **args)
+            ev[i][1].record()
+            offsets = torch.zeros(n + 1, dtype=torch.int64, device="cuda")
+            torch.cumsum(counts, 0, out=offsets[1:])
+            nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device="cuda")
+            ev[i][2].record()
+            C._bitmap_compress_kernel[(n,)](xi, bm32, counts, offsets, nz.view(torch.int16), tc, d, nb, WRITE=True, num_warps=w2, **args)
+            ev[i][3].record()
+        torch.cuda.synchronize()
+        parts = [sorted(e[j].elapsed_time(e[j + 1]) * 1e3 for e in ev[2:]) for j in range(3)]
+        med = [p[len(p) // 2] for p in parts]
+        print(f"     {kind}: pass 1 {med[0]:.1f} µs, gap (cumsum, sync, allocation, launch) {med[1]:.1f} µs, pass 2 {med[2]:.1f} µs")
+        recs.append(dict(kernel=f"bitmap_compress_{kind}", provider="lib_steps", pass1_us=med[0], gap_us=med[1], pass2_us=med[2]))
+    del x
 
 
 def main():
@@ -362,6 +403,8 @@ def main():
             del x
             if not a.tiny:
                 torch.cuda.empty_cache()
+    if not a.tiny and "lib" in a.variants.split(","):
+        host_gap(recs)
     if a.json:
         Path(a.json).write_text(json.dumps(recs, indent=1))
         print(f"wrote {a.json}")
