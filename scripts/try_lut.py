@@ -153,7 +153,8 @@ def variants(tiny: bool):
         for half in (False, True):
             name = f"pair{16 if half else 32}_bt{bt}_it{it}_w{nw}"
             v[name] = lambda q, c, cb, bt=bt, it=it, nw=nw, half=half: pair_scores(q, c, cb, half, bt, it, nw)
-    tsweep = [(64, 2, 4)] if tiny else [(128, 16, 4), (256, 8, 4), (256, 16, 4), (512, 8, 4), (256, 8, 8), (512, 8, 8), (512, 4, 4), (1024, 4, 8)]
+    tsweep = [(64, 2, 4)] if tiny else [(128, 16, 4), (256, 8, 4), (256, 16, 4), (512, 8, 4), (256, 8, 8), (512, 8, 8), (512, 4, 4), (1024, 4, 8),
+                                        (64, 8, 2), (64, 8, 4), (128, 8, 2), (128, 8, 8), (512, 8, 16), (1024, 8, 16), (2048, 8, 16)]
     for bt, it, nw in tsweep:
         v[f"table_bt{bt}_it{it}_w{nw}"] = lambda q, c, cb, bt=bt, it=it, nw=nw: lut_scores_kernel(q, c, cb, "sum", lookup="table", block_tokens=bt, iters=it, num_warps=nw)
     for bt, it, nw in ([(64, 4, 4)] if tiny else [(64, 8, 4), (128, 8, 4), (128, 8, 8)]):
@@ -166,10 +167,11 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny CPU shapes (TRITON_INTERPRET=1 smoke test)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--only", default="", help="comma-separated variant name prefixes to run (default: all)")
+    ap.add_argument("--configs", default="1x32768,8x32768", help="batch x tokens, comma-separated (GPU)")
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
     h, hkv, d = (8, 2, 64) if args.tiny else (32, 8, 128)
-    configs = [(1, 37), (2, 130)] if args.tiny else [(1, 32768), (8, 32768)]
+    configs = [(1, 37), (2, 130)] if args.tiny else [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     g4 = d // 4
     from kvtool.bench import Timer, detect_env
 
