@@ -140,7 +140,8 @@ def scan_passes(warps=None, maxnreg=None):
     """(pass1, pass2_given_offsets, whole) closures for the library kernel with these settings."""
     def make(x, kind):
         b, h, tc, d = x.shape
-        nb, dt, bitmaps, counts = _setup(x, kind)
+        nb, dt, bitmaps, _ = _setup(x, kind)
+        counts = torch.zeros(b * h * nb + 1, dtype=torch.int64, device=x.device)  # the library's pass 1 writes 0, then the counts
         xi = x.view(_INT_VIEW[x.dtype])
         args = dict(IS_KEY=kind == "keys", DP=C._dp(d), num_warps=warps or 4, USE_ASM=x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
         bm32 = bitmaps.view(torch.int32)

@@ -96,7 +96,7 @@ def _popc32(x, USE_ASM: tl.constexpr):
 def _bitmap_compress_kernel(
     x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
     bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
-    count_ptr,  # int64 [B*Hkv*NB]: pass 1 writes each block's count rounded up to ALIGN
+    count_ptr,  # int64 [B*Hkv*NB + 1]: pass 1 writes 0, then each block's count rounded up to ALIGN
     offset_ptr,  # int64 [B*Hkv*NB + 1] (pass 2 reads)
     nz_ptr,  # int view [total] (pass 2 writes)
     Tc,
@@ -134,7 +134,9 @@ def _bitmap_compress_kernel(
             dt2 = 2 * ((D + 63) // 64)
             tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
         cnt = tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64)
-        tl.store(count_ptr + g, (cnt + ALIGN - 1) // ALIGN * ALIGN)
+        tl.store(count_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
+        if g == 0:
+            tl.store(count_ptr, cnt * 0)  # so that an in-place cumsum turns the counts into offsets
     else:
         # The block's 32-bit bitmap words in storage order (NW = 2 * DP; keys: channel-major halves
         # of the 64-bit channel words; values: each token's words, zero for padding): element e of
@@ -197,9 +199,9 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, max
     shape = (b, h, nb, d) if kind == "keys" else (b, h, tc, dt)
     # pass 1 writes every bitmap word and every count
     bitmaps = torch.empty(shape, dtype=torch.int64, device=x.device)
-    counts = torch.empty(nblocks, dtype=torch.int64, device=x.device)
     if nblocks == 0:
-        return BitmapTensor(kind, x.new_zeros(0), bitmaps, counts.new_zeros(1), tc, d)
+        return BitmapTensor(kind, x.new_zeros(0), bitmaps, torch.zeros(1, dtype=torch.int64, device=x.device), tc, d)
+    offsets = torch.empty(nblocks + 1, dtype=torch.int64, device=x.device)  # pass 1: 0, padded counts
     # H100, batch 8 / 32k / D 128, 70% (scripts/try_compress2.py, docs/benchmarks.md): pass 1
     # fastest with 2 warps for keys (271 µs against 363 with 4) and 4 for values;
     # pass 2 with 8 for keys (358 µs against 377 with 4, 427 with 16) and 4 for values (304 µs
@@ -211,11 +213,10 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, max
     use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     args = dict(IS_KEY=is_key, DP=_dp(d), USE_ASM=use_asm, ALIGN=align_elements(x.dtype))
     bm32 = bitmaps.view(torch.int32)
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
-    offsets = torch.zeros(nblocks + 1, dtype=torch.int64, device=x.device)
-    torch.cumsum(counts, 0, out=offsets[1:])  # counts come padded: two launches before the sync
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, offsets, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
+    offsets.cumsum_(0)  # one launch before the sync
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
                                         **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
