@@ -277,7 +277,9 @@ def variant(flat: int, keyt: bool, warps1: int, warps2: int, smallpos: bool = Fa
 
 
 def library(x, kind):
-    """The library encoder (whole only; its passes are the ``flat=False`` variants)."""
+    """The library encoder, whole only. (``lib_one_read_w*`` / ``lib_two_reads`` in
+    try_compress2h_h100.json: a one-read mode, removed after that run, that packed each block into
+    a slot of an input-sized scratch and then copied the slots into nz.)"""
     def whole():
         return C.encode_triton(x, kind)
     return None, None, whole

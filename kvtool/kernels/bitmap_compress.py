@@ -10,8 +10,8 @@ Two encoders that produce identical bytes:
   pass 1 wrote (the words' popcount prefix + the popcount of the bits below it) and writes them
   with one 1-D store in storage order, so that a warp's lanes write neighbouring elements.
   CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128, 70%,
-  docs/benchmarks.md, fourth session): pass 1 271 µs (keys, 71% of copy) and 198 µs (values, 97%),
-  pass 2 358 µs (keys, 65%) and 304 µs (values, 77%); the 2-D stores before sent a warp's lanes to
+  docs/benchmarks.md, fourth session): pass 1 195 µs (keys) and 197 µs (values), about 97% of copy;
+  pass 2 381 µs (keys, 62%) and 312 µs (values, 76%); the 2-D stores before sent a warp's lanes to
   32 different runs (pass 2 840 µs for keys, 1297 µs for values).
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
@@ -93,82 +93,99 @@ def _popc32(x, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _block_words(raw, bitmap_ptr, g, bh, tok, tmask, Tc, D, IS_KEY: tl.constexpr, DP: tl.constexpr):
+    """Store block ``g``'s bitmaps from its tile ``raw`` [64, DP] (token-major, as loaded) and return
+    its 32-bit words in storage order, int32 [2 * DP] (keys: channel c's halves for tokens 0..31,
+    32..63; values: each token's words, zero past the bitmaps' DT * 2 words)."""
+    bits = (raw != 0).to(tl.int32)
+    t = tl.arange(0, 64)
+    c = tl.arange(0, DP)
+    if IS_KEY:  # two masked reductions over the token axis as loaded (H100, pass 1 at 70% with the
+        # count from summed bits: 271 µs; one int64 reduction 304 µs; a reshaped [2, 32, DP] tile 359 µs)
+        sh = (t % 32)[:, None]
+        lo = tl.sum(tl.where(t[:, None] < 32, bits << sh, 0), axis=0)  # [DP]
+        hi = tl.sum(tl.where(t[:, None] >= 32, bits << sh, 0), axis=0)
+        tl.store(bitmap_ptr + (g * D + c) * 2, lo, mask=c < D)
+        tl.store(bitmap_ptr + (g * D + c) * 2 + 1, hi, mask=c < D)
+        return tl.reshape(tl.join(lo, hi), (2 * DP,))
+    else:  # token t's half-words: 32 consecutive channels each
+        i32 = tl.arange(0, 32)
+        words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
+        p = tl.arange(0, DP // 32)
+        dt2 = 2 * ((D + 63) // 64)
+        tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
+        return tl.reshape(words, (2 * DP,))
+
+
+@triton.jit
+def _pack_block(raw, words, dst_ptr, IS_KEY: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr):
+    """Write the stored elements of a tile ``raw`` [64, DP] (token-major) in storage order from
+    ``dst_ptr`` on, placed by its words [2 * DP] (see :func:`_block_words`): element e of the
+    storage-order tile lands at the exclusive prefix of the words' popcounts at word e // 32 + the
+    popcount of the word's bits below e % 32. Returns how many were written."""
+    if IS_KEY:
+        vals = tl.trans(raw)  # storage order (channel, token)
+    else:
+        vals = raw  # storage order (token, channel)
+    pc = _popc32(words, USE_ASM)
+    bit = tl.arange(0, 32)[None, :]
+    w = words[:, None]
+    pos = (tl.cumsum(pc, axis=0) - pc)[:, None] + _popc32(w & ((tl.full([1, 32], 1, tl.int32) << bit) - 1), USE_ASM)  # [NW, 32]
+    keep = ((w >> bit) & 1) != 0
+    # One 1-D store in storage order. The [NW, 32] tensors above take Triton's default layout
+    # (lanes along the 32 bits), which the flattening keeps: only the data tile changes layout (for
+    # keys, its transposition). One warp store then covers one or two packed runs. A 2-D store gets
+    # the layout Triton's pass picks for a data-dependent address (3.6: lanes along the first
+    # axis), which sent the values' lanes to 32 different runs (pass 2 1297 µs against 304 µs now,
+    # on the H100 at 70%).
+    tl.store(dst_ptr + tl.reshape(pos, (DP * 64,)).to(tl.int64), tl.reshape(vals, (DP * 64,)), mask=tl.reshape(keep, (DP * 64,)))
+    return tl.sum(pc, axis=0)
+
+
+@triton.jit
 def _bitmap_compress_kernel(
     x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
     bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
     count_ptr,  # int64 [B*Hkv*NB + 1]: pass 1 writes 0, then each block's count rounded up to ALIGN
-    offset_ptr,  # int64 [B*Hkv*NB + 1] (pass 2 reads)
+    offset_ptr,  # int64 [B*Hkv*NB + 1]: pass 2 reads each block's start in nz
     nz_ptr,  # int view [total] (pass 2 writes)
     Tc,
     D,
     NB,
     IS_KEY: tl.constexpr,
     DP: tl.constexpr,  # power of two >= max(D, 64)
-    WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (non-zeros)
+    WRITE: tl.constexpr,  # False: pass 1 (bitmaps, counts); True: pass 2 (packs nz, placed by pass 1's bitmaps)
     USE_ASM: tl.constexpr = False,  # popc.b32 (CUDA) instead of SWAR arithmetic
     ALIGN: tl.constexpr = 8,  # elements per 16 bytes: every block's run is padded to a multiple
 ):
     g = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
-    i32 = tl.arange(0, 32)
     bh = g // NB
     tok = (g % NB) * 64 + t
     tmask = tok < Tc
-    # Both kinds load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
-    m = tmask[:, None] & (c[None, :] < D)
-    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=m, other=0)
-    if not WRITE:
-        bits = (raw != 0).to(tl.int32)
-        if IS_KEY:  # channel c's word halves (tokens 0..31, 32..63): two masked reductions over the
-            # token axis as loaded (H100, 70%: 271 µs; one int64 reduction 304 µs; reducing a
-            # reshaped [2, 32, DP] tile 359 µs)
-            sh = (t % 32)[:, None]
-            lo = tl.sum(tl.where(t[:, None] < 32, bits << sh, 0), axis=0)  # [DP]
-            hi = tl.sum(tl.where(t[:, None] >= 32, bits << sh, 0), axis=0)
-            tl.store(bitmap_ptr + (g * D + c) * 2, lo, mask=c < D)
-            tl.store(bitmap_ptr + (g * D + c) * 2 + 1, hi, mask=c < D)
-        else:  # token t's half-words: 32 consecutive channels each
-            words = tl.sum(tl.reshape(bits, (64, DP // 32, 32)) << i32[None, None, :], axis=2)  # [64, DP/32]
-            p = tl.arange(0, DP // 32)
-            dt2 = 2 * ((D + 63) // 64)
-            tl.store(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], words, mask=tmask[:, None] & (p[None, :] < dt2))
-        cnt = tl.sum(tl.sum(bits, axis=1), axis=0).to(tl.int64)
-        tl.store(count_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
-        if g == 0:
-            tl.store(count_ptr, cnt * 0)  # so that an in-place cumsum turns the counts into offsets
-    else:
-        # The block's 32-bit bitmap words in storage order (NW = 2 * DP; keys: channel-major halves
-        # of the 64-bit channel words; values: each token's words, zero for padding): element e of
-        # the storage-order tile lands at the block's start + the exclusive prefix of the words'
-        # popcounts at word e // 32 + the popcount of the word's bits below e % 32.
+    # Both passes load the block token-major [64, DP] (coalesced rows of the [Tc, D] tensor).
+    raw = tl.load(x_ptr + bh * Tc * D + tok[:, None] * D + c[None, :], mask=tmask[:, None] & (c[None, :] < D), other=0)
+    if WRITE:
         if IS_KEY:
             h = tl.arange(0, 2)
             w2 = tl.load(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], mask=(c[:, None] < D) & (h[None, :] < 2), other=0)  # [DP, 2]
-            vals = tl.trans(raw)  # storage order (channel, token)
         else:
             p = tl.arange(0, DP // 32)
             dt2 = 2 * ((D + 63) // 64)
             w2 = tl.load(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], mask=tmask[:, None] & (p[None, :] < dt2), other=0)  # [64, DP/32]
-            vals = raw  # storage order (token, channel)
-        words = tl.reshape(w2, (2 * DP,))
-        pc = _popc32(words, USE_ASM)
-        bit = tl.arange(0, 32)[None, :]
-        w = words[:, None]
-        pos = (tl.cumsum(pc, axis=0) - pc)[:, None] + _popc32(w & ((tl.full([1, 32], 1, tl.int32) << bit) - 1), USE_ASM)  # [NW, 32]
-        keep = ((w >> bit) & 1) != 0
-        # One 1-D store in storage order. The [NW, 32] tensors above take Triton's default layout
-        # (lanes along the 32 bits), which the flattening keeps: only the data tile changes layout
-        # (for keys, its transposition). One warp store then covers one or two packed runs. A 2-D
-        # store gets the layout Triton's pass picks for a data-dependent address (3.6: lanes along
-        # the first axis), which sent the values' lanes to 32 different runs (pass 2 1297 µs
-        # against 304 µs now, on the H100 at 70%).
         start = tl.load(offset_ptr + g)
-        tl.store(nz_ptr + start + tl.reshape(pos, (DP * 64,)).to(tl.int64), tl.reshape(vals, (DP * 64,)), mask=tl.reshape(keep, (DP * 64,)))
+        total = _pack_block(raw, tl.reshape(w2, (2 * DP,)), nz_ptr + start, IS_KEY, DP, USE_ASM)
         # zero the run's alignment padding (nz is allocated uninitialised): at most 7 elements
-        end = tl.load(offset_ptr + g + 1)
-        pad = start + tl.sum(pc, axis=0) + tl.arange(0, 8)
-        tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
+        pad = start + total + tl.arange(0, 8)
+        tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < tl.load(offset_ptr + g + 1))
+    else:
+        # the count from the words' popcounts (summing the [64, DP] bits instead: keys' pass 1 265 against 195 µs on the H100)
+        words = _block_words(raw, bitmap_ptr, g, bh, tok, tmask, Tc, D, IS_KEY, DP)
+        cnt = tl.sum(_popc32(words, USE_ASM), axis=0).to(tl.int64)
+        tl.store(count_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
+        if g == 0:
+            tl.store(count_ptr, cnt * 0)  # so that an in-place cumsum turns the counts into offsets
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -197,16 +214,17 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, max
     xi = x.view(_INT_VIEW[x.dtype])
     nblocks = b * h * nb
     shape = (b, h, nb, d) if kind == "keys" else (b, h, tc, dt)
-    # pass 1 writes every bitmap word and every count
-    bitmaps = torch.empty(shape, dtype=torch.int64, device=x.device)
+    bitmaps = torch.empty(shape, dtype=torch.int64, device=x.device)  # pass 1 writes every word
     if nblocks == 0:
         return BitmapTensor(kind, x.new_zeros(0), bitmaps, torch.zeros(1, dtype=torch.int64, device=x.device), tc, d)
     offsets = torch.empty(nblocks + 1, dtype=torch.int64, device=x.device)  # pass 1: 0, padded counts
     # H100, batch 8 / 32k / D 128, 70% (scripts/try_compress2.py, docs/benchmarks.md): pass 1
-    # fastest with 2 warps for keys (271 µs against 363 with 4) and 4 for values;
+    # fastest with 2 warps for keys (271 µs against 363 with 4, before the popcount count: now
+    # 195 µs) and 4 for values (197 µs);
     # pass 2 with 8 for keys (358 µs against 377 with 4, 427 with 16) and 4 for values (304 µs
-    # against 353 with 8); a persistent pass 2, with or without prefetching the next block, and
-    # register caps of 64-96 were slower in every case timed
+    # against 353 with 8); a persistent pass 2, with or without prefetching the next block,
+    # register caps of 64-96, and one read of the input through input-sized scratch slots were
+    # slower or no faster in every case timed
     is_key = kind == "keys"
     warps1 = num_warps if num_warps is not None else (2 if is_key else 4)
     warps2 = num_warps if num_warps is not None else (8 if is_key else 4)
