@@ -149,10 +149,10 @@ def scan_passes(warps=None, maxnreg=None):
         extra = {"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}
 
         def p1():
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, counts, xi, tc, d, nb, WRITE=False, **args)
+            C._bitmap_compress_kernel[grid](xi, bm32, counts, xi, tc, d, nb, WRITE=False, **args)
 
         def p2(offsets, nz):
-            C._bitmap_compress_kernel[grid](xi, bm32, counts, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, **args, **extra)
+            C._bitmap_compress_kernel[grid](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, **args, **extra)
 
         def whole():
             return C._encode_triton(x, kind, num_warps=warps, maxnreg=maxnreg)

@@ -174,7 +174,7 @@ from kvtool.kernels import signvq_lut as L
 lsig = dict(q_ptr="*fp16", codes_ptr="*i32", cb_ptr="*fp16", tab_ptr="*fp32", out_ptr="*fp32", TC="i32", HKV="i32",
             **{n: "i32" for n in ("sq_b", "sq_h", "sq_t", "sc_b", "sc_h", "sc_t", "sb_b", "sb_h", "so_b", "so_h", "so_t")})
 build(L._lut_table_kernel, lsig, dict(G=4, G4=32, BG=32, NT=1, BT=256, ITERS=8, WORDS=True))
-csig = dict(x_ptr="*i16", bitmap_ptr="*i32", count_ptr="*i64", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
+csig = dict(x_ptr="*i16", bitmap_ptr="*i32", offset_ptr="*i64", nz_ptr="*i16", Tc="i32", D="i32", NB="i32")
 for key in (True, False):
     for write in (False, True):
         build(C._bitmap_compress_kernel, csig, dict(IS_KEY=key, DP=128, WRITE=write, USE_ASM=True, ALIGN=8), warps=8)

@@ -146,8 +146,8 @@ def _pack_block(raw, words, dst_ptr, IS_KEY: tl.constexpr, DP: tl.constexpr, USE
 def _bitmap_compress_kernel(
     x_ptr,  # int view of the dense tensor [B*Hkv, Tc, D]
     bitmap_ptr,  # int32 view of the bitmaps: keys [B*Hkv, NB, D, 2]; values [B*Hkv, Tc, DT, 2]
-    count_ptr,  # int64 [B*Hkv*NB + 1]: pass 1 writes 0, then each block's count rounded up to ALIGN
-    offset_ptr,  # int64 [B*Hkv*NB + 1]: pass 2 reads each block's start in nz
+    offset_ptr,  # int64 [B*Hkv*NB + 1]: pass 1 writes 0, then each block's count rounded up to ALIGN
+    # (an in-place cumsum then makes them the offsets); pass 2 reads each block's start in nz
     nz_ptr,  # int view [total] (pass 2 writes)
     Tc,
     D,
@@ -183,9 +183,9 @@ def _bitmap_compress_kernel(
         # the count from the words' popcounts (summing the [64, DP] bits instead: keys' pass 1 265 against 195 µs on the H100)
         words = _block_words(raw, bitmap_ptr, g, bh, tok, tmask, Tc, D, IS_KEY, DP)
         cnt = tl.sum(_popc32(words, USE_ASM), axis=0).to(tl.int64)
-        tl.store(count_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
+        tl.store(offset_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
         if g == 0:
-            tl.store(count_ptr, cnt * 0)  # so that an in-place cumsum turns the counts into offsets
+            tl.store(offset_ptr, cnt * 0)
 
 
 def _check_device(x: torch.Tensor, what: str) -> None:
@@ -231,10 +231,10 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, max
     use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     args = dict(IS_KEY=is_key, DP=_dp(d), USE_ASM=use_asm, ALIGN=align_elements(x.dtype))
     bm32 = bitmaps.view(torch.int32)
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, offsets, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
     offsets.cumsum_(0)  # one launch before the sync
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
                                         **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
