@@ -195,10 +195,8 @@ def _pass2_persistent(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, NBLK,
 @triton.jit
 def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.constexpr, DP: tl.constexpr, USE_ASM: tl.constexpr,
                  EVICT: tl.constexpr = ""):
-    """Pass 2 from the block's 32-bit bitmap words in storage order: element e of the storage-order
-    tile lands at start + (exclusive prefix of the words' popcounts)[e // 32] + popc(bits below e
-    % 32). Tensors [NW, 32] with NW = 2 * DP words; only the values' tile goes through a layout
-    conversion (the transposition for keys)."""
+    """The library's pass 2 (words from pass 1's bitmaps, :func:`C._pack_block`), with an eviction
+    policy on the data load."""
     g = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
@@ -209,25 +207,14 @@ def _pass2_words(x_ptr, bitmap_ptr, offset_ptr, nz_ptr, Tc, D, NB, IS_KEY: tl.co
     if IS_KEY:
         h = tl.arange(0, 2)
         w2 = tl.load(bitmap_ptr + (g * D + c[:, None]) * 2 + h[None, :], mask=(c[:, None] < D) & (h[None, :] < 2), other=0)  # [DP, 2]
-        words = tl.reshape(w2, (2 * DP,))
-        vals = tl.reshape(tl.trans(raw), (2 * DP, 32))
     else:
         p = tl.arange(0, DP // 32)
         dt2 = 2 * ((D + 63) // 64)
         w2 = tl.load(bitmap_ptr + (bh * Tc + tok[:, None]) * dt2 + p[None, :], mask=tmask[:, None] & (p[None, :] < dt2), other=0)  # [64, DP/32]
-        words = tl.reshape(w2, (2 * DP,))
-        vals = tl.reshape(raw, (2 * DP, 32))
-    pc = C._popc32(words, USE_ASM)
-    wstart = tl.cumsum(pc, axis=0) - pc
-    bit = tl.arange(0, 32)
-    w = words[:, None]
-    pos = wstart[:, None] + C._popc32(w & ((tl.full([1, 32], 1, tl.int32) << bit[None, :]) - 1), USE_ASM)
-    keep = ((w >> bit[None, :]) & 1) != 0
     start = tl.load(offset_ptr + g)
-    tl.store(nz_ptr + start + tl.reshape(pos, (DP * 64,)).to(tl.int64), tl.reshape(vals, (DP * 64,)), mask=tl.reshape(keep, (DP * 64,)))
-    end = tl.load(offset_ptr + g + 1)
-    pad = start + tl.sum(pc, axis=0) + tl.arange(0, 8)
-    tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < end)
+    total = C._pack_block(raw, tl.reshape(w2, (2 * DP,)), nz_ptr + start, IS_KEY, DP, USE_ASM)
+    pad = start + total + tl.arange(0, 8)
+    tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < tl.load(offset_ptr + g + 1))
 
 
 def variant(flat: int, keyt: bool, warps1: int, warps2: int, smallpos: bool = False, per_sm: int | None = None,

@@ -12,7 +12,6 @@ References: the dense products of the decoded tensors (``BitmapTensor.decode()``
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

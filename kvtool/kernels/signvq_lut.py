@@ -453,7 +453,6 @@ def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor,
 # ----------------------------------------------------------------------------- the format's decode step
 
 
-
 def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, lookup: str = "table") -> tuple[torch.Tensor, torch.Tensor]:
     """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
     then one launch of the fused dequantising attention over the chosen tokens with the
