@@ -1,3 +1,3 @@
-from .cli import main
+from kvtool.cli import main
 
 main()

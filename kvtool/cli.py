@@ -1,7 +1,7 @@
 """The ``kvtool`` command line: a thin Typer app over the library.
 
-Each subcommand is one module in :mod:`kvtool.commands` with a ``register(app)`` function and an
-``ORDER`` number (its place in ``--help``). Modules are discovered, so adding a command is adding
+Each subcommand is one module in :mod:`kvtool.commands` with a ``register(app)`` function, an
+``ORDER`` number (its place in ``--help``) and a one-line ``SHORT_HELP``. Modules are discovered, so adding a command is adding
 a file.
 """
 
@@ -13,9 +13,9 @@ from typing import Annotated
 
 import typer
 
-from . import commands
-from ._version import __version__
-from .commands._common import set_global_debug
+from kvtool import commands
+from kvtool._version import __version__
+from kvtool.commands._common import set_global_debug
 
 app = typer.Typer(
     name="kvtool",
@@ -44,23 +44,6 @@ def _root(
     set_global_debug(debug)
 
 
-SHORT_HELP = {
-    "capture": "Run a model on a prompt; save keys, values, queries per layer",
-    "info": "Show what a kvtool file holds: schema, model facts, tensors, bytes",
-    "stats": "Magnitudes, outlier channels, sign entropy, attention concentration",
-    "plot": "Heatmaps, channel profiles, histograms, attention and head figures",
-    "prune": "Prune keys/values to an exact sparsity (Mustafar, ThinK, 2:4)",
-    "compress": "Encode a capture with a format: bitmap, signvq, pagestat, snapstream, quant",
-    "decompress": "Decode a compressed file back to a dense capture",
-    "heads": "Attention-head selection: oracle error curve and trained routers",
-    "verify": "Fidelity of a compressed file: attention error, recall, model NLL",
-    "eval": "Sweep formats and parameters; fidelity vs bytes frontier",
-    "export": "Export to transformers caches, paged layouts, numpy, tables",
-    "generate": "Continue generation from a saved or compressed cache",
-    "bench": "Time the GPU kernels against cuBLAS and FlashInfer",
-}
-
-
 def _discover() -> None:
     mods = []
     for info in pkgutil.iter_modules(commands.__path__):
@@ -69,13 +52,18 @@ def _discover() -> None:
         mod = importlib.import_module(f"{commands.__name__}.{info.name}")
         if hasattr(mod, "register"):
             mods.append(mod)
+    modules = {}
     for mod in sorted(mods, key=lambda m: (getattr(m, "ORDER", 100), m.__name__)):
+        before = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
         mod.register(app)
+        after = {c.name for c in app.registered_commands} | {g.name for g in app.registered_groups}
+        for name in after - before:
+            modules[name] = mod
     # `kvtool --help` lists each command on one line
     for info in app.registered_commands + app.registered_groups:
         name = info.name or (info.typer_instance.info.name if getattr(info, "typer_instance", None) else None)
-        if name in SHORT_HELP:
-            info.short_help = SHORT_HELP[name]
+        if not info.short_help and getattr(modules.get(name), "SHORT_HELP", None):
+            info.short_help = modules[name].SHORT_HELP
         elif not info.short_help:
             text = info.help or (info.callback.__doc__ if info.callback else None) or ""
             first = text.strip().split("\n\n")[0].replace("\n", " ")

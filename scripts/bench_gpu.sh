@@ -40,8 +40,8 @@ breakdown() {  # breakdown NAME KERNEL BATCH SEQ PARAM (torch.profiler table of 
   local name=$1; shift
   python3 scripts/profile_kernel.py "$@" breakdown 2>&1 | tee "$OUT/$name.prof.txt" | cut -c1-200 | head -40
 }
-checks() {  # checks [GROUP...]: the kernels against their references on CUDA, odd shapes up to Llama-3-8B
-  python3 scripts/gpu_kernel_checks.py "$@" 2>&1 | tee "$OUT/gpu_kernel_checks.txt" | grep -v "^ok"
+checks() {  # checks [-k EXPR]: `pytest -m gpu`, the kernels against their references on CUDA
+  python3 -m pytest -q -m gpu tests "$@" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -15
 }
 save_jit() {
   if [ -d /tmp/fiws/.cache ]; then tar -czf "$OUT/fi_jit.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_jit.tgz"; fi

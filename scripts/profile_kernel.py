@@ -11,8 +11,12 @@ import sys
 
 import torch
 
-from kvtool import bench as B
-from kvtool import bench_suites as S
+from kvtool.bench import harness as B
+from kvtool.bench.suites.bitmap import prune_per_token
+from kvtool.bench.suites.heads import head_choices
+from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode
+from kvtool.formats.signvq import make_signvq_inputs, signvq_decode
+from kvtool.kernels import bitmap_attention, bitmap_compress, heads
 
 
 def main() -> None:
@@ -21,31 +25,21 @@ def main() -> None:
     shape = B.model_shape("llama3-8b")
     q, k, v = B.random_decode_inputs(shape, batch, seq, torch.float16, "cuda")
     if kernel == "attention":
-        from kvtool.kernels import bitmap_attention, bitmap_compress
-
         sp = 0.7 if param is None else param
-        cache = bitmap_compress.encode_cache(S.prune_per_token(k, sp, 32), S.prune_per_token(v, sp, 32), window=32, backend="triton")
+        cache = bitmap_compress.encode_cache(prune_per_token(k, sp, 32), prune_per_token(v, sp, 32), window=32, backend="triton")
         fn = lambda: bitmap_attention.bitmap_decode_attention(q[:, :, None], cache, validate=False)  # noqa: E731
     elif kernel == "heads":
-        from kvtool.kernels import heads
-
-        idx = S.head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
+        idx = head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
         fn = lambda: heads.selective_head_attention(q, k, v, idx, validate=False)  # noqa: E731
     elif kernel in ("compress", "compress_values"):
-        from kvtool.kernels import bitmap_compress
-
-        x = S.prune_per_token(k if kernel == "compress" else v, 0.7 if param is None else param)
+        x = prune_per_token(k if kernel == "compress" else v, 0.7 if param is None else param)
         fn = lambda: bitmap_compress.encode_triton(x, "keys" if kernel == "compress" else "values")  # noqa: E731
     elif kernel == "signvq":
-        from kvtool.kernels import signvq_lut
-
-        q4, enc = signvq_lut.make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
-        fn = lambda: signvq_lut.signvq_decode(q4, enc)  # noqa: E731
+        q4, enc = make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
+        fn = lambda: signvq_decode(q4, enc)  # noqa: E731
     elif kernel == "pages":
-        from kvtool.kernels import pages
-
-        q4, enc = pages.make_pagestat_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
-        fn = lambda: pages.pagestat_decode(q4, enc)  # noqa: E731
+        q4, enc = make_pagestat_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
+        fn = lambda: pagestat_decode(q4, enc)  # noqa: E731
     else:
         raise SystemExit(f"unknown kernel {kernel}")
     fn()

@@ -18,6 +18,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("KVTOOL_CACHE", str(ROOT / ".kvtool-cache"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with `pytest -m gpu` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def make_byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: 256 byte tokens + <s> (256) + </s> (257)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -87,7 +97,7 @@ def sample_capture() -> Path:
 
 def synthetic_cache(batch=1, heads=4, kv_heads=2, tokens=80, head_dim=16, layers=(0, 1), dtype=torch.float16, seed=0, queries=True):
     """A random KVCache with planted outlier key channel 3 (x8)."""
-    from kvtool.cache import KVCache, LayerKV, ModelFacts, dtype_name
+    from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dtype_name
 
     g = torch.Generator().manual_seed(seed)
     facts = ModelFacts(

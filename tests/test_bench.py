@@ -10,11 +10,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool import bench as B
-from kvtool.bench_suites import require_kernel
+from kvtool.bench import harness as B
+from kvtool.bench.suites import require_kernel
 from kvtool.cli import app
-from kvtool.commands.bench import parse_float_list, parse_int_list
-from kvtool.errors import UsageError
+from kvtool.bench.runner import parse_float_list, parse_int_list
+from kvtool.core.errors import UsageError
 
 runner = CliRunner()
 TINY = ["--model-shape", "custom", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--batch", "1,2", "--seq", "40", "--rep-ms", "1"]

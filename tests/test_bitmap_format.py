@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from kvtool import io
+from kvtool.core import io
 from kvtool.cli import app
-from kvtool.errors import BadDataError, UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats import get_format
 from kvtool.formats.base import compress_cache, load_compressed, make_params, save_compressed
 from kvtool.formats.bitmap import cache_from_encoded

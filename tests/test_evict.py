@@ -9,10 +9,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool.attention import attend_partial
-from kvtool.cache import LayerKV
-from kvtool.errors import BadDataError, UsageError
-from kvtool.evict import attention_mass_recall, evict_layer, evict_with, gather_tokens, parse_evict, snapkv_scores
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.methods.evict import (
+    attention_mass_recall,
+    evict_layer,
+    evict_with,
+    gather_tokens,
+    parse_evict,
+    snapkv_scores,
+)
 from kvtool.formats.base import Encoded, compress_cache, get_format
 from kvtool.formats.snapstream import SnapStreamParams, append_token, naive_append, ring_slot
 
@@ -247,7 +254,7 @@ def test_selected_mask_gives_the_same_recall():
 
 
 def test_sample_snapkv_beats_streaming_at_equal_budget(sample_capture):
-    from kvtool import io
+    from kvtool.core import io
     from kvtool.formats.base import compress_cache
 
     cache = io.load(sample_capture, layers=[7, 15])

@@ -12,11 +12,11 @@ import torch
 from typer.testing import CliRunner
 
 import kvtool
-from kvtool.cache import KVCache, LayerKV
+from kvtool.core.cache import KVCache, LayerKV
 from kvtool.cli import app
-from kvtool.export import export_file, load_npz, result_records
+from kvtool.export.convert import export_file, load_npz, result_records
 from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, save_compressed
-from kvtool.paged import from_paged, load_paged, page_table, to_paged
+from kvtool.export.paged import from_paged, load_paged, page_table, to_paged
 
 from .conftest import synthetic_cache
 
@@ -63,7 +63,7 @@ def test_paged_pages_hold_the_right_tokens(layout):
 def test_paged_file_round_trips_ragged(layout, tmp_path):
     cache = padded_cache()
     out = tmp_path / "p.safetensors"
-    from kvtool.paged import save_paged
+    from kvtool.export.paged import save_paged
 
     save_paged(to_paged(cache, 2, layout), out)
     back = from_paged(load_paged(out))
@@ -84,8 +84,8 @@ def test_paged_export_of_the_real_sample_round_trips(sample_capture, tmp_path, p
 
 
 def test_paged_loader_rejects_a_broken_table(tmp_path):
-    from kvtool.errors import BadDataError
-    from kvtool.paged import save_paged
+    from kvtool.core.errors import BadDataError
+    from kvtool.export.paged import save_paged
 
     paged = to_paged(padded_cache(), 2, "NHD")
     paged.kv_last_page_len = torch.tensor([2, 1], dtype=torch.int32)
@@ -224,7 +224,7 @@ def test_flashinfer_check_script_reference_matches_kvtool_attention():
     import importlib.util
     from pathlib import Path
 
-    from kvtool.attention import dense_attention
+    from kvtool.core.attention import dense_attention
 
     spec = importlib.util.spec_from_file_location("check_paged", Path(__file__).resolve().parents[1] / "scripts" / "check_paged_flashinfer.py")
     script = importlib.util.module_from_spec(spec)

@@ -10,14 +10,29 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvtool.attention import attend_partial, attention_probs
-from kvtool.cache import KVCache, LayerKV
-from kvtool.errors import BadDataError, UsageError
-from kvtool.fidelity import attention_fidelity, check_source, find_source, resolve_backend
+from kvtool.core.attention import attend_partial, attention_probs
+from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.analysis.fidelity import attention_fidelity, check_source, find_source, resolve_backend
 from kvtool.formats import load_all
-from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, get_format, make_params
-from kvtool.metrics import compare_logits, first_divergence, mass_recall, nll, output_errors, pool_errors
-from kvtool.sweep import expand_spec, pareto_front, resolve_points
+from kvtool.formats.base import (
+    FORMATS,
+    Encoded,
+    Format,
+    FormatParams,
+    compress_cache,
+    get_format,
+    make_params,
+)
+from kvtool.analysis.metrics import (
+    compare_logits,
+    first_divergence,
+    mass_recall,
+    nll,
+    output_errors,
+    pool_errors,
+)
+from kvtool.analysis.sweep import expand_spec, pareto_front, resolve_points
 
 from .conftest import synthetic_cache
 
@@ -315,7 +330,7 @@ def test_source_checks(cache, tmp_path):
 @pytest.mark.parametrize("spec", ["bitmap:sparsity=0.7", "signvq:bits=2", "pagestat:budget=32,page_size=8"])
 def test_registered_kernels_agree_with_torch(spec, monkeypatch):
     """Every merged format with a Triton kernel: the verify backends agree under TRITON_INTERPRET=1."""
-    from kvtool.formats.base import parse_spec
+    from kvtool.core.spec import parse_spec
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     name, values = parse_spec(spec)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.attention import attend_partial
+from kvtool.core.attention import attend_partial
 from kvtool.formats import load_all
 from kvtool.formats.base import compress_cache, load_compressed, save_compressed
 

@@ -11,12 +11,12 @@ import torch
 from typer.testing import CliRunner
 
 import kvtool
-from kvtool import models
+from kvtool.hf import models
 from kvtool.cli import app
-from kvtool.export import export_file
-from kvtool.cache import LayerKV
+from kvtool.export.convert import export_file
+from kvtool.core.cache import LayerKV
 from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, save_compressed
-from kvtool.hfcache import continuation_ids, generate, to_hf_cache
+from kvtool.hf.cache import continuation_ids, generate, to_hf_cache
 
 from .test_export import KeepLast, KeepLastParams
 
@@ -85,7 +85,7 @@ def test_attend_path_equals_dense_path_for_the_dense_format(tiny, tiny_cap, tmp_
     ids = continuation_ids(cc.token_ids, tok(" go", add_special_tokens=False)["input_ids"])
     dense_tokens, dense_logits = greedy(model, ids, to_hf_cache(path, model, mode="dense"))
     cache = to_hf_cache(path, model, mode="attend")
-    assert type(cache).__name__ == "KvtoolCache" and model.config._attn_implementation == "kvtool_export"
+    assert type(cache).__name__ == "KvtoolCache" and model.config._attn_implementation == "kvtool"
     att_tokens, att_logits = greedy(model, ids, cache)
     assert att_tokens.tolist() == dense_tokens.tolist()
     torch.testing.assert_close(att_logits, dense_logits, rtol=1e-4, atol=1e-4)

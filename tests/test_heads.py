@@ -10,9 +10,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool import io
-from kvtool.errors import UsageError
-from kvtool.heads import (
+from kvtool.core import io
+from kvtool.core.errors import UsageError
+from kvtool.methods.heads import (
     analyse_heads,
     error_curve,
     head_norms,

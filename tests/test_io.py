@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 import kvtool
-from kvtool import io
-from kvtool.errors import BadDataError, OutputExistsError, UsageError
+from kvtool.core import io
+from kvtool.core.errors import BadDataError, OutputExistsError, UsageError
 
 from .conftest import synthetic_cache
 
@@ -131,7 +131,7 @@ def test_load_never_modifies_input(tmp_path):
 
 
 def test_parse_indices():
-    from kvtool.cache import format_indices, parse_indices
+    from kvtool.core.cache import format_indices, parse_indices
 
     assert parse_indices("0,5,10-12", 30) == [0, 5, 10, 11, 12]
     assert parse_indices("-1", 30) == [29]

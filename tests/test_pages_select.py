@@ -4,9 +4,10 @@
 import pytest
 import torch
 
-from kvtool.formats.pagestat import select_pages
+from kvtool.formats import pagestat as F
+from kvtool.kernels.pages import select_pages
 from kvtool.kernels import pages as P
-from kvtool.kernels.retrieval_common import merge_splits
+from kvtool.kernels.common import merge_splits
 
 
 def _sets(x):
@@ -63,13 +64,13 @@ def test_combine_matches_torch_merge(s):
 
 
 def test_decode_step_new_path_matches_reference():
-    q, enc = P.make_pagestat_inputs(batch=1, heads=4, kv_heads=2, tokens=200, head_dim=16, dtype=torch.float32,
+    q, enc = F.make_pagestat_inputs(batch=1, heads=4, kv_heads=2, tokens=200, head_dim=16, dtype=torch.float32,
                                      device="cpu", page_size=8, budget=64, dense_window=8)
-    o, l = P.pagestat_decode(q, enc)
-    ro, rl = P.pagestat_decode_reference(q, enc)
+    o, l = F.pagestat_decode(q, enc)
+    ro, rl = F.pagestat_decode_reference(q, enc)
     assert torch.allclose(o, ro, atol=1e-4) and torch.allclose(l, rl, atol=1e-4)
     m = enc.meta
     pages = P.select_pages_triton(torch.randn(1, 2, 1, 25), torch.tensor(m["forced_pages"]), 3)
-    o1, l1 = P.paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, 8, merge="torch")
+    o1, l1 = P.paged_attention_reference(q, enc.tensors["keys"], enc.tensors["values"], pages, 8)
     o2, l2 = P.paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, 8)
     assert torch.allclose(o1, o2, atol=1e-5) and torch.allclose(l1, l2, atol=1e-5)

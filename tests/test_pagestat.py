@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool.attention import attend_partial
-from kvtool.cache import LayerKV
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import LayerKV
 from kvtool.cli import app
-from kvtool.errors import BadDataError, UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats import get_format
 from kvtool.formats.base import Encoded
 from kvtool.formats.pagestat import PageStatParams, forced_pages, page_scores, page_stats, pages_to_select
@@ -161,7 +161,7 @@ def test_cli_and_sample_recall_unique_vs_quest(sample_capture, tmp_path):
 
 
 def test_synthetic_cli_bad_page_size(tmp_path):
-    from kvtool import io
+    from kvtool.core import io
 
     cap = tmp_path / "cap.safetensors"
     io.save(synthetic_cache(tokens=80), cap)

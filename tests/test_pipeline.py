@@ -9,17 +9,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool import io
-from kvtool.attention import attend_partial
+from kvtool.core import io
+from kvtool.core.attention import attend_partial
 from kvtool.cli import app
-from kvtool.errors import BadDataError, UsageError
-from kvtool.evict import evict_layer, gather_tokens
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.methods.evict import evict_layer, gather_tokens
 from kvtool.formats import get_format
 from kvtool.formats.base import Encoded, compress_cache, load_compressed, make_params, save_compressed
 from kvtool.formats.bitmapq import encode_masked
 from kvtool.formats.pipeline import PipelineParams
-from kvtool.pipeline import parse_prune, plan, resolve, split_chain
-from kvtool.prune import prune_layer
+from kvtool.formats.pipeline import parse_prune, plan, resolve, split_chain
+from kvtool.methods.prune import prune_layer
 
 from .conftest import synthetic_cache
 

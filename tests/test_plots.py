@@ -13,10 +13,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import kvtool
-from kvtool import plots as P
+from kvtool.analysis import plots as P
 from kvtool.cli import app
-from kvtool.errors import BadDataError, OutputExistsError, UsageError
-from kvtool.stats import StatsSettings, layer_attention
+from kvtool.core.errors import BadDataError, OutputExistsError, UsageError
+from kvtool.analysis.stats import StatsSettings, layer_attention
 
 from .conftest import synthetic_cache
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool import io
-from kvtool.attention import dense_attention
-from kvtool.cache import LayerKV
+from kvtool.core import io
+from kvtool.core.attention import dense_attention
+from kvtool.core.cache import LayerKV
 from kvtool.cli import app
-from kvtool.errors import UsageError
-from kvtool.prune import (
+from kvtool.core.errors import UsageError
+from kvtool.methods.prune import (
     accumulated_attention,
     group_query_abs_sum,
     keep_count,

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from kvtool.attention import attend_partial, dense_attention, merge_partials
-from kvtool.cache import LayerKV
-from kvtool.errors import BadDataError, UsageError
+from kvtool.core.attention import attend_partial, dense_attention, merge_partials
+from kvtool.core.cache import LayerKV
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats import get_format
 from kvtool.formats.base import Encoded, compress_cache, make_params
 from kvtool.formats.bitmapq import encode_masked
 from kvtool.formats.quant import decode_kivi
-from kvtool.quantize import (
+from kvtool.methods.quantize import (
     dequantize_groups,
     dequantize_symmetric,
     masked_row_groups,
@@ -225,7 +225,7 @@ def test_bitmapq_hand_example_and_bytes():
 
 
 def test_bitmapq_equals_prune_then_quantise():
-    from kvtool.prune import prune_layer
+    from kvtool.methods.prune import prune_layer
 
     src = layer(t=90, d=24, seed=3)
     fmt = get_format("bitmapq")
@@ -271,7 +271,7 @@ def heldout_error(fmt, cc, cache, i, w):
 
 
 def test_sample_bits_order_and_ratio(sample_capture):
-    from kvtool import io
+    from kvtool.core import io
 
     cache = io.load(sample_capture, layers=[7])
     errors, ratios = {}, {}

@@ -6,13 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtool.cache import LayerKV
-from kvtool.errors import UsageError
+from kvtool.core.cache import LayerKV
+from kvtool.core.errors import UsageError
 from kvtool.formats import get_format
-from kvtool.formats.pagestat import PageStatParams, page_scores
-from kvtool.formats.signvq import SignVQParams, lut_scores
-from kvtool.kernels.pages import make_pagestat_inputs, page_criticality, paged_attention, paged_attention_reference, pagestat_decode, pagestat_decode_reference
-from kvtool.kernels.signvq_lut import lut_scores_kernel, make_signvq_inputs, signvq_attention, signvq_attention_reference, signvq_decode
+from kvtool.formats.pagestat import PageStatParams, make_pagestat_inputs, pagestat_decode, pagestat_decode_reference
+from kvtool.formats.signvq import (
+    SignVQParams,
+    lut_scores,
+    make_signvq_inputs,
+    signvq_attention_reference,
+    signvq_decode,
+)
+from kvtool.kernels.pages import page_criticality, page_scores, paged_attention, paged_attention_reference
+from kvtool.kernels.signvq_lut import lut_scores_kernel, signvq_attention
 
 SIGNVQ = get_format("signvq")
 PAGESTAT = get_format("pagestat")
@@ -136,7 +142,7 @@ def test_paged_attention_kernel_and_decode(group, dtype, page):
 
 
 def test_kernels_on_real_captured_tensors(sample_capture):
-    from kvtool import io
+    from kvtool.core import io
 
     cache = io.load(sample_capture, layers=[15])
     full = cache.layers[15]
@@ -176,7 +182,7 @@ def test_bad_input_raises_before_launch(monkeypatch):
 
 
 def test_full_budget_kernels_equal_dense_attention_over_decode():
-    from kvtool.attention import attend_partial
+    from kvtool.core.attention import attend_partial
 
     q, enc = make_signvq_inputs(batch=1, heads=6, kv_heads=2, tokens=45, head_dim=16, dtype=torch.float16, device="cpu", group=16, budget=45, sinks=3, dense_window=2)
     assert enc.meta["select"] == 40

@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool.attention import attend_partial
-from kvtool.cache import LayerKV
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import LayerKV
 from kvtool.cli import app
-from kvtool.errors import BadDataError, UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats import get_format
 from kvtool.formats.base import Encoded, compress_cache, make_params
 from kvtool.formats.signvq import (
@@ -229,7 +229,7 @@ def test_validate_detects_corruption():
 
 
 def test_cli_compress_median_and_corrupted_file(tmp_path):
-    from kvtool import io
+    from kvtool.core import io
 
     cache = synthetic_cache(tokens=96, head_dim=16, heads=4, kv_heads=2)
     cap = tmp_path / "cap.safetensors"
@@ -258,7 +258,7 @@ def test_cli_compress_median_and_corrupted_file(tmp_path):
 
 
 def test_sample_ratio_bits_and_recall(sample_capture, tmp_path):
-    from kvtool.commands.compress import compress_file
+    from kvtool.formats.files import compress_file
 
     _, _, rep = compress_file(sample_capture, "signvq", tmp_path / "s.safetensors")
     d = rep["details"]
@@ -278,7 +278,7 @@ def test_matrix_shapes_with_default_params():
 
 
 def test_oracle_recall_bounds_the_selection(tmp_path):
-    from kvtool.commands.compress import build_report
+    from kvtool.formats.files import build_report
     from kvtool.formats.pagestat import PageStatParams
 
     cache = synthetic_cache(tokens=100, head_dim=16, heads=6, kv_heads=2)
@@ -292,7 +292,7 @@ def test_oracle_recall_bounds_the_selection(tmp_path):
 
 
 def test_report_ratio_against_fp16_for_a_float32_capture():
-    from kvtool.commands.compress import build_report
+    from kvtool.formats.files import build_report
 
     cache = synthetic_cache(tokens=100, head_dim=16, heads=4, kv_heads=2, dtype=torch.float32)
     cc = compress_cache(cache, FMT, SignVQParams(group=16), heldout=20)

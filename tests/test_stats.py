@@ -11,11 +11,11 @@ import torch
 from typer.testing import CliRunner
 
 import kvtool
-from kvtool import stats as S
-from kvtool.attention import attention_probs
-from kvtool.cache import LayerKV, ModelFacts
+from kvtool.analysis import stats as S
+from kvtool.core.attention import attention_probs
+from kvtool.core.cache import LayerKV, ModelFacts
 from kvtool.cli import app
-from kvtool.errors import BadDataError
+from kvtool.core.errors import BadDataError
 
 from .conftest import synthetic_cache
 

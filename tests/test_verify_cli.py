@@ -1,4 +1,4 @@
-"""Model-level fidelity through transformers (kvtool.hfattn) on the tiny random Llama, and the
+"""Model-level fidelity through transformers (kvtool.hf.attention) on the tiny random Llama, and the
 `kvtool verify` / `kvtool eval` commands end to end, bad input included."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtool import hfattn
+from kvtool.hf import attention as hfattn
 from kvtool.cli import app
 from kvtool.formats.base import Encoded, get_format, make_params
-from kvtool.metrics import nll
+from kvtool.analysis.metrics import nll
 
 from .conftest import make_byte_tokenizer, make_tiny_llama
 from .test_fidelity import NoisyFormat, NoisyParams, test_formats  # noqa: F401 - the fixture is used by name
@@ -81,7 +81,7 @@ def test_corrupted_prefix_changes_the_continuation(tiny):
 
 def test_build_cache_needs_every_layer(tiny):
     dense = hfattn.prefill(tiny, _ids()[:, :10])
-    from kvtool.errors import UsageError
+    from kvtool.core.errors import UsageError
 
     with pytest.raises(UsageError, match="layer 1"):
         hfattn.build_cache(tiny, {0: dense[0]}, None)

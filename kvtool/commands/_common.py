@@ -1,7 +1,7 @@
 """Shared pieces of the CLI: option types, error handling, output (rich or JSON), progress.
 
 Every command module defines ``register(app)`` and decorates its function with
-:func:`kvtool_command`, which turns :class:`~kvtool.errors.KvtoolError` into one ``error:`` line and
+:func:`kvtool_command`, which turns :class:`~kvtool.core.errors.KvtoolError` into one ``error:`` line and
 its exit code (1 bad data, 2 bad usage), and any other exception into one line too unless
 ``--debug`` is given (then the traceback is shown).
 """
@@ -9,19 +9,21 @@ its exit code (1 bad data, 2 bad usage), and any other exception into one line t
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable
+from contextlib import contextmanager
+from typing import Annotated, Any, Callable, Iterable, Iterator
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..errors import KvtoolError
+from kvtool.core.progress import Progress as LibraryProgress
+from kvtool.core.jsonio import to_json_text
+from kvtool.core.errors import KvtoolError
 
 console = Console(stderr=False, highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -86,28 +88,10 @@ def example_epilog(*examples: str) -> str:
 # --------------------------------------------------------------------------- output
 
 
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
-        return None
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
-        return _jsonable(obj.item())
-    return obj
-
-
 def emit_json(data: Any) -> None:
     """Print ``data`` as JSON on stdout (NaN/inf become null)."""
-    sys.stdout.write(json.dumps(_jsonable(data), indent=2) + "\n")
+    sys.stdout.write(to_json_text(data))
     sys.stdout.flush()
-
-
-def to_json_text(data: Any) -> str:
-    return json.dumps(_jsonable(data), indent=2) + "\n"
 
 
 def make_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:
@@ -140,6 +124,30 @@ def fmt_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} GiB"
+
+
+class BarProgress(LibraryProgress):
+    """The CLI's :class:`kvtool.core.progress.Progress`: each stage is a task of a rich bar."""
+
+    def __init__(self, bar: Progress):
+        self.bar = bar
+        self.task = None
+
+    def stage(self, what: str, total: int | None = None) -> None:
+        if self.task is not None:
+            self.bar.remove_task(self.task)
+        self.task = self.bar.add_task(what, total=total)
+
+    def advance(self, units: int = 1) -> None:
+        if self.task is not None:
+            self.bar.advance(self.task, units)
+
+
+@contextmanager
+def library_progress(quiet: bool = False) -> Iterator[BarProgress]:
+    """A progress sink for a library call, drawn as :func:`progress_bar` draws."""
+    with progress_bar(quiet) as bar:
+        yield BarProgress(bar)
 
 
 def progress_bar(quiet: bool = False) -> Progress:

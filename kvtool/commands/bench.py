@@ -12,138 +12,25 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import bench as B
-from .. import io
-from ..errors import UsageError
-from ._common import DebugOpt, ForceOpt, console, err_console, example_epilog, kvtool_command, make_table, to_json_text
+from kvtool.bench.report import markdown
+from kvtool.bench.runner import build_context, read_bench_json, run_suite
+from kvtool.bench.suites import Suite, load_suites
+from kvtool.core import io
+from kvtool.commands._common import (
+    DebugOpt,
+    ForceOpt,
+    console,
+    err_console,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    to_json_text,
+)
 
 ORDER = 70
-
-SUBCOMMANDS = {
-    "dense": "The dense decode-attention baselines alone: cuBLAS q·Kᵀ and P·V, torch dense (matmul + softmax), "
-             "torch SDPA, FlashInfer single and batched paged decode.",
-    "spmv": "Bitmap K·q and P·V products alone vs torch.matmul (cuBLAS) on the dense tensors.",
-    "attention": "Whole decode attention: bitmap sparse attention vs dense torch, SDPA and FlashInfer decode.",
-    "lut": "Sign-VQ lookup-table scoring vs dense fp16 q·Kᵀ; then top-k + sparse attention vs FlashInfer dense.",
-    "pages": "Page criticality + top-k + paged sparse attention vs FlashInfer dense decode.",
-    "heads": "Selective head attention at k of H heads vs dense decode.",
-    "compress": "Throughput of the bitmap compression kernel (and sign-VQ / page-statistics encoding) vs copy bandwidth.",
-}
-
-EXAMPLES = {
-    "dense": "kvtool bench dense --model-shape llama3-8b --batch 1,8,32 --seq 4k,32k --json dense.json",
-    "spmv": "kvtool bench spmv --batch 8 --seq 32k --sparsity 0.5,0.7",
-    "attention": "kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 --json att.json --plot att.png",
-    "lut": "kvtool bench lut --batch 8 --seq 32k --budget 2048",
-    "pages": "kvtool bench pages --batch 8 --seq 128k --budget 2048",
-    "heads": "kvtool bench heads --batch 8 --seq 32k --k 16",
-    "compress": "kvtool bench compress --batch 8 --seq 32k --sparsity 0.7",
-}
+SHORT_HELP = "Time the GPU kernels against cuBLAS and FlashInfer"
 
 CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench dense --model-shape custom --heads 4 --kv-heads 2 --head-dim 64 --batch 1 --seq 256"
-
-DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
-
-
-def parse_int_list(text: str, what: str) -> list[int]:
-    """``"4096,32k,128K"`` -> ``[4096, 32768, 131072]`` (k = 1024)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if not part:
-            continue
-        mult = 1024 if part.endswith("k") else 1
-        try:
-            val = int(part[:-1] if mult > 1 else part) * mult
-        except ValueError:
-            raise UsageError(f"--{what}: {part!r} is not an integer (lists look like 1,8,32 or 4k,32k)") from None
-        if val < 1:
-            raise UsageError(f"--{what}: {val} must be at least 1")
-        out.append(val)
-    if not out:
-        raise UsageError(f"--{what} is empty")
-    return out
-
-
-def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> list[float]:
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            val = float(part)
-        except ValueError:
-            raise UsageError(f"--{what}: {part!r} is not a number") from None
-        if not (lo <= val < hi):
-            raise UsageError(f"--{what}: {val} is outside [{lo}, {hi})")
-        out.append(val)
-    if not out:
-        raise UsageError(f"--{what} is empty")
-    return out
-
-
-def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: str, seq: str, sparsity: str, budget: str,
-                  k: str | None, dtype: str, capture: Path | None, layer: int | None, cold_l2: bool, warmup_ms: float,
-                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None):
-    import torch
-
-    from ..bench_suites import BenchContext
-
-    shape = B.model_shape(model_shape, heads, kv_heads, head_dim)
-    if dtype.lower() not in DTYPES:
-        raise UsageError(f"--dtype {dtype!r}: use fp16 or bf16")
-    if capture is not None and not Path(capture).is_file():
-        raise UsageError(f"--capture {capture}: no such file")
-    if page_size < 1 or window < 0:
-        raise UsageError("--page-size must be at least 1 and --window at least 0")
-    env = B.detect_env(cold_l2=cold_l2)
-    ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
-    if any(x > shape.heads for x in ks):
-        raise UsageError(f"--k {max(ks)} is more than the {shape.heads} query heads")
-    timer = B.Timer(env, warmup_ms=warmup_ms, rep_ms=rep_ms, hide_launch=not host_overhead, cuda_graph=cuda_graph)
-    if env.device_type == "cuda":
-        env.notes.append("timings include host launch overhead" if host_overhead else "device time: launches queued behind a GPU sleep before each start event")
-    return BenchContext(
-        env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
-        dtype=getattr(torch, DTYPES[dtype.lower()]), sparsities=parse_float_list(sparsity, "sparsity"),
-        budgets=parse_int_list(budget, "budget"), ks=ks, capture=capture, layer=layer, page_size=page_size,
-        window=window, step=step or (lambda msg: None),
-    )
-
-
-def run_suite(sub: str, ctx) -> dict[str, Any]:
-    """Run one subcommand's suite; the result document written by --json."""
-    from ..bench_suites import SUITES
-
-    if sub not in SUITES:
-        raise B.BenchUnavailable(f"kvtool bench {sub}: no suite for it in this checkout")
-    suite, primary = SUITES[sub]
-    records = suite(ctx)
-    if ctx.timer.graph_errors:
-        ctx.env.notes.append(f"{len(ctx.timer.graph_errors)} provider(s) could not be captured in a CUDA graph and were timed "
-                             f"as launches (method 'stream'); first reason: {ctx.timer.graph_errors[0]}")
-    import datetime
-
-    return {
-        "kvtool_bench": 1,
-        "subcommand": sub,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": "kvtool " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtool", "__main__.py")) else None,
-        "env": ctx.env.to_dict(),
-        "shape": _shape_of(ctx, records),
-        "primary_baselines": list(primary),
-        "records": records,
-    }
-
-
-def _shape_of(ctx, records: list[dict]) -> dict[str, Any]:
-    """The attention shape timed: the model shape, or with --capture the captured model's."""
-    if ctx.capture is not None and records:
-        r = records[0]
-        return {"name": r["data"], "heads": r["heads"], "kv_heads": r["kv_heads"], "head_dim": r["head_dim"]}
-    return {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim}
-
 
 def print_result(doc: dict[str, Any]) -> None:
     env = doc["env"]
@@ -172,21 +59,25 @@ def print_result(doc: dict[str, Any]) -> None:
 
 
 def register(app: typer.Typer) -> None:
+    suites = load_suites()
     bench_app = typer.Typer(
         name="bench",
         help="Benchmark the decode kernels against cuBLAS, torch SDPA and FlashInfer on a CUDA GPU "
              "(median of many runs, L2 flushed between runs, copy bandwidth measured in the same run).",
         no_args_is_help=True,
         rich_markup_mode="rich",
-        epilog=example_epilog(EXAMPLES["dense"], EXAMPLES["attention"], CPU_EXAMPLE),
+        epilog=example_epilog(*(suites[n].example for n in ("dense", "attention") if n in suites), CPU_EXAMPLE),
     )
-    for sub, summary in SUBCOMMANDS.items():
-        _add_subcommand(bench_app, sub, summary)
+    for suite in suites.values():
+        _add_subcommand(bench_app, suite)
+    _add_report(bench_app)
     app.add_typer(bench_app, name="bench")
 
 
-def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
-    @bench_app.command(sub, help=summary, epilog=example_epilog(EXAMPLES[sub], CPU_EXAMPLE))
+def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
+    sub = suite.name
+
+    @bench_app.command(sub, help=suite.summary, epilog=example_epilog(suite.example, CPU_EXAMPLE))
     @kvtool_command
     def command(
         model_shape: Annotated[str, typer.Option("--model-shape", help="llama3-8b (32 heads, 8 KV, 128), llama2-7b (32, 32, 128), smollm2 (9, 3, 64) or custom.")] = "llama3-8b",
@@ -230,7 +121,7 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
                 io.atomic_write_text(json_path, to_json_text(doc), force=force)
                 console.print(f"wrote {json_path}")
         if plot is not None:
-            from ..bench_plots import plot_records
+            from kvtool.bench.plots import plot_records  # deferred: matplotlib loads only with --plot
 
             plot_records(doc, plot)
             if json_path != "-":
@@ -238,3 +129,26 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
         if any(r["status"] == "wrong" for r in doc["records"]):
             err_console.print("[red]error:[/red] a kernel failed its correctness check (status 'wrong'); its timing was skipped")
             raise typer.Exit(1)
+
+
+def _add_report(bench_app: typer.Typer) -> None:
+    @bench_app.command(
+        "report",
+        help="Markdown tables (device, versions, date, then one row per record) from `kvtool bench --json` files, "
+        "for docs/benchmarks.md; every cell comes from a record of the files.",
+        epilog=example_epilog("kvtool bench report docs/benchmarks/*.json --summary -o tables.md"),
+    )
+    @kvtool_command
+    def report(
+        files: Annotated[list[Path], typer.Argument(help="JSON files written by `kvtool bench ... --json`.", show_default=False)],
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the Markdown here instead of stdout.", dir_okay=False)] = None,
+        summary: Annotated[bool, typer.Option("--summary", help="Only the kvtool kernels' rows, with their speedups over the primary baselines.")] = False,
+        force: ForceOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        text = "\n".join(markdown(read_bench_json(f), summary=summary) for f in files)
+        if output is None:
+            sys.stdout.write(text)
+        else:
+            io.atomic_write_text(output, text, force=force)
+            console.print(f"wrote {output}")

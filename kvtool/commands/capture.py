@@ -9,13 +9,27 @@ from typing import Annotated
 
 import typer
 
-from .. import io
-from ..cache import format_indices
-from ..errors import UsageError
-from ..prompts import DEFAULT_PROMPT
-from ._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command, make_table, progress_bar
+from kvtool.core import io
+from kvtool.core.cache import format_indices
+from kvtool.core.errors import UsageError
+from kvtool.hf.prompts import DEFAULT_PROMPT
+from kvtool.commands._common import (
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    fmt_bytes,
+    kvtool_command,
+    make_table,
+    progress_bar,
+)
+from kvtool.hf.capture import capture as run_capture
+from kvtool.hf.models import check_dtype, resolve
 
 ORDER = 10
+SHORT_HELP = "Run a model on a prompt; save keys, values, queries per layer"
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None, batch: bool) -> list[str]:
@@ -81,9 +95,6 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from ..capturing import capture as run_capture
-        from ..models import check_dtype, resolve
-
         check_dtype(dtype)
         if device.startswith("cuda"):
             import torch

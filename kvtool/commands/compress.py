@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
 
-from .. import io
-from ..cache import KVCache, LayerKV, parse_indices
-from ..errors import UsageError
-from ..formats import load_all
-from ..formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
-from ._common import (
+from kvtool.core import io
+from kvtool.core.errors import UsageError
+from kvtool.formats import load_all
+from kvtool.formats.base import load_compressed
+from kvtool.formats.files import compress_file, decompress_cache
+from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     ForceOpt,
@@ -30,75 +28,13 @@ from ._common import (
 )
 
 ORDER = 40
+SHORT_HELP = "Encode a capture with one of the registered formats (see --help)"
 
 # Options shared by the formats: each one given is passed to the format's parameter of the same name
 # (dashes -> underscores); a format without that parameter refuses it with a clear message.
 FLOAT_OPTS = ("sparsity", "key_sparsity", "value_sparsity", "budget_ratio", "lam")
 INT_OPTS = ("dense_window", "bits", "group", "sinks", "keep_top", "page_size", "budget", "recent", "window", "pool", "residual")
 STR_OPTS = ("method", "center", "score", "evict", "prune")
-
-
-def default_output(capture: Path, fmt: str) -> Path:
-    return capture.with_name(f"{capture.stem}.{fmt}.safetensors")
-
-
-def compress_file(
-    capture: Path,
-    spec: str,
-    output: Path | None = None,
-    options: dict[str, Any] | None = None,
-    heldout: int = 64,
-    layers: str | None = None,
-    force: bool = False,
-    quiet: bool = True,
-) -> tuple[CompressedCache, Path, dict[str, Any]]:
-    """Compress a capture file and write the result; returns (container, path, report)."""
-    from ..pipeline import resolve
-
-    fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
-    output = output or default_output(capture, name)
-    io.check_output(output, force)
-    meta, _ = io.read_header(capture)
-    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(capture, meta)
-    selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
-    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
-        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
-    if heldout >= cache.num_tokens:
-        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
-    start = time.perf_counter()
-    with progress_bar(quiet) as bar:
-        task = bar.add_task(f"compress {name}", total=len(cache.layers))
-        cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: bar.advance(task))
-    cc.info["source_sha256"] = io.sha256_file(capture)
-    cc.info["source_path"] = str(capture)
-    cc.info["seconds"] = round(time.perf_counter() - start, 3)
-    if fmt.name == "pipeline":
-        cc.info["pipeline"] = next(iter(cc.layers.values())).meta.get("label")
-    path = save_compressed(cc, output, force=force)
-    report = build_report(cc, cache)
-    report["output"] = str(path)
-    report["file_bytes"] = path.stat().st_size
-    return cc, path, report
-
-
-def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
-    fmt = cc.fmt
-    rep = cc.byte_report()
-    return {
-        "format": cc.format,
-        "params": cc.params,
-        "layers": cc.layer_indices,
-        "prefix_tokens": cc.prefix_tokens,
-        "heldout": cc.info.get("heldout", 0),
-        "dense_bytes": rep["dense_bytes"],
-        "compressed_bytes": rep["compressed_bytes"],
-        "bytes_by_part": rep["parts"],
-        "ratio": rep["ratio"],
-        "compression_rate_percent": 100.0 * rep["ratio"],
-        "details": fmt.report(cc, source),
-    }
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -173,7 +109,9 @@ def register(app: typer.Typer) -> None:
             if not eq:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
-        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out)
+        with progress_bar(json_out) as bar:
+            task = bar.add_task(f"compress {format}", total=None)
+            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=lambda i: bar.advance(task))
         if json_out:
             emit_json(report)
         else:
@@ -181,6 +119,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command(
         "decompress",
+        short_help="Decode a compressed file back to a dense capture",
         help="Decode a compressed file back to a capture-schema file (the dense tensors the format represents).",
         epilog=example_epilog("kvtool decompress cap.bitmap.safetensors -o cap.pruned.safetensors"),
     )
@@ -203,24 +142,3 @@ def register(app: typer.Typer) -> None:
             emit_json(result)
         else:
             console.print(f"decoded {cc.format} -> {path} ({cache.num_tokens} tokens, {len(cache.layers)} layers)")
-
-
-def decompress_cache(cc: CompressedCache) -> KVCache:
-    """Decode every layer and append the dense held-out tail: a capture-schema container."""
-    fmt = cc.fmt
-    layers: dict[int, LayerKV] = {}
-    for i in cc.layer_indices:
-        dense = fmt.decode(cc.layers[i])
-        if dense.keys.shape[2] != cc.prefix_tokens:
-            raise UsageError(
-                f"format {cc.format} keeps {dense.keys.shape[2]} of {cc.prefix_tokens} tokens per head; "
-                "its tokens cannot be written as a capture (use `kvtool export --to hf`)"
-            )
-        tail = cc.tails.get(i)
-        keys, values = dense.keys, dense.values
-        if tail is not None:
-            keys = torch.cat([keys, tail.keys.to(keys.dtype)], dim=2)
-            values = torch.cat([values, tail.values.to(values.dtype)], dim=2)
-        dtype = cc.facts.torch_dtype
-        layers[i] = LayerKV(keys=keys.to(dtype).contiguous(), values=values.to(dtype).contiguous())
-    return KVCache(cc.facts, layers, cc.token_ids, {})

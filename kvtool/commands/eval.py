@@ -2,35 +2,37 @@
 
 from __future__ import annotations
 
-import csv
-import io as _io
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from .. import io
-from ..cache import parse_indices
-from ..errors import KvtoolError, UsageError
-from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, model_fidelity
-from ..formats.base import FORMATS, compress_cache, make_params
-from ..sweep import METRICS, Point, load_results, point_key, resolve_points, summarize
-from ._common import DebugOpt, JsonOpt, console, debug_enabled, emit_json, example_epilog, kvtool_command, make_table, progress_bar, to_json_text
+from kvtool.core.errors import UsageError
+from kvtool.analysis.fidelity import (
+    BACKENDS,
+)
+from kvtool.analysis.evaluate import run_eval
+from kvtool.formats.base import FORMATS
+from kvtool.analysis.sweep import METRICS
+from kvtool.commands._common import (
+    DebugOpt,
+    JsonOpt,
+    console,
+    debug_enabled,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    library_progress,
+)
+from kvtool.formats import load_all
 
 ORDER = 55
-
-CSV_FIELDS = [
-    "capture", "comparison", "label", "format", "params_text", "storage_ratio", "traffic_ratio", "rel_l2", "cosine",
-    "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence", "seconds", "skipped",
-]
-
+SHORT_HELP = "Sweep formats and parameters; fidelity vs bytes frontier"
 
 def split_inputs(items: list[str], formats: list[str]) -> tuple[list[Path], list[str]]:
     """Positional arguments are captures; one that is not a file but names a registered format (the
     tail of ``--formats a b c``) is a sweep spec."""
-    from ..formats import load_all
-
     load_all()
     captures: list[Path] = []
     specs = list(formats)
@@ -46,162 +48,6 @@ def split_inputs(items: list[str], formats: list[str]) -> tuple[list[Path], list
         if not c.exists():
             raise UsageError(f"capture {c}: no such file")
     return captures, specs
-
-
-def run_eval(
-    captures: list[Path],
-    specs: list[str],
-    out_dir: Path,
-    paper: bool = True,
-    heldout: int = 64,
-    backend: str = "auto",
-    model: str | None = None,
-    use_model: bool = True,
-    generate: int = 0,
-    metric: str | None = None,
-    x_axis: str = "storage",
-    force: bool = False,
-    quiet: bool = True,
-    debug: bool = False,
-    layers: str | None = None,
-) -> dict[str, Any]:
-    """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``."""
-    if heldout < 1:
-        raise UsageError(f"--heldout must be at least 1, got {heldout}")
-    if generate < 0:
-        raise UsageError(f"--generate must be 0 or more, got {generate}")
-    if x_axis not in ("storage", "traffic"):
-        raise UsageError(f"--x must be storage or traffic, got {x_axis!r}")
-    if metric is not None and metric not in METRICS:
-        raise UsageError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    points = resolve_points(specs, paper=paper)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out {out_dir} is a file, not a folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / "eval.json"
-    done = {} if force else load_results(json_path)
-    resumed = 0
-    finished: dict[str, dict[str, Any]] = {}
-    rows: list[dict[str, Any]] = []
-    models_loaded: dict[str, tuple[Any, str]] = {}
-    total = len(captures) * len(points)
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("eval", total=total)
-        for cap_path in captures:
-            cache = _load_capture(cap_path, layers)
-            if cache.num_tokens <= heldout:
-                raise UsageError(f"capture {cap_path} has {cache.num_tokens} tokens, too short for --heldout {heldout} (lower --heldout or capture a longer prompt)")
-            if not cache.has_queries:
-                raise UsageError(f"capture {cap_path} has no queries, which eval scores; recapture without --no-queries")
-            if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
-                raise UsageError(f"capture {cap_path} holds a left-padded batch; eval needs equal-length prompts (recapture with --align truncate)")
-            sha = io.sha256_file(cap_path)
-            spec = default_model_spec(cache.facts, model) if use_model else None
-            reference = None
-            for p in points:
-                bar.update(task, description=f"{cap_path.name} {p.spec}"[:60])
-                key = point_key(sha, p, heldout, spec, generate, cache.layer_indices)
-                row: dict[str, Any] = {"key": key, "capture": str(cap_path), "comparison": p.comparison, "label": p.label,
-                                       "format": p.format, "params": p.params, "params_text": params_text(p), "spec": p.spec}
-                if p.skipped:
-                    row["skipped"] = p.skipped
-                elif key in finished:
-                    row.update({k: v for k, v in finished[key].items() if k not in row})
-                elif key in done and not done[key].get("skipped"):
-                    row.update({k: v for k, v in done[key].items() if k not in row})
-                    finished[key] = row
-                    resumed += 1
-                else:
-                    if spec is not None and reference is None:
-                        if spec not in models_loaded:
-                            models_loaded[spec] = _load_model(spec, cache.facts)
-                        mdl, name = models_loaded[spec]
-                        check_model_facts(mdl, cache.facts, name)
-                        reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
-                    row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug))
-                    if not row.get("skipped"):
-                        finished[key] = row
-                rows.append(row)
-                _write_json(json_path, rows, done)
-                bar.advance(task)
-    files = {"json": str(json_path), "csv": str(out_dir / "eval.csv")}
-    io.atomic_write_text(out_dir / "eval.csv", to_csv(rows), force=True)
-    have_model = any(r.get("agreement") is not None for r in rows)
-    metric = metric or ("agreement" if have_model else "rel_l2")
-    x_key = "storage_ratio" if x_axis == "storage" else "traffic_ratio"
-    from ..frontier_plot import plot_frontier
-
-    for cap_path in captures:
-        own = [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped") and r.get("comparison") is None]
-        own = own or [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped")]
-        name = "frontier.png" if len(captures) == 1 else f"frontier-{cap_path.stem}.png"
-        plot_frontier(own, out_dir / name, metric, x_key, title=f"{cap_path.name}: {METRICS[metric][0]} vs bytes, {heldout} held-out queries")
-        files[f"plot:{cap_path.name}"] = str(out_dir / name)
-    return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key}
-
-
-def _load_capture(path: Path, layers: str | None):
-    """The capture (keys, values, queries), optionally only the ``--layers`` selection (the model
-    runs the other layers densely)."""
-    parts = ("keys", "values", "queries")
-    if layers is None:
-        return io.load(path, parts=parts)
-    meta, _ = io.read_header(path)
-    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(path, meta)
-    return io.load(path, layers=parse_indices(layers, facts.num_layers), parts=parts)
-
-
-def _load_model(spec: str, facts) -> tuple[Any, str]:
-    from .verify import load_model
-
-    return load_model(spec, facts)
-
-
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug) -> dict[str, Any]:
-    start = time.perf_counter()
-    fmt = FORMATS[p.format]
-    try:
-        cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
-        cc.info["source_sha256"] = sha
-        cc.info["source_path"] = str(cap_path)
-        att = attention_fidelity(cc, cache, heldout, backend)
-        mod = None
-        if model_pair is not None and reference is not None:
-            mod = model_fidelity(model_pair[0], cc, reference, generate, backend=att["backend"])
-    except KvtoolError as exc:
-        return {"skipped": str(exc)}
-    except Exception as exc:  # a format's bug must not lose the rest of the sweep
-        if debug:
-            raise
-        return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
-    row = summarize(att, mod)
-    row["backend"] = att["backend"]
-    row["seconds"] = round(time.perf_counter() - start, 3)
-    row["per_layer_rel_l2"] = {str(i): r["errors"]["rel_l2"] for i, r in att["layers"].items()}
-    if mod is not None:
-        row["layers_compressed"] = f"{len(mod['layers_compressed'])}/{mod['model_layers']}"
-    return row
-
-
-def params_text(p: Point) -> str:
-    return ",".join(f"{k}={v}" for k, v in p.values.items()) or "defaults"
-
-
-def _write_json(path: Path, rows: list[dict[str, Any]], done: dict[str, dict[str, Any]]) -> None:
-    keys = {r["key"] for r in rows}
-    kept = [v for k, v in done.items() if k not in keys]  # earlier points not in this run stay in the file
-    io.atomic_write_text(path, to_json_text({"schema": "kvtool.eval", "points": kept + rows}), force=True)
-
-
-def to_csv(rows: list[dict[str, Any]]) -> str:
-    buf = _io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
-    return buf.getvalue()
 
 
 def _pct(v: Any) -> Any:
@@ -275,7 +121,9 @@ def register(app: typer.Typer) -> None:
         captures, specs = split_inputs(inputs, formats or [])
         use_paper = (not specs) if paper is None else paper
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
-        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers)
+        with library_progress(json_out) as progress:
+            result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force,
+                              progress=progress, debug=debug_enabled(debug), layers=layers)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:

@@ -7,10 +7,20 @@ from typing import Annotated
 
 import typer
 
-from ..export import TARGETS, export_file
-from ._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command
+from kvtool.export.convert import TARGETS, export_file
+from kvtool.commands._common import (
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    fmt_bytes,
+    kvtool_command,
+)
 
 ORDER = 60
+SHORT_HELP = "Export to transformers caches, paged layouts, numpy, tables"
 
 
 def register(app: typer.Typer) -> None:

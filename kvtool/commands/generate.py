@@ -7,10 +7,19 @@ from typing import Annotated
 
 import typer
 
-from ..hfcache import generate as generate_from
-from ._common import DebugOpt, JsonOpt, console, emit_json, err_console, example_epilog, kvtool_command
+from kvtool.hf.cache import generate as generate_from
+from kvtool.commands._common import (
+    DebugOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    err_console,
+    example_epilog,
+    kvtool_command,
+)
 
 ORDER = 65
+SHORT_HELP = "Continue generation from a saved or compressed cache"
 
 
 def register(app: typer.Typer) -> None:

@@ -7,13 +7,27 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import io
-from ..cache import parse_indices
-from ..errors import UsageError
-from ..heads import analyse_heads, plot_curves, save_routers
-from ._common import CaptureArg, DebugOpt, ForceOpt, JsonOpt, LayersOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
+from kvtool.core import io
+from kvtool.core.cache import parse_indices
+from kvtool.core.errors import UsageError
+from kvtool.analysis.plots import plot_curves
+from kvtool.methods.heads import analyse_heads, save_routers
+from kvtool.commands._common import (
+    CaptureArg,
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    LayersOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    progress_bar,
+)
 
 ORDER = 45
+SHORT_HELP = "Attention-head selection: oracle error curve and trained routers"
 
 
 def run_heads(

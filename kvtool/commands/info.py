@@ -6,19 +6,30 @@ from pathlib import Path
 
 import typer
 
-from .. import io
-from ._common import DebugOpt, InputArg, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command, make_table
+from kvtool.core import io
+from kvtool.commands._common import (
+    DebugOpt,
+    InputArg,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    fmt_bytes,
+    kvtool_command,
+    make_table,
+)
+from kvtool.formats.base import load_compressed
+from kvtool.formats.files import build_report
+from kvtool.commands.compress import print_report
 
 ORDER = 20
+SHORT_HELP = "Show what a kvtool file holds: schema, model facts, tensors, bytes"
 
 
 def file_info(path: Path) -> dict:
     """Schema, model facts, tensors and totals; for compressed files also bytes by part and ratio."""
     data = io.describe(path)
     if data["schema"] == io.COMPRESSED_SCHEMA:
-        from ..formats.base import load_compressed
-        from .compress import build_report
-
         cc = load_compressed(path)
         data["compression"] = build_report(cc)
     return data
@@ -52,6 +63,4 @@ def register(app: typer.Typer) -> None:
         console.print(make_table("tensors", ["tensor", "dtype", "shape", "bytes"], rows))
         console.print(f"{len(data['tensors'])} tensors, {fmt_bytes(data['tensor_bytes'])} of tensor data, file {fmt_bytes(data['file_bytes'])}")
         if "compression" in data:
-            from .compress import print_report
-
             print_report(data["compression"])

@@ -1,4 +1,4 @@
-"""``kvtool plot``: figures of a capture (see :mod:`kvtool.plots`)."""
+"""``kvtool plot``: figures of a capture (see :mod:`kvtool.analysis.plots`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import io
-from ..cache import format_indices, parse_indices
-from ..errors import BadDataError, UsageError
-from ..plots import FORMATS, KINDS, QUERY_KINDS, plan_plots, write_index, write_plot_set
-from ..stats import StatsSettings
-from ._common import (
+from kvtool.core import io
+from kvtool.core.cache import format_indices, parse_indices
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.analysis.plots import FORMATS, KINDS, QUERY_KINDS, plan_plots, write_index, write_plot_set
+from kvtool.analysis.stats import StatsSettings
+from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     ForceOpt,
@@ -26,6 +26,7 @@ from ._common import (
 )
 
 ORDER = 35
+SHORT_HELP = "Heatmaps, channel profiles, histograms, attention and head figures"
 
 
 def parse_kinds(text: str | None) -> tuple[tuple[str, ...], bool]:

@@ -4,60 +4,31 @@ the pruned capture (same schema; pruned elements are zero)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
-from .. import io
-from ..cache import parse_indices
-from ..prune import DEFAULT_WINDOW, METHODS, check_sparsity, method_needs_queries, parse_method, prune_cache
-from ._common import CaptureArg, DebugOpt, ForceOpt, JsonOpt, LayersOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
+from kvtool.methods.prune import (
+    DEFAULT_WINDOW,
+    METHODS,
+    prune_file,
+)
+from kvtool.commands._common import (
+    CaptureArg,
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    LayersOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    library_progress,
+)
 
 ORDER = 38
-
-
-def prune_file(
-    capture: Path,
-    output: Path | None = None,
-    sparsity: float = 0.7,
-    key_sparsity: float | None = None,
-    value_sparsity: float | None = None,
-    method: str = "per-token",
-    dense_window: int = DEFAULT_WINDOW,
-    layers: str | None = None,
-    force: bool = False,
-    quiet: bool = True,
-) -> dict[str, Any]:
-    """Prune ``capture`` and write the pruned capture; returns the report (achieved sparsity per
-    layer and overall, output path)."""
-    ks = check_sparsity(sparsity if key_sparsity is None else key_sparsity, "--key-sparsity" if key_sparsity is not None else "--sparsity")
-    vs = check_sparsity(sparsity if value_sparsity is None else value_sparsity, "--value-sparsity" if value_sparsity is not None else "--sparsity")
-    parse_method(method)
-    if dense_window < 0:
-        from ..errors import UsageError
-
-        raise UsageError(f"--dense-window must be at least 0, got {dense_window}")
-    output = output or capture.with_name(f"{capture.stem}.pruned.safetensors")
-    io.check_output(output, force)
-    meta, _ = io.read_header(capture)
-    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(capture, meta)
-    selected = parse_indices(layers, facts.num_layers) if layers else None
-    parts = ("keys", "values", "queries", "hidden")
-    cache = io.load(capture, layers=selected, parts=parts)
-    if method_needs_queries(method) and not cache.has_queries:
-        from ..errors import UsageError
-
-        raise UsageError(f"--method {method} needs queries but {capture} has none; recapture without --no-queries")
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("pruning", total=len(cache.layers))
-        pruned, report = prune_cache(cache, ks, vs, method, dense_window, progress=lambda i: bar.advance(task))
-    pruned.info = {**cache.info, "pruned": {k: v for k, v in report.items() if k != "per_layer"}, "pruned_from": str(capture), "pruned_from_sha256": io.sha256_file(capture)}
-    path = io.save(pruned, output, force=force)
-    report["output"] = str(path)
-    report["layers"] = pruned.layer_indices
-    report["tokens"] = pruned.num_tokens
-    return report
+SHORT_HELP = "Prune keys/values to an exact sparsity (Mustafar, ThinK, 2:4)"
 
 
 def register(app: typer.Typer) -> None:
@@ -86,7 +57,8 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        report = prune_file(capture, output, sparsity, key_sparsity, value_sparsity, method, dense_window, layers, force, quiet=json_out)
+        with library_progress(json_out) as progress:
+            report = prune_file(capture, output, sparsity, key_sparsity, value_sparsity, method, dense_window, layers, force, progress=progress)
         if json_out:
             emit_json(report)
             return

@@ -1,4 +1,4 @@
-"""``kvtool stats``: where a capture's cache can be cut, in numbers (see :mod:`kvtool.stats`)."""
+"""``kvtool stats``: where a capture's cache can be cut, in numbers (see :mod:`kvtool.analysis.stats`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import io
-from ..cache import format_indices, parse_indices
-from ..errors import UsageError
-from ..stats import StatsSettings, capture_stats, mass_tag
-from ._common import (
+from kvtool.core import io
+from kvtool.core.cache import format_indices, parse_indices
+from kvtool.core.errors import UsageError
+from kvtool.analysis.stats import StatsSettings, capture_stats, mass_tag
+from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     HeadsOpt,
@@ -26,6 +26,7 @@ from ._common import (
 )
 
 ORDER = 30
+SHORT_HELP = "Magnitudes, outlier channels, sign entropy, attention concentration"
 
 
 def head_row(layer: int, head: dict[str, Any]) -> dict[str, Any]:

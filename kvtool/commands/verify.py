@@ -8,13 +8,24 @@ from typing import Annotated, Any
 
 import typer
 
-from .. import io
-from ..errors import BadDataError, UsageError
-from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, find_source, model_fidelity
-from ..formats.base import CompressedCache, load_compressed
-from ._common import DebugOpt, JsonOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
+from kvtool.core.errors import UsageError
+from kvtool.analysis.fidelity import (
+    BACKENDS,
+)
+from kvtool.analysis.verify import check_thresholds, verify_file
+from kvtool.commands._common import (
+    DebugOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+    library_progress,
+)
 
 ORDER = 50
+SHORT_HELP = "Fidelity of a compressed file: attention error, recall, model NLL"
 
 THRESHOLD_HELP = "Exit 1 when missed (for CI gates)."
 
@@ -31,76 +42,6 @@ def parse_threshold(text: str | None, option: str, lo: float | None = None, hi: 
         rng = f" between {lo} and {hi}" if lo is not None and hi is not None else (f" at least {lo}" if lo is not None else "")
         raise UsageError(f"{option} must be a number{rng}, got {text!r}")
     return value
-
-
-def load_model(spec: str, facts) -> tuple[Any, str]:
-    """Load a model for model-level fidelity and check it against the capture's facts."""
-    from .. import models
-
-    model, _tok, source = models.load(spec)
-    name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
-    check_model_facts(model, facts, name)
-    return model, name
-
-
-def verify_file(
-    compressed: Path,
-    capture: Path | None = None,
-    heldout: int | None = None,
-    backend: str = "auto",
-    model: str | None = None,
-    use_model: bool = True,
-    generate: int = 16,
-    quiet: bool = True,
-) -> dict[str, Any]:
-    """Attention-level and (with a model) model-level fidelity of a compressed file; see
-    :mod:`kvtool.fidelity`. Returns the report dict that ``--json`` prints."""
-    if generate < 0:
-        raise UsageError(f"--generate must be 0 or more, got {generate}")
-    cc: CompressedCache = load_compressed(compressed)
-    source_path = find_source(cc, compressed, capture)
-    source = io.load(source_path, layers=cc.layer_indices)
-    report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("attention", total=len(cc.layer_indices))
-        report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: bar.advance(task))
-    spec = default_model_spec(cc.facts, model) if use_model else None
-    if spec is None:
-        report["model"] = None
-        report["model_skipped"] = "--no-model" if not use_model else (
-            f"the capture came from {cc.facts.name} ({cc.facts.source}); pass --model to score the continuation"
-        )
-        return report
-    try:
-        mdl, name = load_model(spec, cc.facts)
-    except BadDataError as exc:
-        if model:
-            raise
-        raise BadDataError(f"{exc} (or pass --no-model for attention-level fidelity only)") from None
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("model", total=2)
-        ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
-        bar.advance(task)
-        model_backend = report["attention"]["backend"]
-        report["model"] = model_fidelity(mdl, cc, ref, generate, backend=model_backend)
-        bar.advance(task)
-    report["model"]["name"] = name
-    return report
-
-
-def check_thresholds(report: dict[str, Any], max_nll_increase: float | None, min_agreement: float | None, max_error: float | None) -> list[str]:
-    """Human-readable lines for every threshold missed."""
-    missed = []
-    model = report.get("model")
-    if max_error is not None:
-        err = report["attention"]["overall"]["rel_l2"]
-        if not err <= max_error:
-            missed.append(f"attention-output relative L2 error {err:.4g} > --max-error {max_error:g}")
-    if model is not None and max_nll_increase is not None and not model["nll_increase"] <= max_nll_increase:
-        missed.append(f"NLL increase {model['nll_increase']:.4g} > --max-nll-increase {max_nll_increase:g}")
-    if model is not None and min_agreement is not None and not model["agreement"] >= min_agreement:
-        missed.append(f"top-1 agreement {model['agreement']:.4g} < --min-agreement {min_agreement:g}")
-    return missed
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -179,7 +120,8 @@ def register(app: typer.Typer) -> None:
         err_t = parse_threshold(max_error, "--max-error", 0.0)
         if no_model and (nll_t is not None or agree_t is not None):
             raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
-        report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, quiet=json_out)
+        with library_progress(json_out) as progress:
+            report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, progress=progress)
         if report["model"] is None and (nll_t is not None or agree_t is not None):
             raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
         missed = check_thresholds(report, nll_t, agree_t, err_t)

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..attention import attention_probs
-from ..errors import UsageError
+from kvtool.core.attention import attention_probs
+from kvtool.core.errors import UsageError
 
 if TYPE_CHECKING:
-    from ..cache import KVCache
-    from .base import CompressedCache, Encoded, Format
+    from kvtool.core.cache import KVCache
+    from kvtool.formats.base import CompressedCache, Encoded, Format
 
 
 def resolve_budget(budget: int | None, budget_ratio: float | None, tokens: int) -> int:

@@ -3,13 +3,13 @@
 A format is one module in ``kvtool/formats/`` with a :class:`Format` subclass decorated by
 :func:`register`. It works one layer at a time:
 
-- ``encode(layer, params) -> Encoded``: ``layer`` is a :class:`~kvtool.cache.LayerKV` of the tokens
+- ``encode(layer, params) -> Encoded``: ``layer`` is a :class:`~kvtool.core.cache.LayerKV` of the tokens
   to compress (keys/values ``[B, Hkv, T, D]``, queries ``[B, H, T, D]`` when captured);
 - ``decode(encoded) -> LayerKV``: the dense keys/values the format represents (lossy where the format
   is), ``[B, Hkv, T', D]`` (T' < T for eviction formats);
 - ``nbytes(encoded) -> {part: bytes}``: every byte a decoder needs, from the stored tensors;
 - ``attend(q, encoded, scale) -> (out, lse)``: decode-step attention of q ``[B, H, Tq, D]`` over the
-  encoded tokens, as a partial (see :mod:`kvtool.attention`), in plain torch. Kernels must agree.
+  encoded tokens, as a partial (see :mod:`kvtool.core.attention`), in plain torch. Kernels must agree.
 - ``validate(encoded)``: check stored tensors before anything reads them (offsets in range, counts).
 
 Selection formats (``selects = True``) also implement ``traffic_bytes(encoded, q)``: the bytes one
@@ -19,7 +19,9 @@ decode step reads, so reports can give storage and traffic ratios.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
+import pkgutil
 import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -28,9 +30,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..attention import attend_partial
-from ..cache import KVCache, LayerKV, ModelFacts
-from ..errors import BadDataError, UsageError
+from kvtool._version import __version__
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import KVCache, LayerKV, ModelFacts
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.io import (
+    COMPRESSED_SCHEMA,
+    SCHEMA_VERSION,
+    check_schema,
+    facts_from_meta,
+    parse_json_meta,
+    read_header,
+    read_tensors,
+    write_safetensors,
+)
 
 
 @dataclass
@@ -57,13 +70,32 @@ class FormatParams:
 
 
 class Format(ABC):
-    """A compression format. Subclasses set ``name``, ``summary`` and ``Params``."""
+    """A compression format. Subclasses set ``name``, ``summary`` and ``Params``, and declare their
+    capabilities as class attributes; the pipeline, sweeps, CLI help, export and bench read them
+    through the registry, so no other module names a format.
+
+    Capabilities:
+    - ``selects``: a selection format (reports traffic as well as storage bytes);
+    - ``needs_queries``: encoding reads the captured queries;
+    - ``prunes_itself``: the format prunes (a ``--prune`` step cannot precede it);
+    - ``evicts``: the format drops tokens itself (an ``--evict`` step cannot precede it);
+    - ``default_sweep``: the ``kvtool eval`` specs swept when the format is named without parameters;
+    - ``paper_rows``: (comparison, label, spec) rows of the papers' tables for ``eval --paper``;
+    - ``has_kernel``: :meth:`attend_kernel` runs a Triton kernel;
+    - ``appends_tokens``: :meth:`append_token` adds a decoded token to the stored layer;
+    - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step.
+    """
 
     name: ClassVar[str]
     summary: ClassVar[str]
     Params: ClassVar[type[FormatParams]] = FormatParams
     selects: ClassVar[bool] = False
     needs_queries: ClassVar[bool] = False
+    prunes_itself: ClassVar[bool] = False
+    evicts: ClassVar[bool] = False
+    default_sweep: ClassVar[tuple[str, ...]] = ()
+    paper_rows: ClassVar[tuple[tuple[str, str, str], ...]] = ()
+    appends_tokens: ClassVar[bool] = False
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         """Raise UsageError/BadDataError if ``params`` cannot apply to ``layer`` (called before encode)."""
@@ -97,6 +129,22 @@ class Format(ABC):
         tensors under ``TRITON_INTERPRET=1``."""
         raise UsageError(f"format {self.name} has no Triton kernel; use the torch backend")
 
+    def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple["Format", FormatParams] | None:
+        """When a pipeline's pruning step (``prune``: a :class:`~kvtool.formats.pipeline.PruneStep`)
+        precedes this format: the format and parameters that store the pruned layer, or None to
+        store the pruned tensors with this format as they are."""
+        return None
+
+    def append_token(self, enc: Encoded, key: torch.Tensor, value: torch.Tensor, inplace: bool = False) -> Encoded:
+        """For formats with ``appends_tokens``: the layer with one decoded token's key/value
+        (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``) added the way the format's decoder would (a ring
+        buffer, say); a copy unless ``inplace``."""
+        raise UsageError(f"format {self.name} does not append tokens")
+
+    def sweep_specs(self) -> tuple[str, ...]:
+        """What ``kvtool eval`` sweeps for this format by default."""
+        return self.default_sweep or (self.name,)
+
     def selected_mask(self, q: torch.Tensor, enc: Encoded) -> torch.Tensor | None:
         """For selection formats: bool ``[B, H, Tq, T]`` (T = encoded prefix tokens, in original
         positions), True where query token t of head h attends a prefix token. Used for
@@ -125,9 +173,22 @@ def register(cls: type[Format]) -> type[Format]:
     return cls
 
 
-def get_format(name: str) -> Format:
-    from . import load_all
+_loaded = False
 
+
+def load_all() -> dict[str, Format]:
+    """Import every module of the ``kvtool.formats`` package so its formats register; return the
+    registry. A new format is one module in that folder: nothing else needs to name it."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+            if not mod.name.startswith("_") and mod.name != "base":
+                importlib.import_module(f"kvtool.formats.{mod.name}")
+    return FORMATS
+
+
+def get_format(name: str) -> Format:
     load_all()
     if name not in FORMATS:
         raise UsageError(f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
@@ -184,18 +245,6 @@ def make_params(fmt: Format, values: dict[str, Any]) -> FormatParams:
         return fmt.Params(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UsageError(f"--format {fmt.name}: {exc}") from None
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"quant:bits=4,group=32"`` -> ``("quant", {"bits": "4", "group": "32"})``."""
-    name, _, rest = spec.partition(":")
-    values: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise UsageError(f"cannot read {item!r} in {spec!r}: write name=value")
-        values[key.strip()] = value.strip()
-    return name.strip(), values
 
 
 # ----------------------------------------------------------------------------- compressed container
@@ -284,9 +333,6 @@ def compressed_tensors(cc: CompressedCache) -> dict[str, torch.Tensor]:
 
 def save_compressed(cc: CompressedCache, path: str | Path, force: bool = False) -> Path:
     """Write a compressed file atomically (schema ``kvtool.compressed``)."""
-    from .._version import __version__
-    from ..io import COMPRESSED_SCHEMA, SCHEMA_VERSION, write_safetensors
-
     meta = {
         "kvtool.schema": COMPRESSED_SCHEMA,
         "kvtool.schema_version": SCHEMA_VERSION,
@@ -305,8 +351,6 @@ def save_compressed(cc: CompressedCache, path: str | Path, force: bool = False) 
 def load_compressed(path: str | Path) -> CompressedCache:
     """Load and validate a compressed file: schema, model facts, tensor names, and the format's own
     ``validate`` on every layer before any kernel or decoder touches the data."""
-    from ..io import COMPRESSED_SCHEMA, check_schema, facts_from_meta, parse_json_meta, read_header, read_tensors
-
     path = Path(path)
     meta, entries = read_header(path)
     check_schema(path, meta, COMPRESSED_SCHEMA)

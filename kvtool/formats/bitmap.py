@@ -1,5 +1,5 @@
 """The ``bitmap`` format (Mustafar): per-token magnitude pruning (or another method of
-:mod:`kvtool.prune`) of keys and values, stored as 64-element tiles with a 64-bit bitmap each,
+:mod:`kvtool.methods.prune`) of keys and values, stored as 64-element tiles with a 64-bit bitmap each,
 packed non-zeros and one offset per block of 64 tokens; the most recent ``dense_window`` tokens stay
 dense. Layout: :mod:`kvtool.kernels.bitmap_layout` and docs/formats.md (section ``bitmap``).
 
@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from ..attention import attend_partial
-from ..cache import KVCache, LayerKV, dtype_name
-from ..errors import BadDataError, UsageError
-from ..kernels.bitmap_compress import encode
-from ..kernels.bitmap_layout import BitmapCache, BitmapTensor, popcount64
-from ..prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
-from .base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import KVCache, LayerKV, dtype_name
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.kernels.bitmap_compress import encode
+from kvtool.kernels.bitmap_layout import BitmapCache, BitmapTensor, popcount64
+from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.kernels.bitmap_attention import bitmap_decode_attention
 
 PARTS = ("nonzeros", "bitmaps", "offsets", "padding", "dense_window")
 
@@ -33,7 +34,7 @@ PARTS = ("nonzeros", "bitmaps", "offsets", "padding", "dense_window")
 @dataclass
 class BitmapParams(FormatParams):
     """``sparsity`` sets keys and values; ``key_sparsity`` / ``value_sparsity`` override it.
-    ``method``: a :mod:`kvtool.prune` method or KEYS/VALUES. ``dense_window``: recent tokens kept
+    ``method``: a :mod:`kvtool.methods.prune` method or KEYS/VALUES. ``dense_window``: recent tokens kept
     dense."""
 
     sparsity: float = 0.7
@@ -121,6 +122,23 @@ class BitmapFormat(Format):
     name = "bitmap"
     summary = "Mustafar unstructured pruning + bitmap sparse tiles (sparsity 0.7, dense window 32)"
     Params = BitmapParams
+    prunes_itself = True
+    default_sweep = (
+        'bitmap:sparsity=0.5,0.7,0.9',
+    )
+    paper_rows = (
+        ('pruning method, keys+values at 50% (Mustafar Tab. 1/2/12)', 'per-token unstructured', 'bitmap:sparsity=0.5,method=per-token'),
+        ('pruning method, keys+values at 50% (Mustafar Tab. 1/2/12)', 'per-channel unstructured', 'bitmap:sparsity=0.5,method=per-channel'),
+        ('pruning method, keys+values at 50% (Mustafar Tab. 1/2/12)', 'ThinK-like structured channels', 'bitmap:sparsity=0.5,method=think'),
+        ('pruning method, keys+values at 50% (Mustafar Tab. 1/2/12)', '2:4 semi-structured', 'bitmap:sparsity=0.5,method=2:4'),
+        ('pruning method, keys+values at 70% (Mustafar Tab. 1/2)', 'per-token unstructured', 'bitmap:sparsity=0.7,method=per-token'),
+        ('pruning method, keys+values at 70% (Mustafar Tab. 1/2)', 'per-channel unstructured', 'bitmap:sparsity=0.7,method=per-channel'),
+        ('pruning method, keys+values at 70% (Mustafar Tab. 1/2)', 'output-aware', 'bitmap:sparsity=0.7,method=output-aware'),
+        ('pruning method, keys+values at 70% (Mustafar Tab. 1/2)', 'ThinK-like structured channels', 'bitmap:sparsity=0.7,method=think'),
+        ('what is pruned at 70% (Mustafar)', 'keys only', 'bitmap:key_sparsity=0.7,value_sparsity=0'),
+        ('what is pruned at 70% (Mustafar)', 'values only', 'bitmap:key_sparsity=0,value_sparsity=0.7'),
+        ('what is pruned at 70% (Mustafar)', 'keys and values', 'bitmap:sparsity=0.7'),
+    )
     has_kernel = True
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
@@ -184,8 +202,6 @@ class BitmapFormat(Format):
         return attend_partial(q, keys, values, scale)
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..kernels.bitmap_attention import bitmap_decode_attention
-
         cache = cache_from_encoded(enc)
         cache.validate()
         return bitmap_decode_attention(q, cache, scale, validate=False)

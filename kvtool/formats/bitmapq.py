@@ -1,6 +1,6 @@
 """Joint Mustafar + KIVI: a pruning bitmap whose kept elements are stored as low-bit codes.
 
-The layer is pruned with :func:`kvtool.prune.prune_layer` (``method``, ``key_sparsity``,
+The layer is pruned with :func:`kvtool.methods.prune.prune_layer` (``method``, ``key_sparsity``,
 ``value_sparsity``, ``dense_window``), then, with ``R = min(residual, T)`` and ``P = T - R``:
 
 - ``bitmap.keys`` / ``bitmap.values``: ``uint8 [B, Hkv, P, ceil(D/8)]``, the keep mask of the first P
@@ -9,7 +9,7 @@ The layer is pruned with :func:`kvtool.prune.prune_layer` (``method``, ``key_spa
   bitmap format's key tiles: one channel of 64 tokens, quantised per channel as KIVI quantises keys),
   ``codes.values`` the kept value elements in ``(b, h, token, channel)`` order (per token); the same
   element order as the bitmap format's packed non-zeros. Each is a flat ``uint8`` stream of
-  ``bits``-bit codes packed as :mod:`kvtool.quantize` packs (``ceil(kept * bits / 8)`` bytes).
+  ``bits``-bit codes packed as :mod:`kvtool.methods.quantize` packs (``ceil(kept * bits / 8)`` bytes).
 - ``scales.*`` / ``zeros.*``: one scale and zero point per group of ``group`` consecutive kept
   elements of a row (a key row is one key tile, a value row one token of one head over the D
   channels; the last group of a row shorter), flat in row order. The number of groups of a row,
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from ..cache import DTYPES, LayerKV, dtype_name
-from ..errors import BadDataError, UsageError
-from ..quantize import (
+from kvtool.core.cache import DTYPES, LayerKV, dtype_name
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.methods.quantize import (
     check_bits,
     dequantize_groups,
     masked_row_groups,
@@ -41,7 +41,9 @@ from ..quantize import (
     scale_dtype_for,
     unpack_codes,
 )
-from .base import Encoded, Format, FormatParams, register
+from kvtool.formats.base import Encoded, Format, FormatParams, register
+from kvtool.methods.prune import check_sparsity, method_needs_queries
+from kvtool.methods.prune import prune_layer
 
 
 @dataclass
@@ -145,10 +147,16 @@ class BitmapQFormat(Format):
     name = "bitmapq"
     summary = "pruning bitmap with the kept elements as 2/4/8-bit codes (Mustafar + KIVI), recent tokens in full precision"
     Params = BitmapQParams
+    prunes_itself = True
+    default_sweep = (
+        'bitmapq:sparsity=0.5,0.7,bits=4',
+    )
+    paper_rows = (
+        ('pruning with KIVI quantisation (Mustafar 4.2)', '50% per-token + KIVI 2-bit', 'bitmapq:sparsity=0.5,bits=2'),
+        ('pruning with KIVI quantisation (Mustafar 4.2)', '50% per-token + KIVI 4-bit', 'bitmapq:sparsity=0.5,bits=4'),
+    )
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
-        from ..prune import check_sparsity, method_needs_queries
-
         check_sparsity(params.key_sparsity, "--key-sparsity")
         check_sparsity(params.value_sparsity, "--value-sparsity")
         if method_needs_queries(params.method) and layer.queries is None:
@@ -156,8 +164,6 @@ class BitmapQFormat(Format):
 
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
         """Prune ``layer`` (keys/values ``[B, Hkv, T, D]``), then store it as the module docstring says."""
-        from ..prune import prune_layer
-
         res = prune_layer(layer, params.key_sparsity, params.value_sparsity, params.method, params.dense_window)
         enc = encode_masked(res.keys, res.values, res.key_mask, res.value_mask, params.bits, params.group, params.residual)
         enc.meta["achieved_key_sparsity"] = res.stats["achieved_key_sparsity"]

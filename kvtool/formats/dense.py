@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cache import LayerKV
-from ..errors import BadDataError
-from .base import Encoded, Format, FormatParams, register
+from kvtool.core.cache import LayerKV
+from kvtool.core.errors import BadDataError
+from kvtool.formats.base import Encoded, Format, FormatParams, register
 
 
 @dataclass

@@ -19,13 +19,25 @@ from typing import Any, Literal
 
 import torch
 
-from ..attention import attend_partial, expand_kv
-from ..cache import KVCache, LayerKV
-from ..errors import BadDataError, UsageError
-from ._retrieval import oracle_recall, resolve_budget, selection_recall
-from .base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.core.attention import attend_partial, expand_kv
+from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.formats._retrieval import oracle_recall, resolve_budget, selection_recall
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.kernels.common import random_decode_inputs
+from kvtool.kernels.pages import (
+    SCORE_ID,
+    forced_index,
+    page_criticality,
+    page_scores,
+    paged_attention,
+    paged_attention_reference,
+    pages_to_token_mask,
+    select_pages,
+    select_pages_triton,
+)
 
-SCORES = ("unique", "quest", "mean")
+SCORES = tuple(SCORE_ID)
 
 
 @dataclass
@@ -77,23 +89,6 @@ def page_stats(keys: torch.Tensor, page_size: int, score: str) -> dict[str, torc
     return out
 
 
-def page_scores(q: torch.Tensor, stats: dict[str, torch.Tensor], score: str, lam: float = 1.0) -> torch.Tensor:
-    """Criticality ``[B, Hkv, Tq, NP]`` float32 of every page for q ``[B, H, Tq, D]``: the chosen
-    score per query head, then the max over the G query heads of each KV head. Unscaled."""
-    b, h, tq, d = q.shape
-    ref = stats["mean"] if "mean" in stats else stats["max"]
-    hkv = ref.shape[1]
-    qg = q.float().reshape(b, hkv, h // hkv, tq, d)
-    if score == "quest":
-        hi, lo = stats["max"].float(), stats["min"].float()
-        per = torch.maximum(qg[..., None, :] * hi[:, :, None, None], qg[..., None, :] * lo[:, :, None, None]).sum(-1)
-    else:
-        per = torch.einsum("bkgtd,bknd->bkgtn", qg, stats["mean"].float())
-        if score == "unique":
-            per = per + lam * qg.norm(dim=-1)[..., None] * stats["sigma"].float()[:, :, None, None]
-    return per.amax(2)
-
-
 def forced_pages(tokens: int, page_size: int, window: int) -> list[int]:
     """Pages always attended: the first page and every page touching the last ``window`` tokens."""
     n = -(-tokens // page_size)
@@ -109,24 +104,6 @@ def pages_to_select(tokens: int, page_size: int, window: int, budget: int) -> in
     return max(0, min(n - len(forced), (budget - forced_tokens) // page_size))
 
 
-def select_pages(scores: torch.Tensor, forced: list[int], k: int) -> torch.Tensor:
-    """Page indices int64 ``[B, Hkv, Tq, len(forced) + k]``: the forced pages, then the k best-
-    scoring other pages of ``scores`` ``[B, Hkv, Tq, NP]``."""
-    s = scores.clone()
-    f = torch.tensor(forced, dtype=torch.int64, device=scores.device)
-    s[..., f] = float("-inf")
-    top = torch.topk(s, k, dim=-1, sorted=False).indices
-    return torch.cat([f.expand(*scores.shape[:3], -1), top], -1)
-
-
-def pages_to_token_mask(pages: torch.Tensor, page_size: int, tokens: int) -> torch.Tensor:
-    """bool ``[B, Hkv, Tq, T]`` from page indices ``[B, Hkv, Tq, n]``."""
-    n = -(-tokens // page_size)
-    pm = torch.zeros(*pages.shape[:3], n, dtype=torch.bool, device=pages.device)
-    pm.scatter_(3, pages, True)
-    return pm.repeat_interleave(page_size, dim=3)[..., :tokens]
-
-
 # ----------------------------------------------------------------------------- the format
 
 
@@ -135,6 +112,13 @@ class PageStatFormat(Format):
     name = "pagestat"
     summary = "dense paged keys/values + per-page statistics for top-k page selection (UNIQUE / Quest)"
     Params = PageStatParams
+    default_sweep = (
+        'pagestat:budget=64,128,256',
+    )
+    paper_rows = (
+        ('page scoring at budget 128 (UNIQUE vs Quest)', 'UNIQUE', 'pagestat:budget=128,score=unique'),
+        ('page scoring at budget 128 (UNIQUE vs Quest)', 'Quest', 'pagestat:budget=128,score=quest'),
+    )
     selects = True
     has_kernel = True
 
@@ -190,8 +174,6 @@ class PageStatFormat(Format):
         return attend_partial(q, enc.tensors["keys"], enc.tensors["values"], scale, self.selected_mask(q, enc))
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..kernels.pages import pagestat_decode
-
         return pagestat_decode(q, enc, scale)
 
     def nbytes(self, enc: Encoded) -> dict[str, int]:
@@ -281,3 +263,35 @@ class PageStatFormat(Format):
             if got is not None:
                 out[score] = got["overall"]
         return out
+
+
+def pagestat_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pagestat`` attention through the kernels: criticality, Triton page selection
+    (:func:`select_pages_triton`), paged attention with the Triton split merge. Same contract as
+    ``PageStatFormat.attend``. No host copies or syncs, so the step can be captured in a CUDA graph."""
+    m = enc.meta
+    stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+    crit = page_criticality(q, stats, m["score"], m["lam"])
+    pages = select_pages_triton(crit, forced_index(m["forced_pages"], q.device), m["select"])
+    # selected page lists are distinct and in range: skip the checks (and their device-to-host syncs)
+    return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale, check=False)
+
+
+def pagestat_decode_reference(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path (``PageStatFormat.attend``) with the scores of :func:`page_scores`."""
+    m = enc.meta
+    stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
+    pages = select_pages(page_scores(q, stats, m["score"], m["lam"]), m["forced_pages"], m["select"])
+    return paged_attention_reference(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale)
+
+
+def make_pagestat_inputs(
+    batch: int = 1, heads: int = 32, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
+    dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", page_size: int = 16,
+    budget: int = 512, score: str = "unique", dense_window: int = 16, seed: int = 0,
+) -> tuple[torch.Tensor, Encoded]:
+    """Random keys/values (one planted outlier channel) encoded as ``pagestat`` on ``device`` and a
+    decode query ``[batch, heads, 1, head_dim]``: ``pagestat_decode(q, enc)`` runs on them."""
+    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
+    enc = PageStatFormat().encode(lay, PageStatParams(page_size=page_size, score=score, budget=budget, budget_ratio=None, dense_window=dense_window))
+    return q, enc

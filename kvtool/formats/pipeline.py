@@ -1,7 +1,30 @@
-"""The ``pipeline`` format: a composed file (eviction -> pruning -> storage format), see
-:mod:`kvtool.pipeline` for the syntax and which steps compose.
+"""Composed compression: token eviction, then pruning, then a storage format, as one file.
 
-Per layer it stores the storage format's own tensors under their own names, plus, when eviction ran,
+Syntax (``kvtool compress``): ``--evict POLICY:budget=N[,sinks=..,recent=..,window=..,pool=..]``,
+``--prune METHOD[:k=KEY_SPARSITY,v=VALUE_SPARSITY,s=BOTH,window=DENSE_WINDOW]`` and ``--format
+NAME[:key=value,...]``; or the whole chain in ``--format`` with ``+`` between the steps, in order:
+``snapkv:budget=256+per-token:k=0.5,v=0.7+quant:bits=4``. Policies are those of
+:mod:`kvtool.methods.evict` (snapkv, streaming), methods those of :mod:`kvtool.methods.prune` (per-token, per-channel,
+output-aware, think, 2:4, or KEYS/VALUES such as output-aware/per-token).
+
+How steps compose (:func:`plan`):
+
+- eviction runs first on each layer's keys/values ``[B, Hkv, T, D]`` and keeps ``[B, Hkv, K, D]``
+  (kept positions stored as ``pipeline.kept``); the storage format then sees no queries, so formats
+  that need queries, eviction formats (snapstream) and query-aware pruning cannot follow it;
+- pruning + ``quant`` (scheme kivi) is stored as ``bitmapq``: the bitmap stays and the kept elements
+  become low-bit codes with their scales (the joint Mustafar + KIVI case);
+- pruning + ``bitmap``/``bitmapq`` is refused: those formats prune by themselves (give their
+  ``--method``/``--key-sparsity``/``--value-sparsity`` instead);
+- pruning + any other format (dense, signvq, pagestat, ...) stores the pruned tensors with that format.
+
+A composed file's format is ``pipeline``; its parameters are the step specs (``kvtool info`` shows
+them) and each layer's metadata names the storage format that holds the tensors. The ``pipeline``
+format can also be named directly, with ``;`` between a step's own parameters:
+``pipeline:evict=snapkv:budget=128,prune=per-token:k=0.5;v=0.7,format=quant:bits=4`` (the form a
+``kvtool eval`` sweep spec takes).
+
+The composed file (format ``pipeline``). Per layer it stores the storage format's own tensors under their own names, plus, when eviction ran,
 ``pipeline.kept``: int16 (int32 when T > 32767) ``[B, Hkv, K]``, the original positions (ascending)
 of the K tokens each KV head kept. The layer metadata holds ``tokens`` (T before eviction),
 ``storage`` (the format holding the tensors), ``storage_params`` and ``storage_meta`` (that
@@ -17,9 +40,178 @@ from typing import Any
 
 import torch
 
-from ..cache import LayerKV
-from ..errors import BadDataError
-from .base import CompressedCache, Encoded, Format, FormatParams, get_format, register
+from kvtool.core.cache import LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.spec import parse_spec
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, get_format, load_all, make_params, register
+from kvtool.methods.evict import POLICIES, evict_with, parse_evict
+from kvtool.methods.prune import METHODS, check_sparsity, method_needs_queries, parse_method, prune_layer
+
+PRUNE_KEYS = {"k": "key_sparsity", "v": "value_sparsity", "s": "sparsity", "window": "dense_window"}
+
+
+@dataclass
+class PruneStep:
+    """A parsed ``--prune`` spec: method and sparsities (0 when not given), recent tokens left dense."""
+
+    method: str = "per-token"
+    key_sparsity: float = 0.0
+    value_sparsity: float = 0.0
+    dense_window: int = 32
+
+    def spec(self) -> str:
+        return f"{self.method}:k={self.key_sparsity:g},v={self.value_sparsity:g},window={self.dense_window}"
+
+
+def parse_prune(spec: str) -> PruneStep:
+    """``"per-token:k=0.5,v=0.7"`` -> PruneStep (UsageError naming the problem)."""
+    text = spec.strip()
+    if text.startswith("2:4"):  # the method name holds a colon
+        name, values = "2:4", parse_spec("x" + text[3:])[1]
+    else:
+        name, values = parse_spec(text)
+    parse_method(name)
+    fields: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in PRUNE_KEYS:
+            raise UsageError(f"--prune {spec!r}: unknown parameter {key!r}; it takes k (key sparsity), v (value sparsity), s (both), window (dense tokens)")
+        try:
+            fields[PRUNE_KEYS[key]] = int(value) if key == "window" else float(value)
+        except ValueError:
+            raise UsageError(f"--prune {spec!r}: {key} must be a number, got {value!r}") from None
+    both = fields.pop("sparsity", None)
+    step = PruneStep(method=name, key_sparsity=fields.get("key_sparsity", both or 0.0), value_sparsity=fields.get("value_sparsity", both or 0.0), dense_window=fields.get("dense_window", 32))
+    if "2:4" in name and both is None and "key_sparsity" not in fields and "value_sparsity" not in fields:
+        step.key_sparsity = step.value_sparsity = 0.5
+    check_sparsity(step.key_sparsity, f"--prune {spec!r}: k")
+    check_sparsity(step.value_sparsity, f"--prune {spec!r}: v")
+    if step.key_sparsity == 0 and step.value_sparsity == 0:
+        raise UsageError(f"--prune {spec!r} prunes nothing; give k=, v= or s= (e.g. per-token:k=0.5,v=0.7)")
+    if step.dense_window < 0:
+        raise UsageError(f"--prune {spec!r}: window must be at least 0")
+    return step
+
+
+def step_kind(spec: str) -> str:
+    """``evict``, ``prune`` or ``format`` for one step of a ``+`` chain, by its name."""
+    name = spec.strip()
+    if name.startswith("2:4"):
+        return "prune"
+    name = name.partition(":")[0].strip()
+    if name in POLICIES:
+        return "evict"
+    if name in METHODS or ("/" in name and all(p in METHODS for p in name.split("/"))):
+        return "prune"
+    return "format"
+
+
+def split_chain(spec: str) -> tuple[str | None, str | None, str]:
+    """``"snapkv:budget=256+per-token:k=0.5+quant:bits=4"`` -> (evict, prune, format) specs."""
+    parts = [p.strip() for p in spec.split("+")]
+    found: dict[str, str] = {}
+    order = ("evict", "prune", "format")
+    last = -1
+    for part in parts:
+        if not part:
+            raise UsageError(f"--format {spec!r}: empty step between '+' signs")
+        kind = step_kind(part)
+        if kind in found:
+            raise UsageError(f"--format {spec!r}: two {kind} steps ({found[kind]!r} and {part!r}); a pipeline has at most one of each")
+        if order.index(kind) < last:
+            raise UsageError(f"--format {spec!r}: steps go in the order eviction + pruning + format")
+        last = order.index(kind)
+        found[kind] = part
+    return found.get("evict"), found.get("prune"), found.get("format", "dense")
+
+
+def unsemi(spec: str | None) -> str | None:
+    """Step specs may separate their parameters with ``;`` instead of ``,`` (so that a whole
+    pipeline fits in one ``pipeline:evict=...,prune=...,format=...`` spec): ``;`` -> ``,``."""
+    return spec.replace(";", ",") if spec else spec
+
+
+@dataclass
+class Plan:
+    """What a pipeline runs: the eviction parameters (or None), the generic pruning step (or None,
+    also when the storage format does the pruning itself), the storage format and its parameters."""
+
+    evict: Any
+    prune: PruneStep | None
+    storage: Any
+    storage_params: Any
+    label: str
+
+
+def compose_help() -> str:
+    """Which steps compose, from the formats' declared capabilities."""
+    formats = load_all()
+    evicting = ", ".join(sorted(n for n, f in formats.items() if f.evicts))
+    pruning = ", ".join(sorted(n for n, f in formats.items() if f.prunes_itself))
+    return (
+        f"eviction ({', '.join(POLICIES)}) can precede any format that needs no queries except {evicting}; "
+        f"pruning can precede dense, formats that store pruned tensors in their own way, and formats "
+        f"that do not prune themselves ({pruning} prune by themselves)"
+    )
+
+
+def plan(evict: str | None, prune: str | None, fmt_spec: str, extra: dict[str, Any] | None = None) -> Plan:
+    """Resolve step specs into a :class:`Plan` (UsageError when the steps cannot compose).
+
+    ``extra``: format options given apart from ``fmt_spec`` (``--bits 4`` ...), applied to the
+    storage format."""
+    evict, prune, fmt_spec = (unsemi(s) for s in (evict, prune, fmt_spec))
+    name, values = parse_spec(fmt_spec)
+    values.update({k: v for k, v in (extra or {}).items() if v is not None})
+    if name == "pipeline":
+        raise UsageError("a pipeline's storage format cannot be another pipeline; give --evict/--prune with a plain --format")
+    fmt = get_format(name)
+    ev = parse_evict(evict) if evict else None
+    pr = parse_prune(prune) if prune else None
+    if ev is not None:
+        if fmt.evicts:
+            raise UsageError(f"--evict cannot precede --format {name}: it evicts tokens itself ({compose_help()})")
+        if fmt.needs_queries:
+            raise UsageError(f"--evict cannot precede --format {name}: it needs every token's queries, which eviction does not keep ({compose_help()})")
+        if pr is not None:
+            if method_needs_queries(pr.method):
+                raise UsageError(f"--prune {pr.method} needs every token's queries and cannot follow --evict; use per-token, per-channel or 2:4")
+    if pr is not None and fmt.prunes_itself:
+        raise UsageError(f"--prune cannot precede --format {name}: {name} prunes by itself, give it --method/--key-sparsity/--value-sparsity instead (pruning composes with quant, dense and formats that do not prune)")
+    storage, storage_params = fmt, make_params(fmt, values)
+    if pr is not None:
+        after = fmt.storage_after_pruning(storage_params, pr)
+        if after is not None:  # the format stores pruned tensors in a format of its own choosing
+            storage, storage_params = after
+            pr = None
+    steps = [s for s in (evict, prune) if s] + [fmt_spec]
+    return Plan(ev, pr, storage, storage_params, " -> ".join(steps))
+
+
+def resolve(spec: str, options: dict[str, Any] | None = None):
+    """The format and parameters ``kvtool compress`` uses for ``--format spec`` with ``options``
+    (which may hold ``evict``/``prune`` step specs): (Format, FormatParams, short name).
+
+    Without eviction or pruning this is the named format itself; otherwise the ``pipeline`` format
+    with :class:`~kvtool.formats.pipeline.PipelineParams`."""
+    options = dict(options or {})
+    evict, prune = options.pop("evict", None), options.pop("prune", None)
+    if "+" in spec:
+        ce, cp, spec = split_chain(spec)
+        if (ce and evict) or (cp and prune):
+            raise UsageError("give each pipeline step once: either in the --format chain or as --evict/--prune")
+        evict, prune = evict or ce, prune or cp
+    name, values = parse_spec(spec)
+    if not evict and not prune:
+        fmt = get_format(name)
+        values.update({k: v for k, v in options.items() if v is not None})
+        return fmt, make_params(fmt, values), name
+    values.update({k: v for k, v in options.items() if v is not None})
+    merged = name + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
+    params = PipelineParams(evict=evict, prune=prune, format=merged)
+    plan(params.evict, params.prune, params.format)  # refuse early, before any data is read
+    short = "+".join(s.partition(":")[0].replace("/", "-") for s in (evict, prune) if s) + f"+{name}"
+    return get_format("pipeline"), params, short
+
 
 KEPT = "pipeline.kept"
 
@@ -52,23 +244,25 @@ class PipelineFormat(Format):
     name = "pipeline"
     summary = "composed: --evict then --prune then a storage format (prune + quant stores as bitmapq)"
     Params = PipelineParams
+    default_sweep = (
+        'pipeline:evict=snapkv:budget=256,prune=none,format=quant:bits=4',
+        'pipeline:evict=snapkv:budget=256,prune=per-token:k=0.5;v=0.7,format=quant:bits=4',
+    )
+    paper_rows = (
+        ('pruning with eviction (Mustafar 4.2)', 'SnapKV 256 alone', 'pipeline:evict=snapkv:budget=256,prune=none,format=dense'),
+        ('pruning with eviction (Mustafar 4.2)', 'SnapKV 256 + 50% per-token', 'pipeline:evict=snapkv:budget=256,prune=none,format=bitmap:sparsity=0.5'),
+    )
     # A pipeline may store into a selecting format (signvq, pagestat); ``selects`` is per format, not
     # per file, so it is set conservatively: tools never stand a dense decode in for a pipeline file
     # (export/continuation go through ``attend``, which is right for every storage format).
     selects = True
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
-        from ..pipeline import plan
-
         plan(params.evict, params.prune, params.format)
 
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
         """Run the steps on ``layer`` (keys/values ``[B, Hkv, T, D]``, queries for SnapKV and
         query-aware pruning) and store the result with the storage format."""
-        from ..evict import evict_with
-        from ..pipeline import plan
-        from ..prune import prune_layer
-
         pl = plan(params.evict, params.prune, params.format)
         t = layer.num_tokens
         x = layer

@@ -8,7 +8,7 @@ Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` 
   and R + group - 1 of them, stay in full precision, as KIVI keeps its key tail). Values quantise their
   first ``Tv = n`` tokens, per token in groups of ``group`` channels (the last group of a token shorter
   when ``group`` does not divide D: it still has its own scale and zero point, counted). Codes are
-  bit-packed (:mod:`kvtool.quantize`): keys along tokens, ``codes.keys`` ``uint8 [B, Hkv, D,
+  bit-packed (:mod:`kvtool.methods.quantize`): keys along tokens, ``codes.keys`` ``uint8 [B, Hkv, D,
   ceil(Tk*bits/8)]``; values along channels, ``codes.values`` ``uint8 [B, Hkv, Tv, ceil(D*bits/8)]``.
   Scales/zero points: ``scales.keys``/``zeros.keys`` ``[B, Hkv, D, Tk/group]``,
   ``scales.values``/``zeros.values`` ``[B, Hkv, Tv, ceil(D/group)]``, float16 (float32 when a value
@@ -30,9 +30,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..cache import DTYPES, LayerKV, dtype_name
-from ..errors import BadDataError, UsageError
-from ..quantize import (
+from kvtool.core.cache import DTYPES, LayerKV, dtype_name
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.methods.quantize import (
     check_bits,
     dequantize_groups,
     dequantize_symmetric,
@@ -44,7 +44,7 @@ from ..quantize import (
     scale_dtype_for,
     unpack_codes,
 )
-from .base import Encoded, Format, FormatParams, register
+from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -185,6 +185,25 @@ class QuantFormat(Format):
     name = "quant"
     summary = "KIVI 2/4/8-bit codes (keys per channel, values per token) with a full-precision residual; int8/fp8 per token"
     Params = QuantParams
+    default_sweep = (
+        'quant:bits=2,4,8',
+        'quant:scheme=int8,fp8',
+    )
+    paper_rows = (
+        ('pruning with KIVI quantisation (Mustafar 4.2)', 'KIVI 2-bit', 'quant:bits=2'),
+        ('pruning with KIVI quantisation (Mustafar 4.2)', 'KIVI 4-bit', 'quant:bits=4'),
+    )
+
+    def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple[Format, FormatParams]:
+        """Pruned tensors keep their bitmap and quantise only the kept elements: ``bitmapq`` (the
+        joint Mustafar + KIVI case), which needs scheme kivi."""
+        if params.scheme != "kivi":
+            raise UsageError(f"--prune with --format quant needs scheme kivi (the kept elements become low-bit codes); scheme {params.scheme} cannot compose with pruning")
+        storage = get_format("bitmapq")
+        return storage, make_params(storage, {
+            "bits": params.bits, "group": params.group, "residual": params.residual, "method": prune.method,
+            "key_sparsity": prune.key_sparsity, "value_sparsity": prune.value_sparsity, "dense_window": prune.dense_window,
+        })
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         if layer.keys.dtype not in DTYPES.values():

@@ -27,11 +27,15 @@ from typing import Any, Literal
 
 import torch
 
-from ..attention import attend_partial, expand_kv, merge_partials
-from ..cache import KVCache, LayerKV
-from ..errors import BadDataError, UsageError
-from ._retrieval import oracle_recall, resolve_budget, selection_recall
-from .base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.core.attention import attend_partial, expand_kv, merge_partials
+from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.formats._retrieval import oracle_recall, resolve_budget, selection_recall
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.methods.quantize import pack_codes, unpack_codes
+from kvtool.kernels.common import random_decode_inputs
+from kvtool.kernels.pages import combine_splits
+from kvtool.kernels.signvq_lut import check_encoded, lut_scores_kernel, signvq_partials
 
 ALLOWED_BITS = (2, 4, 8)
 CODES = 16
@@ -74,36 +78,22 @@ def sign_nibbles(centred: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nibbles(nib: torch.Tensor) -> torch.Tensor:
-    """``[..., G]`` values 0..15 -> uint8 ``[..., ceil(G/2)]``: group 2i low nibble, 2i+1 high."""
-    if nib.shape[-1] % 2:
-        nib = torch.cat([nib, nib.new_zeros(*nib.shape[:-1], 1)], -1)
-    return nib[..., 0::2] | (nib[..., 1::2] << 4)
-
+    """``[..., G]`` values 0..15 -> uint8 ``[..., ceil(G/2)]``: group 2i low nibble, 2i+1 high
+    (:func:`~kvtool.methods.quantize.pack_codes` at 4 bits)."""
+    return pack_codes(nib, 4)
 
 def unpack_nibbles(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """Inverse of :func:`pack_nibbles`: uint8 ``[..., ceil(G/2)]`` -> int64 ``[..., G]``."""
-    p = packed.to(torch.int64)
-    return torch.stack([p & 15, p >> 4], -1).flatten(-2)[..., :groups]
-
+    return unpack_codes(packed, 4, groups).to(torch.int64)
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes ``[..., N]`` in 0..2^bits-1 -> uint8 ``[..., N*bits/8]``; element i sits at byte
-    ``i*bits // 8``, bit offset ``i*bits % 8`` (little-endian within the byte)."""
-    per = 8 // bits
-    c = codes.to(torch.uint8).unflatten(-1, (-1, per))
-    out = torch.zeros(c.shape[:-1], dtype=torch.uint8, device=codes.device)
-    for j in range(per):
-        out |= c[..., j] << (j * bits)
-    return out
-
+    ``i*bits // 8``, bit offset ``i*bits % 8`` (:func:`~kvtool.methods.quantize.pack_codes`)."""
+    return pack_codes(codes, bits)
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``[..., n*bits/8]`` -> int64 ``[..., n]``."""
-    per = 8 // bits
-    p = packed.to(torch.int64)
-    mask = (1 << bits) - 1
-    return torch.stack([(p >> (j * bits)) & mask for j in range(per)], -1).flatten(-2)[..., :n]
-
+    return unpack_codes(packed, bits, n).to(torch.int64)
 
 def quantize(x: torch.Tensor, bits: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-wise asymmetric quantisation of ``x`` ``[..., D]`` (float) in groups of ``group``
@@ -249,6 +239,13 @@ class SignVQFormat(Format):
     name = "signvq"
     summary = "Self-Indexing KV: 1-bit sign codes + codebook for top-k retrieval, 2-bit |K| and V"
     Params = SignVQParams
+    default_sweep = (
+        'signvq:bits=2,4',
+    )
+    paper_rows = (
+        ('sign-VQ key centring (Self-Indexing)', 'centred (mean)', 'signvq:center=mean'),
+        ('sign-VQ key centring (Self-Indexing)', 'centred (median)', 'signvq:center=median'),
+    )
     selects = True
     has_kernel = True
 
@@ -371,8 +368,6 @@ class SignVQFormat(Format):
         return merge_partials(part, full)
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        from ..kernels.signvq_lut import signvq_decode
-
         return signvq_decode(q, enc, scale)
 
     # ------------------------------------------------------------------ bytes
@@ -515,3 +510,39 @@ class SignVQFormat(Format):
                 out["recall_per_layer"] = recall["per_layer"]
                 out["recall_oracle_same_budget"] = oracle_recall(cc, source, first["budget"])
         return out
+
+
+def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`signvq_attention`: dequantise every compressed token (through the
+    capture dtype) and attend under the mask of ``idx``."""
+    t, m = enc.tensors, enc.meta
+    dtype = t["full.keys"].dtype
+    mask = torch.zeros(*idx.shape[:3], m["compressed_tokens"], dtype=torch.bool, device=q.device)
+    mask.scatter_(3, idx.to(torch.int64), True)
+    kd, vd = dequant_keys(t, m).to(dtype), dequant_values(t, m).to(dtype)
+    return attend_partial(q, kd, vd, scale, expand_kv(mask, q.shape[1] // kd.shape[1]))
+
+
+def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, lookup: str = "table") -> tuple[torch.Tensor, torch.Tensor]:
+    """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
+    then one launch of the fused dequantising attention over the chosen tokens with the
+    full-precision (sink / keep-top / window) tokens in extra splits, and the Triton split merge.
+    Same contract as ``SignVQFormat.attend``. No host sync (CUDA-graph capturable)."""
+    check_encoded(q, enc)
+    t, m = enc.tensors, enc.meta
+    scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
+    idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
+    out, lse = signvq_partials(q, enc, idx, scale, None, True)
+    return combine_splits(out, lse, q.shape[1], q.shape[3])
+
+
+def make_signvq_inputs(
+    batch: int = 1, heads: int = 32, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
+    dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", bits: int = 2, group: int = 64,
+    budget: int = 512, sinks: int = 4, dense_window: int = 0, gqa: str = "sum", seed: int = 0,
+) -> tuple[torch.Tensor, Encoded]:
+    """Random keys/values (one planted outlier channel) encoded as ``signvq`` on ``device`` and a
+    decode query ``[batch, heads, 1, head_dim]``: ``signvq_decode(q, enc)`` runs on them."""
+    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
+    params = SignVQParams(bits=bits, group=group, budget=budget, budget_ratio=None, sinks=sinks, dense_window=dense_window, gqa=gqa)
+    return q, SignVQFormat().encode(lay, params)

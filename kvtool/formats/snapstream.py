@@ -25,11 +25,11 @@ from typing import Any, Literal
 
 import torch
 
-from ..attention import attend_partial, expand_kv
-from ..cache import KVCache, LayerKV
-from ..errors import BadDataError, UsageError
-from ..evict import POLICIES, attention_mass_recall, candidate_positions, check_evict
-from .base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.core.attention import attend_partial, expand_kv
+from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.methods.evict import POLICIES, attention_mass_recall, candidate_positions, check_evict
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
 
 
 @dataclass
@@ -119,7 +119,18 @@ class SnapStreamFormat(Format):
     name = "snapstream"
     summary = "SnapKV top-K + sinks + ring buffer of recent tokens, fixed budget (token eviction)"
     Params = SnapStreamParams
+    paper_rows = (
+        ('eviction at budget 128 (SnapStream)', 'SnapKV + sinks + recent', 'snapstream:budget=128,policy=snapkv'),
+        ('eviction at budget 128 (SnapStream)', 'sinks + recent only (StreamingLLM)', 'snapstream:budget=128,policy=streaming'),
+    )
     selects = True
+    evicts = True
+    appends_tokens = True
+    default_sweep = ("snapstream:budget=64,128,256",)
+
+    def append_token(self, enc: Encoded, key: torch.Tensor, value: torch.Tensor, inplace: bool = False) -> Encoded:
+        """The ring-buffer update of :func:`append_token`."""
+        return append_token(enc, key, value, inplace=inplace)
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         assert isinstance(params, SnapStreamParams)

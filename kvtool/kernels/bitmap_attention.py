@@ -9,7 +9,7 @@ validate=True) -> (out, lse)``
   several queries against the same cache (no causal mask: every cached token precedes them).
 - ``cache``: :class:`~.bitmap_layout.BitmapCache` (make one with
   :func:`~.bitmap_compress.encode_cache`).
-- returns the partial of :mod:`kvtool.attention`: ``out`` ``[B, H, Tq, D]`` float32 (softmax-weighted
+- returns the partial of :mod:`kvtool.core.attention`: ``out`` ``[B, H, Tq, D]`` float32 (softmax-weighted
   values), ``lse`` ``[B, H, Tq]`` float32 (natural log-sum-exp of the scaled scores).
 
 How it runs: grid ``(B * Hkv, S + 1)``. Program (bh, s < S) walks the 64-token blocks ``s * BPS ..``
@@ -27,17 +27,14 @@ Two expansions of a block, same result:
 - ``popc`` (the interpreter, float32, or ``expansion="popc"``): an element's place in its block's
   run is ``base + popcount(word & bits below it)``, on 3-D ``[rows, half-words, 32]`` bit tensors,
   one ``popc.b32`` per element on CUDA (SWAR arithmetic under the interpreter). CI runs this path;
-  the GPU checks (``scripts/gpu_kernel_checks.py``) compare both with the reference.
+  the GPU tests (``pytest -m gpu``) compare both with the reference.
 
 The kernel is compiled with at most 128 registers per thread (``maxnreg``): unbounded, ptxas takes
 254 and only two 4-warp programs fit on an SM; at 128 four fit, with no spills. S
 (:func:`default_splits`): about 4 programs per SM under 32 KV heads in all, 16 above. Every load is
 masked or bounded by the bitmaps; the offsets are validated before launch (``validate=True``) so no
-gather leaves ``nz``. Measured on the H100 (Llama-3-8B shapes, fp16, ``scripts/try_attn.py``,
-2026-11-22, docs/benchmarks.md): batch 8 / 32k tokens at 70% sparsity 497 µs (walk, 128 registers)
-against 562 µs (popc, unbounded registers); at 50% 623 µs against 802 µs; batch 1 / 32k 115 µs
-against 126 µs. Ranks from tensor-core prefix sums (``bits @ triangular``, int8) were 2.8x slower
-(layout conversions through shared memory and spills) and were dropped.
+gather leaves ``nz``. The walk is the default on CUDA because it was faster than the popcount
+expansion at every configuration timed on the H100 (docs/benchmarks.md).
 
 :func:`_expand_keys` / :func:`_expand_values` (one block to a dense tile) are shared with the
 standalone SpMV products of :mod:`.bitmap_spmv`.
@@ -51,11 +48,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attend_partial, default_scale
-from ..errors import UsageError
-from .bitmap_compress import _check_device, _popc32
-from .bitmap_layout import TILE, BitmapCache
-from .online_softmax import attend_block as _attend_block, merge_split_partials
+from kvtool.core.attention import attend_partial, default_scale
+from kvtool.core.errors import UsageError
+from kvtool.kernels.bitmap_compress import _check_device, _popc32
+from kvtool.kernels.bitmap_layout import TILE, BitmapCache
+from kvtool.kernels.online_softmax import attend_block as _attend_block, merge_split_partials
 
 LOG2E = 1.4426950408889634
 
@@ -254,10 +251,7 @@ def check_query(q: torch.Tensor, cache: BitmapCache) -> None:
 def default_splits(bh: int, blocks: int, device: torch.device) -> int:
     """Token-axis splits per KV head: about 4 programs per SM when there are few KV heads (under 32:
     batch 1 of an 8-KV-head model), else about 16, at least 2 blocks per program; 1 on the CPU.
-    Measured on the H100 (Llama-3-8B shapes, 70%): first with a merge that walked the partials one
-    by one (batch 1 / 32k: 4 per SM 129 µs, 16 per SM 191 µs; batch 8: 16 per SM 567 µs, 4 per SM
-    631 µs), again with the vectorised merge (scripts/try_bitmap_splits.py): 0.5x to 8x these
-    splits are no faster anywhere (batch 1 / 32k 74.5 µs here, 79.6 µs at 2x, 94.8 µs at 0.5x)."""
+    On the H100, 0.5x to 8x these splits were no faster at any configuration timed."""
     if blocks == 0 or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -376,6 +370,6 @@ def kernel_bytes(cache: BitmapCache, q: torch.Tensor | None = None) -> int:
 
 
 def bitmap_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: decode the layout and run :func:`kvtool.attention.attend_partial`."""
+    """Torch reference: decode the layout and run :func:`kvtool.core.attention.attend_partial`."""
     keys, values = cache.decode()
     return attend_partial(q, keys, values, scale)

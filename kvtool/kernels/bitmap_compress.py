@@ -9,10 +9,7 @@ Two encoders that produce identical bytes:
   one cumsum and sizes ``nz`` (one sync); pass 2 places every stored element from the bitmap words
   pass 1 wrote (the words' popcount prefix + the popcount of the bits below it) and writes them
   with one 1-D store in storage order, so that a warp's lanes write neighbouring elements.
-  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. H100 (batch 8, 32k tokens, D 128, 70%,
-  docs/benchmarks.md, fourth session): pass 1 195 µs (keys) and 197 µs (values), about 97% of copy;
-  pass 2 381 µs (keys, 62%) and 312 µs (values, 76%); the 2-D stores before sent a warp's lanes to
-  32 different runs (pass 2 840 µs for keys, 1297 µs for values).
+  CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Timings: docs/benchmarks.md.
 
 Input ``x``: ``[B, Hkv, Tc, D]`` float16 / bfloat16 / float32, the pruned keys or values (pruned
 elements +0.0). An element is stored when its bit pattern is not all zero. :func:`encode_cache`
@@ -28,8 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UsageError
-from .bitmap_layout import _INT_VIEW, TILE, BitmapCache, BitmapTensor, align_elements, bits_to_words, nonzero_bits
+from kvtool.core.errors import UsageError
+from kvtool.kernels.bitmap_layout import (
+    _INT_VIEW,
+    TILE,
+    BitmapCache,
+    BitmapTensor,
+    align_elements,
+    bits_to_words,
+    nonzero_bits,
+)
 
 
 def _check_input(x: torch.Tensor, kind: str) -> None:
@@ -100,8 +105,8 @@ def _block_words(raw, bitmap_ptr, g, bh, tok, tmask, Tc, D, IS_KEY: tl.constexpr
     bits = (raw != 0).to(tl.int32)
     t = tl.arange(0, 64)
     c = tl.arange(0, DP)
-    if IS_KEY:  # two masked reductions over the token axis as loaded (H100, pass 1 at 70% with the
-        # count from summed bits: 271 µs; one int64 reduction 304 µs; a reshaped [2, 32, DP] tile 359 µs)
+    if IS_KEY:  # two masked 32-bit reductions over the token axis as loaded: faster than one int64
+        # reduction or a reshaped [2, 32, DP] tile
         sh = (t % 32)[:, None]
         lo = tl.sum(tl.where(t[:, None] < 32, bits << sh, 0), axis=0)  # [DP]
         hi = tl.sum(tl.where(t[:, None] >= 32, bits << sh, 0), axis=0)
@@ -136,8 +141,7 @@ def _pack_block(raw, words, dst_ptr, IS_KEY: tl.constexpr, DP: tl.constexpr, USE
     # (lanes along the 32 bits), which the flattening keeps: only the data tile changes layout (for
     # keys, its transposition). One warp store then covers one or two packed runs. A 2-D store gets
     # the layout Triton's pass picks for a data-dependent address (3.6: lanes along the first
-    # axis), which sent the values' lanes to 32 different runs (pass 2 1297 µs against 304 µs now,
-    # on the H100 at 70%).
+    # axis), which sent the values' lanes to 32 different runs (pass 2 4x slower).
     tl.store(dst_ptr + tl.reshape(pos, (DP * 64,)).to(tl.int64), tl.reshape(vals, (DP * 64,)), mask=tl.reshape(keep, (DP * 64,)))
     return tl.sum(pc, axis=0)
 
@@ -180,7 +184,7 @@ def _bitmap_compress_kernel(
         pad = start + total + tl.arange(0, 8)
         tl.store(nz_ptr + pad, tl.zeros([8], dtype=nz_ptr.dtype.element_ty), mask=pad < tl.load(offset_ptr + g + 1))
     else:
-        # the count from the words' popcounts (summing the [64, DP] bits instead: keys' pass 1 265 against 195 µs on the H100)
+        # the count from the words' popcounts: cheaper than summing the [64, DP] bits
         words = _block_words(raw, bitmap_ptr, g, bh, tok, tmask, Tc, D, IS_KEY, DP)
         cnt = tl.sum(_popc32(words, USE_ASM), axis=0).to(tl.int64)
         tl.store(offset_ptr + g + 1, (cnt + ALIGN - 1) // ALIGN * ALIGN)
@@ -200,11 +204,6 @@ def _dp(d: int) -> int:
 def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     """Triton encoder (same bytes as :func:`encode_torch`). ``x`` ``[B, Hkv, Tc, D]`` on CUDA (or CPU
     under ``TRITON_INTERPRET=1``). One host sync: the total size of ``nz``."""
-    return _encode_triton(x, kind)
-
-
-def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, maxnreg: int | None = None) -> BitmapTensor:
-    """:func:`encode_triton` with the launch settings open (``scripts/try_compress2.py`` sweeps them)."""
     _check_input(x, kind)
     _check_device(x, kind)
     b, h, tc, d = x.shape
@@ -218,24 +217,17 @@ def _encode_triton(x: torch.Tensor, kind: str, num_warps: int | None = None, max
     if nblocks == 0:
         return BitmapTensor(kind, x.new_zeros(0), bitmaps, torch.zeros(1, dtype=torch.int64, device=x.device), tc, d)
     offsets = torch.empty(nblocks + 1, dtype=torch.int64, device=x.device)  # pass 1: 0, padded counts
-    # H100, batch 8 / 32k / D 128, 70% (scripts/try_compress2.py, docs/benchmarks.md): pass 1
-    # fastest with 2 warps for keys (271 µs against 363 with 4, before the popcount count: now
-    # 195 µs) and 4 for values (197 µs);
-    # pass 2 with 8 for keys (358 µs against 377 with 4, 427 with 16) and 4 for values (304 µs
-    # against 353 with 8); a persistent pass 2, with or without prefetching the next block,
-    # register caps of 64-96, and one read of the input through input-sized scratch slots were
-    # slower or no faster in every case timed
+    # warps per pass from an H100 sweep (keys: 2 for pass 1, 8 for pass 2; values: 4 and 4)
     is_key = kind == "keys"
-    warps1 = num_warps if num_warps is not None else (2 if is_key else 4)
-    warps2 = num_warps if num_warps is not None else (8 if is_key else 4)
+    warps1 = 2 if is_key else 4
+    warps2 = 8 if is_key else 4
     use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     args = dict(IS_KEY=is_key, DP=_dp(d), USE_ASM=use_asm, ALIGN=align_elements(x.dtype))
     bm32 = bitmaps.view(torch.int32)
     _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)
     offsets.cumsum_(0)  # one launch before the sync
     nz = torch.empty(int(offsets[-1]), dtype=x.dtype, device=x.device)  # pass 2 writes every element
-    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2,
-                                        **({"maxnreg": maxnreg} if maxnreg and x.is_cuda else {}), **args)
+    _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, nz.view(_INT_VIEW[x.dtype]), tc, d, nb, WRITE=True, num_warps=warps2, **args)
     return BitmapTensor(kind, nz, bitmaps, offsets, tc, d)
 
 
@@ -250,8 +242,7 @@ def encode(x: torch.Tensor, kind: str, backend: str = "torch") -> BitmapTensor:
 
 def encode_cache(keys: torch.Tensor, values: torch.Tensor, window: int = 0, backend: str = "torch") -> BitmapCache:
     """Pruned keys/values ``[B, Hkv, T, D]`` -> :class:`BitmapCache` whose last ``window`` tokens
-    stay dense. For benchmarks: prune random tensors with :func:`kvtool.prune.per_token_mask` (or
-    :func:`random_pruned`) and encode them here, on the GPU with ``backend="triton"``."""
+    stay dense. For benchmarks: prune random tensors (:func:`random_pruned`) and encode them here, on the GPU with ``backend="triton"``."""
     if keys.shape != values.shape:
         raise UsageError(f"keys {list(keys.shape)} and values {list(values.shape)} must have one shape")
     t = keys.shape[2]
@@ -265,13 +256,14 @@ def encode_cache(keys: torch.Tensor, values: torch.Tensor, window: int = 0, back
 
 def random_pruned(batch: int, kv_heads: int, tokens: int, head_dim: int, sparsity: float, dtype=torch.float16, device="cpu", seed: int = 0, window: int = 0) -> torch.Tensor:
     """A random ``[B, Hkv, T, D]`` tensor pruned per token by magnitude to ``sparsity`` (the last
-    ``window`` tokens untouched): quick inputs for tests and benchmarks."""
-    from ..prune import per_token_mask
-
+    ``window`` tokens untouched; each token keeps its ``round((1 - sparsity) * D)`` largest |x|):
+    quick inputs for tests and benchmarks."""
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(batch, kv_heads, tokens, head_dim, generator=g, device=device, dtype=torch.float32).to(dtype)
     tc = tokens - window
     if sparsity > 0 and tc > 0:
-        keep = per_token_mask(x[:, :, :tc].float().abs(), sparsity)
+        part = x[:, :, :tc].float().abs()
+        kept = int(round((1.0 - sparsity) * head_dim))
+        keep = torch.zeros_like(part, dtype=torch.bool).scatter_(-1, part.topk(kept, dim=-1).indices, True)
         x[:, :, :tc] = x[:, :, :tc].masked_fill(~keep, 0)
     return x

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BadDataError
+from kvtool.core.errors import BadDataError
 
 TILE = 64
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}

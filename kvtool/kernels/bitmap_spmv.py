@@ -16,10 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import UsageError
-from .bitmap_attention import _expand_keys, _expand_keys_walk, _expand_values, _expand_values_walk, default_splits, expansion_options
-from .bitmap_compress import _check_device
-from .bitmap_layout import TILE
+from kvtool.core.errors import UsageError
+from kvtool.kernels.bitmap_attention import (
+    _expand_keys,
+    _expand_keys_walk,
+    _expand_values,
+    _expand_values_walk,
+    default_splits,
+    expansion_options,
+)
+from kvtool.kernels.bitmap_compress import _check_device
+from kvtool.kernels.bitmap_layout import TILE
 
 
 @triton.jit

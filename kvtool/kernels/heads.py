@@ -10,7 +10,7 @@ num_splits=None, validate=True) -> (out, lse)``
   (distinct within a row, any order).
 - returns ``out`` ``[B, H, D]`` float32 (softmax-weighted values; 0 for heads not listed) and
   ``lse`` ``[B, H]`` float32 (natural log-sum-exp of the scaled scores; -inf for heads not listed):
-  the partial convention of :mod:`kvtool.attention`.
+  the partial convention of :mod:`kvtool.core.attention`.
 
 How it runs: grid ``(B * Hkv, S)``, S splits of the token axis (flash-decoding). Program (b, g, s)
 reads the row ``head_index[b]`` and finds which of KV head g's G query heads are listed; if none, it
@@ -37,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attend_partial, default_scale
-from ..errors import UsageError
-from .online_softmax import merge_split_partials
+from kvtool.core.attention import attend_partial, default_scale
+from kvtool.core.errors import UsageError
+from kvtool.kernels.online_softmax import merge_split_partials
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -153,8 +153,8 @@ def _workspace(groups: int, splits: int, gp: int, dp: int, device: torch.device)
 
 def default_splits(groups: int, tokens: int, device: torch.device, block_n: int = BLOCK_N) -> int:
     """Token-axis splits: on CUDA about 2 programs per SM under 32 KV-head groups in all (batch 1 of
-    an 8-KV-head model), 4 above; 1 on the CPU interpreter. H100 (docs/benchmarks.md): batch 1 / 32k
-    50 µs with 2 per SM against 61 µs with 4; batch 32 / 32k 783 µs with 2 against 723 µs with 4."""
+    an 8-KV-head model), 4 above; 1 on the CPU interpreter. (H100: 2 per SM is 18% faster at batch 1,
+    32k tokens; 4 wins from batch 32.)"""
     blocks = max(1, -(-tokens // block_n))
     if device.type != "cuda":
         return 1
@@ -182,9 +182,8 @@ def selective_head_attention(
     over an index tensor that was validated before; shapes and dtypes are always checked.
     ``num_splits``, ``block_n`` (tokens per step, a power of two >= 16), ``num_warps``,
     ``num_stages`` and ``maxnreg`` (register cap, CUDA only) are tuning knobs. Defaults: 128-token
-    steps in one stage up to ``SHORT_TOKENS`` tokens, else 64-token steps with Triton's stages
-    (H100, graph-timed, ``try_heads_grid_h100.json``: at 4k tokens 112.5 -> 109.3 µs at batch 32,
-    43.6 -> 42.1 µs at batch 8, 15.6 -> 15.2 µs at batch 1; at 32k, batch 1, 42 µs against 43–50)."""
+    steps in one stage up to ``SHORT_TOKENS`` tokens, else 64-token steps with Triton's stages (a
+    graph-timed H100 sweep of steps, stages and warps: 3% faster at 4k tokens, no gain at 32k)."""
     check_inputs(q, keys, values, head_index, check_values=validate)
     b, hkv, n, d = keys.shape
     h = q.shape[1]

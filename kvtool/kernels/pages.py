@@ -8,25 +8,24 @@ head_dim, NP = ceil(T / P) pages of P tokens; dt = float16 / bfloat16 / float32,
   lam) -> ``[B, Hkv, Tq, NP]`` float32: UNIQUE ``q.mu + lam*||q||*sigma`` / Quest ``sum max(q*max,
   q*min)`` / mean ``q.mu``, max over the G query heads, in one pass that reads each page's
   statistics once for the whole group, as ``tl.dot`` products on the tensor cores (Quest as
-  ``dot(max(q,0), maxT) + dot(min(q,0), minT)``; bench, H100: about 5x faster than a
-  broadcast-multiply reduction over D). Reference: :func:`kvtool.formats.pagestat.page_scores`.
+  ``dot(max(q,0), maxT) + dot(min(q,0), minT)``; about 5x faster on the H100 than a
+  broadcast-multiply reduction over D). Reference: :func:`page_scores`.
 - :func:`paged_attention` (q ``[B, H, Tq, D]``, keys/values ``[B, Hkv, T, D]`` dt, pages int32
   ``[B, Hkv, Tq, n]``, page_size) -> partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]``
   float32) over the tokens of the listed pages (a page past T contributes its tokens below T only).
   Reference: :func:`paged_attention_reference`.
   The list is split across programs (flash-decoding); :func:`combine_splits` merges the splits in
-  one Triton launch (log2 space; ``merge="torch"`` keeps the older torch merge to compare).
+  one Triton launch (log2 space).
 - :func:`select_pages_triton` (scores ``[B, Hkv, Tq, NP]`` float32, forced pages, k) -> int32
   ``[B, Hkv, Tq, n_forced + k]``: forced pages, then the k best others in ascending page order; one
   program per row, exact radix select on the scores' order-preserving uint32 image (NaN highest,
   ties at the k-th value to the lowest pages), cumsum compaction. Reference:
   :func:`select_pages_triton_reference`; torch.topk (:func:`select_pages_device`) picks the same set
   unless the k-th value is tied.
-- :func:`pagestat_decode` (q, encoded layer, scale): criticality -> Triton page selection (forced
-  first page and window pages) -> paged attention -> Triton split merge: four launches; the kernel
-  path of ``pagestat``'s ``attend``. No host copies or syncs, so the step can be captured in a
-  CUDA graph.
-- :func:`make_pagestat_inputs`: random encoded inputs at any size, for benchmarks.
+
+The format's decode step (:func:`kvtool.formats.pagestat.pagestat_decode`) chains them: criticality ->
+Triton page selection (forced first page and window pages) -> paged attention -> Triton split
+merge, four launches with no host copies or syncs (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -35,12 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attend_partial, default_scale, expand_kv
-from ..errors import UsageError
-from ..formats.base import Encoded
-from ..formats.pagestat import SCORES, PageStatParams, PageStatFormat, page_scores, pages_to_token_mask, select_pages
-from .retrieval_common import LOG2E, check_device, check_query, dot_flags, merge_splits, num_splits, random_decode_inputs
-from .online_softmax import attend_block as _attend_block, merge_split_partials
+from kvtool.core.attention import attend_partial, default_scale, expand_kv
+from kvtool.core.errors import UsageError
+from kvtool.kernels.common import (
+    LOG2E,
+    check_device,
+    check_query,
+    dot_flags,
+    num_splits,
+)
+from kvtool.kernels.online_softmax import attend_block as _attend_block, merge_split_partials
 
 SCORE_ID = {"unique": 0, "quest": 1, "mean": 2}
 
@@ -101,8 +104,8 @@ def page_criticality(q: torch.Tensor, stats: dict[str, torch.Tensor], score: str
     """Page scores ``[B, Hkv, Tq, NP]`` float32 (see the module docstring). ``stats``: ``mean``
     ``[B, Hkv, NP, D]`` and ``sigma`` ``[B, Hkv, NP]`` (unique), ``mean`` (mean), ``min``/``max``
     (quest), in q's dtype. ``block_pages`` pages per program."""
-    if score not in SCORES:
-        raise UsageError(f"score must be one of {', '.join(SCORES)}, got {score!r}")
+    if score not in SCORE_ID:
+        raise UsageError(f"score must be one of {', '.join(SCORE_ID)}, got {score!r}")
     need = {"unique": ("mean", "sigma"), "quest": ("max", "min"), "mean": ("mean",)}[score]
     for name in need:
         if name not in stats:
@@ -199,16 +202,12 @@ def paged_attention(
     scale: float | None = None,
     splits: int | None = None,
     check: bool = True,
-    merge: str = "triton",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention over the listed pages (see the module docstring). ``pages`` int32
     ``[B, Hkv, Tq, n]`` (any strides; entries must be distinct and in range: checked here unless
     ``check=False``, for lists that come from top-k, which are). ``splits``: programs per
-    (batch, KV head, query) row (default: about 4 programs per SM). ``merge``: ``"triton"`` merges
-    the splits in one :func:`combine_splits` launch; ``"torch"`` runs the torch
-    :func:`~kvtool.kernels.retrieval_common.merge_splits` (the older, slower path, kept to compare)."""
-    if merge not in ("triton", "torch"):
-        raise UsageError(f"merge must be 'triton' or 'torch', got {merge!r}")
+    (batch, KV head, query) row (default: about 4 programs per SM). The splits merge in one
+    :func:`combine_splits` launch."""
     if keys.ndim != 4 or values.shape != keys.shape:
         raise UsageError(f"keys/values must be [batch, kv_heads, tokens, head_dim] of one shape, got {list(keys.shape)} and {list(values.shape)}")
     b, hkv, t, d = keys.shape
@@ -245,8 +244,6 @@ def paged_attention(
         pages.stride(0), pages.stride(1), pages.stride(2),
         G=g, GP=gp, DP=dp, PAGE=page_size, BP=bp, DOT_PREC=prec, UPCAST=upcast,
     )
-    if merge == "torch":
-        return merge_splits(out[..., :d], lse, h)
     return combine_splits(out, lse, h, d)
 
 
@@ -254,7 +251,7 @@ def combine_splits(part: torch.Tensor, plse: torch.Tensor, heads: int, head_dim:
     """Triton merge of split partials: part ``[B, Hkv, Tq, S, GP, DP]`` float32 (normalised per
     split, contiguous) and plse ``[B, Hkv, Tq, S, GP]`` float32 (natural log, -inf for an empty
     split) -> (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32), D = ``head_dim``. Same
-    maths as :func:`~kvtool.kernels.retrieval_common.merge_splits`, in one launch of the shared
+    maths as the torch reference :func:`~kvtool.kernels.common.merge_splits`, in one launch of the shared
     :func:`~kvtool.kernels.online_softmax.merge_splits_kernel` (one program per query head row)."""
     b, hkv, tq, s, gp, dp = part.shape
     g = heads // hkv
@@ -264,6 +261,41 @@ def combine_splits(part: torch.Tensor, plse: torch.Tensor, heads: int, head_dim:
         return out.zero_(), lse.fill_(float("-inf"))
     merge_split_partials(part.view(b * hkv * tq, s, gp, dp), plse.view(b * hkv * tq, s, gp), None, out, lse, g, tq=tq, normalised=True)
     return out, lse
+
+
+def page_scores(q: torch.Tensor, stats: dict[str, torch.Tensor], score: str, lam: float = 1.0) -> torch.Tensor:
+    """Criticality ``[B, Hkv, Tq, NP]`` float32 of every page for q ``[B, H, Tq, D]``: the chosen
+    score per query head, then the max over the G query heads of each KV head. Unscaled."""
+    b, h, tq, d = q.shape
+    ref = stats["mean"] if "mean" in stats else stats["max"]
+    hkv = ref.shape[1]
+    qg = q.float().reshape(b, hkv, h // hkv, tq, d)
+    if score == "quest":
+        hi, lo = stats["max"].float(), stats["min"].float()
+        per = torch.maximum(qg[..., None, :] * hi[:, :, None, None], qg[..., None, :] * lo[:, :, None, None]).sum(-1)
+    else:
+        per = torch.einsum("bkgtd,bknd->bkgtn", qg, stats["mean"].float())
+        if score == "unique":
+            per = per + lam * qg.norm(dim=-1)[..., None] * stats["sigma"].float()[:, :, None, None]
+    return per.amax(2)
+
+
+def select_pages(scores: torch.Tensor, forced: list[int], k: int) -> torch.Tensor:
+    """Page indices int64 ``[B, Hkv, Tq, len(forced) + k]``: the forced pages, then the k best-
+    scoring other pages of ``scores`` ``[B, Hkv, Tq, NP]``."""
+    s = scores.clone()
+    f = torch.tensor(forced, dtype=torch.int64, device=scores.device)
+    s[..., f] = float("-inf")
+    top = torch.topk(s, k, dim=-1, sorted=False).indices
+    return torch.cat([f.expand(*scores.shape[:3], -1), top], -1)
+
+
+def pages_to_token_mask(pages: torch.Tensor, page_size: int, tokens: int) -> torch.Tensor:
+    """bool ``[B, Hkv, Tq, T]`` from page indices ``[B, Hkv, Tq, n]``."""
+    n = -(-tokens // page_size)
+    pm = torch.zeros(*pages.shape[:3], n, dtype=torch.bool, device=pages.device)
+    pm.scatter_(3, pages, True)
+    return pm.repeat_interleave(page_size, dim=3)[..., :tokens]
 
 
 def paged_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pages: torch.Tensor, page_size: int, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,7 +322,7 @@ def forced_index(forced: list[int], device: torch.device) -> torch.Tensor:
 def select_pages_device(scores: torch.Tensor, forced: torch.Tensor, k: int) -> torch.Tensor:
     """Page indices int64 ``[B, Hkv, Tq, len(forced) + k]``: the forced pages (int64 device tensor),
     then the k best-scoring other pages of ``scores`` ``[B, Hkv, Tq, NP]`` float32 — the same choice
-    as :func:`kvtool.formats.pagestat.select_pages`, without a host-to-device copy."""
+    as :func:`select_pages`, without a host-to-device copy."""
     s = scores.index_fill(-1, forced, float("-inf"))
     top = torch.topk(s, k, dim=-1, sorted=False).indices
     return torch.cat([forced.expand(*scores.shape[:3], -1), top], -1)
@@ -402,33 +434,3 @@ def select_pages_triton_reference(scores: torch.Tensor, forced: torch.Tensor, k:
     return torch.cat([forced.to(torch.int64).expand(*scores.shape[:3], -1), top], -1).to(torch.int32)
 
 
-def pagestat_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pagestat`` attention through the kernels: criticality, Triton page selection
-    (:func:`select_pages_triton`), paged attention with the Triton split merge. Same contract as
-    ``PageStatFormat.attend``. No host copies or syncs, so the step can be captured in a CUDA graph."""
-    m = enc.meta
-    stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
-    crit = page_criticality(q, stats, m["score"], m["lam"])
-    pages = select_pages_triton(crit, forced_index(m["forced_pages"], q.device), m["select"])
-    # selected page lists are distinct and in range: skip the checks (and their device-to-host syncs)
-    return paged_attention(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale, check=False)
-
-
-def pagestat_decode_reference(q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path (``PageStatFormat.attend``) with the scores of :func:`page_scores`."""
-    m = enc.meta
-    stats = {n.split(".", 1)[1]: x for n, x in enc.tensors.items() if n.startswith("stats.")}
-    pages = select_pages(page_scores(q, stats, m["score"], m["lam"]), m["forced_pages"], m["select"])
-    return paged_attention_reference(q, enc.tensors["keys"], enc.tensors["values"], pages, m["page_size"], scale)
-
-
-def make_pagestat_inputs(
-    batch: int = 1, heads: int = 32, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
-    dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", page_size: int = 16,
-    budget: int = 512, score: str = "unique", dense_window: int = 16, seed: int = 0,
-) -> tuple[torch.Tensor, Encoded]:
-    """Random keys/values (one planted outlier channel) encoded as ``pagestat`` on ``device`` and a
-    decode query ``[batch, heads, 1, head_dim]``: ``pagestat_decode(q, enc)`` runs on them."""
-    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
-    enc = PageStatFormat().encode(lay, PageStatParams(page_size=page_size, score=score, budget=budget, budget_ratio=None, dense_window=dense_window))
-    return q, enc

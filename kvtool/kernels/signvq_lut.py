@@ -12,20 +12,22 @@ tokens, D head_dim, G4 = D / 4; dt = float16 / bfloat16 / float32, fp32 accumula
   the table at once, so a lookup is one L1 wavefront). ``"gather"`` keeps the table in registers
   and looks up with ``tl.gather`` (shared-memory round trips); ``"onehot"`` sums masked entries.
   The packed 4-bit codes are read as 32-bit words when D is a multiple of 32 and the codes are
-  4-byte aligned, otherwise one byte per pair of groups. (H100, batch 8, 32k tokens, CUDA graphs:
-  30 µs with the table, 55 µs with the gather; see docs/benchmarks.md.)
+  4-byte aligned, otherwise one byte per pair of groups. (On the H100 the table lookup is about 1.8x
+  faster than the gather.)
   Reference: :func:`kvtool.formats.signvq.lut_scores`.
 - :func:`signvq_attention` (q, encoded layer, idx int32 ``[B, Hkv, Tq, k]`` compressed-token
   indices) -> partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) over the chosen
   compressed tokens: codes, magnitudes, values and their scales are gathered per token and
   dequantised in the load (k = c + s*alpha*(code*scale + zero), rounded to dt as ``decode`` does);
   all G query heads share one pass; the k tokens are split across programs and merged.
-  Reference: :func:`signvq_attention_reference`.
-- :func:`signvq_decode` (q, encoded layer, scale): LUT scores -> torch.topk -> one launch of the
-  fused attention over the chosen tokens, with the full-precision (sink / keep-top / window)
-  tokens read by extra splits of the same launch -> :func:`kvtool.kernels.pages.combine_splits`;
-  the kernel path of ``signvq``'s ``attend``.
-- :func:`make_signvq_inputs`: random encoded inputs at any size, for benchmarks.
+  Reference: :func:`kvtool.formats.signvq.signvq_attention_reference`.
+- :func:`signvq_partials`: the same launch returning the raw split partials, optionally with the
+  full-precision (sink / keep-top / window) tokens read by extra splits; the format's decode step
+  (:func:`kvtool.formats.signvq.signvq_decode`) merges them with
+  :func:`kvtool.kernels.pages.combine_splits`.
+
+Encoded layers are read through their ``tensors`` / ``meta`` (:class:`~kvtool.kernels.common.EncodedLike`),
+so no format class is imported here.
 """
 
 from __future__ import annotations
@@ -34,12 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import attend_partial, default_scale, expand_kv
-from ..errors import UsageError
-from ..formats.base import Encoded
-from ..formats.signvq import SignVQFormat, SignVQParams, dequant_keys, dequant_values, mask_kept, topk_indices
-from .pages import _attend_block, _store_partial, combine_splits
-from .retrieval_common import LOG2E, check_device, check_query, dot_flags, num_splits, random_decode_inputs
+from kvtool.core.attention import default_scale
+from kvtool.core.errors import UsageError
+from kvtool.kernels.pages import _attend_block, _store_partial, combine_splits
+from kvtool.kernels.common import (
+    EncodedLike,
+    LOG2E,
+    check_device,
+    check_query,
+    dot_flags,
+    num_splits,
+)
 
 
 # ----------------------------------------------------------------------------- LUT scores
@@ -342,7 +349,7 @@ def _signvq_attention_kernel(
 SIGNVQ_TENSORS = ("index.codes", "keys.mag", "keys.qparams", "values.q", "values.qparams", "keys.center", "keys.alpha")
 
 
-def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
+def check_encoded(q: torch.Tensor, enc: EncodedLike) -> None:
     """Shapes and dtypes of the encoded layer against its metadata and q; UsageError naming the
     first tensor that disagrees (raised before any launch)."""
     t, m = enc.tensors, enc.meta
@@ -370,13 +377,12 @@ def check_encoded(q: torch.Tensor, enc: Encoded) -> None:
     check_query(q, b, hkv, d, dtype)
 
 
-def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None, splits: int | None, with_full: bool,
+def signvq_partials(q: torch.Tensor, enc: EncodedLike, idx: torch.Tensor, scale: float | None, splits: int | None, with_full: bool,
                      block_tokens: int = 16, num_warps: int = 4, maxnreg: int | None = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch :func:`_signvq_attention_kernel`: raw split partials (out ``[B, Hkv, Tq, S, GP, DP]``,
     lse ``[B, Hkv, Tq, S, GP]`` float32) over the tokens of ``idx`` and, with ``with_full``, the
     full-precision tokens in extra splits (checked inputs). ``maxnreg``: register cap (CUDA; 128 by
-    default: unbounded, ptxas takes 189 and two programs fit on an SM; H100 batch 1 / 32k 28.8 ->
-    24.4 µs with the cap)."""
+    default: unbounded, ptxas takes 189 registers and only two programs fit on an SM)."""
     t, m = enc.tensors, enc.meta
     b, hkv, tc = t["keys.mag"].shape[:3]
     h, tq, d = q.shape[1], q.shape[2], q.shape[3]
@@ -392,8 +398,8 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     bt = max(16, triton.next_power_of_2(block_tokens))
     blocks = -(-k // bt) + -(-f // bt)
     if splits is None:
-        # about 4 programs per SM, 8 when there are 32 rows or more (H100, try_signvq_h100.json run 4:
-        # batch 8 / 32k 123 -> 104 µs with the register cap; batch 1 is slower with more)
+        # about 4 programs per SM, 8 when there are 32 rows or more (16% faster at batch 8 / 32k on the
+        # H100 with the register cap; batch 1 is slower with more)
         s = min(num_splits(b * hkv * tq, blocks, device) * (2 if b * hkv * tq >= 32 else 1), max(blocks, 1))
     else:
         s = max(1, int(splits))
@@ -416,7 +422,7 @@ def _signvq_partials(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
     return out, lse
 
 
-def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None, splits: int | None = None,
+def signvq_attention(q: torch.Tensor, enc: EncodedLike, idx: torch.Tensor, scale: float | None = None, splits: int | None = None,
                      block_tokens: int = 16, num_warps: int = 4, check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial over the compressed tokens listed in ``idx`` int32 ``[B, Hkv, Tq, k]`` (distinct
     entries in 0..Tc-1, checked unless ``check=False``, for top-k output), dequantised in the
@@ -435,44 +441,10 @@ def signvq_attention(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: fl
         raise UsageError(f"idx holds a token index outside 0..{tc - 1}")
     if check and k > 1 and bool((idx.sort(-1).values.diff(dim=-1) == 0).any()):
         raise UsageError("idx lists a token twice for one query")
-    out, lse = _signvq_partials(q, enc, idx, scale, splits, False, block_tokens, num_warps)
+    out, lse = signvq_partials(q, enc, idx, scale, splits, False, block_tokens, num_warps)
     return combine_splits(out, lse, q.shape[1], q.shape[3])
-
-
-def signvq_attention_reference(q: torch.Tensor, enc: Encoded, idx: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`signvq_attention`: dequantise every compressed token (through the
-    capture dtype) and attend under the mask of ``idx``."""
-    t, m = enc.tensors, enc.meta
-    dtype = t["full.keys"].dtype
-    mask = torch.zeros(*idx.shape[:3], m["compressed_tokens"], dtype=torch.bool, device=q.device)
-    mask.scatter_(3, idx.to(torch.int64), True)
-    kd, vd = dequant_keys(t, m).to(dtype), dequant_values(t, m).to(dtype)
-    return attend_partial(q, kd, vd, scale, expand_kv(mask, q.shape[1] // kd.shape[1]))
 
 
 # ----------------------------------------------------------------------------- the format's decode step
 
 
-def signvq_decode(q: torch.Tensor, enc: Encoded, scale: float | None = None, lookup: str = "table") -> tuple[torch.Tensor, torch.Tensor]:
-    """``signvq`` attention through the kernels: LUT scores, torch.topk (keep-top tokens masked),
-    then one launch of the fused dequantising attention over the chosen tokens with the
-    full-precision (sink / keep-top / window) tokens in extra splits, and the Triton split merge.
-    Same contract as ``SignVQFormat.attend``. No host sync (CUDA-graph capturable)."""
-    check_encoded(q, enc)
-    t, m = enc.tensors, enc.meta
-    scores = lut_scores_kernel(q, t["index.codes"], t["index.codebook"], m["gqa"], lookup=lookup)
-    idx = topk_indices(mask_kept(scores, enc), m["select"]).to(torch.int32)
-    out, lse = _signvq_partials(q, enc, idx, scale, None, True)
-    return combine_splits(out, lse, q.shape[1], q.shape[3])
-
-
-def make_signvq_inputs(
-    batch: int = 1, heads: int = 32, kv_heads: int = 8, tokens: int = 4096, head_dim: int = 128,
-    dtype: torch.dtype = torch.float16, device: str | torch.device = "cuda", bits: int = 2, group: int = 64,
-    budget: int = 512, sinks: int = 4, dense_window: int = 0, gqa: str = "sum", seed: int = 0,
-) -> tuple[torch.Tensor, Encoded]:
-    """Random keys/values (one planted outlier channel) encoded as ``signvq`` on ``device`` and a
-    decode query ``[batch, heads, 1, head_dim]``: ``signvq_decode(q, enc)`` runs on them."""
-    q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
-    params = SignVQParams(bits=bits, group=group, budget=budget, budget_ratio=None, sinks=sinks, dense_window=dense_window, gqa=gqa)
-    return q, SignVQFormat().encode(lay, params)

@@ -1,0 +1,1 @@
+"""Looking at caches and measuring formats: statistics, metrics, fidelity, sweeps and every figure."""

@@ -1,0 +1,318 @@
+"""Verifying a compressed cache against the dense capture it came from.
+
+Attention level (:func:`attention_fidelity`). A compressed file holds the first ``P = T - W``
+tokens encoded and the last ``W`` tokens dense (``tails``). The last ``M <= W`` captured queries
+``[B, H, M, D]`` are held out: the compressor never saw them. Each one attends, as a decode step
+would, to the encoded prefix through the format (``fmt.attend``, a partial) and to its own dense
+causal window of tail tokens; the partials merge exactly. The reference is dense causal attention
+of the same queries over the capture's full keys/values ``[B, Hkv, T, D]``. Per layer and over all
+layers: relative L2 error, cosine, max abs error (:mod:`kvtool.analysis.metrics`), attention-mass recall for
+formats with a selection (``fmt.selected_mask``), storage and traffic bytes. With the Triton
+backend the kernel's output is also compared with the torch path on the same data (the kernel's
+own error, separate from the format's loss).
+
+Model level (:func:`model_fidelity`): the continuation tokens (the W held-out ones) run through the
+real model after the prefix, once on the dense prefix and once with the file's layers attending to
+their encoded prefix inside attention (:mod:`kvtool.hf.attention`); NLL, perplexity ratio, top-1
+agreement, KL, and greedy generation until the first divergence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvtool.hf import attention as hfattn
+from kvtool.core import io
+from kvtool.core.attention import attend_partial, attention_probs, dense_attention, merge_partials
+from kvtool.core.cache import KVCache, ModelFacts
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.formats.base import CompressedCache, Encoded, Format
+from kvtool.analysis.metrics import (
+    compare_logits,
+    first_divergence,
+    mass_recall,
+    output_errors,
+    pool_errors,
+    pool_recall,
+)
+from kvtool.hf.models import facts_of, ModelSource
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def find_source(cc: CompressedCache, compressed_path: Path | None = None, capture: Path | None = None) -> Path:
+    """The capture a compressed file came from: ``capture`` when given (its sha256 must match the
+    file's ``source_sha256`` when recorded), else ``info['source_path']`` (as written, then beside
+    the compressed file) if its sha256 matches. BadDataError saying how to pass ``--capture``
+    otherwise."""
+    want = str(cc.info.get("source_sha256") or "")
+    if capture is not None:
+        if not Path(capture).exists():
+            raise BadDataError(f"--capture {capture}: no such file")
+        got = io.sha256_file(capture)
+        if want and got != want:
+            raise BadDataError(f"--capture {capture} is not the capture this file was compressed from (sha256 {got[:12]}…, the file records {want[:12]}…)")
+        return Path(capture)
+    recorded = cc.info.get("source_path")
+    candidates: list[Path] = []
+    if recorded:
+        candidates.append(Path(recorded))
+        if compressed_path is not None:
+            candidates.append(Path(compressed_path).parent / Path(recorded).name)
+    for cand in candidates:
+        if cand.exists() and (not want or io.sha256_file(cand) == want):
+            return cand
+    where = f" (it was {recorded}, sha256 {want[:12]}…)" if recorded else ""
+    raise BadDataError(f"the source capture of this compressed file was not found{where}; pass it with --capture CAPTURE.safetensors")
+
+
+def check_source(cc: CompressedCache, source: KVCache, heldout: int | None = None) -> int:
+    """Check that ``source`` is the capture ``cc`` was made from and holds what verification needs;
+    return the number of held-out queries to score (``heldout`` or the file's W)."""
+    w = int(cc.info.get("heldout", 0) or 0)
+    if w <= 0:
+        raise UsageError("this compressed file holds no held-out tokens (it was compressed with --heldout 0); recompress with --heldout 64 to verify it")
+    m = w if heldout is None else int(heldout)
+    if m <= 0:
+        raise UsageError(f"--heldout must be at least 1, got {m}")
+    if m > w:
+        raise UsageError(f"--heldout {m}: the file keeps only its last {w} tokens out of the compressor's sight (it was compressed with --heldout {w}); use --heldout {w} or less, or recompress with --heldout {m}")
+    if source.num_tokens != cc.prefix_tokens + w:
+        raise BadDataError(f"the capture has {source.num_tokens} tokens but the compressed file covers {cc.prefix_tokens + w}: not its source")
+    if not torch.equal(source.token_ids.cpu(), cc.token_ids.cpu()):
+        raise BadDataError("the capture's token ids differ from the compressed file's: not its source")
+    missing = [i for i in cc.layer_indices if i not in source.layers]
+    if missing:
+        raise BadDataError(f"the capture lacks layer {missing[0]}, which the compressed file holds")
+    if not source.has_queries:
+        raise UsageError("the capture has no queries, which verify scores; recapture without --no-queries")
+    return m
+
+
+def resolve_backend(backend: str, fmt: Format) -> tuple[str, torch.device]:
+    """``auto`` -> ``triton`` on a CUDA GPU when the format has a kernel, else ``torch``. Returns the
+    backend and the device the attention runs on. ``triton`` without CUDA needs TRITON_INTERPRET=1."""
+    if backend not in BACKENDS:
+        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "triton" if cuda and fmt.has_kernel else "torch"
+    if backend == "torch":
+        return "torch", torch.device("cpu")
+    if not fmt.has_kernel:
+        raise UsageError(f"format {fmt.name} has no Triton kernel; use --backend torch")
+    if cuda:
+        return "triton", torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        return "triton", torch.device("cpu")
+    raise UsageError("--backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels on the CPU, slowly); use --backend torch")
+
+
+def _on(enc: Encoded, device: torch.device) -> Encoded:
+    if all(t.device == device for t in enc.tensors.values()):
+        return enc
+    return Encoded({n: t.to(device) for n, t in enc.tensors.items()}, enc.meta)
+
+
+# ----------------------------------------------------------------------------- attention level
+
+
+@dataclass
+class HeldoutData:
+    """One layer's held-out inputs: queries ``[B, H, M, D]``, full dense keys/values
+    ``[B, Hkv, T, D]``, and the file's dense tail ``[B, Hkv, W, D]``."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    tail_keys: torch.Tensor
+    tail_values: torch.Tensor
+
+
+def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int) -> HeldoutData:
+    src = source.layers[layer]
+    t = source.num_tokens
+    tail = cc.tails.get(layer)
+    if tail is None:
+        tail_k, tail_v = src.keys[:, :, cc.prefix_tokens:], src.values[:, :, cc.prefix_tokens:]
+    else:
+        tail_k, tail_v = tail.keys, tail.values
+    return HeldoutData(src.queries[:, :, t - m:], src.keys, src.values, tail_k, tail_v)
+
+
+def heldout_output(fmt: Format, enc: Encoded, d: HeldoutData, kernel: bool = False, device: torch.device | None = None) -> torch.Tensor:
+    """Output ``[B, H, M, D]`` float32 (CPU) of the held-out queries over the encoded prefix
+    (``fmt.attend`` or, with ``kernel``, ``fmt.attend_kernel`` on ``device``) merged with their dense
+    causal window of tail tokens (query i of M sees tail tokens 0..W-M+i)."""
+    device = device or torch.device("cpu")
+    q = d.queries.to(device)
+    if kernel:
+        part = fmt.attend_kernel(q, _on(enc, device), None)
+    else:
+        part = fmt.attend(q, _on(enc, device), None)
+    m, w = q.shape[2], d.tail_keys.shape[2]
+    mask = torch.ones(m, w, dtype=torch.bool, device=device).tril(diagonal=w - m)
+    tail = attend_partial(q, d.tail_keys.to(device), d.tail_values.to(device), None, mask)
+    out, _ = merge_partials((part[0].float(), part[1].float()), tail)
+    return out.cpu()
+
+
+def layer_fidelity(fmt: Format, enc: Encoded, d: HeldoutData, prefix_tokens: int, backend: str = "torch", device: torch.device | None = None) -> dict[str, Any]:
+    """Errors, recall, bytes and (Triton backend) the kernel's own error for one layer."""
+    ref = dense_attention(d.queries, d.keys, d.values, causal=True)
+    torch_out = heldout_output(fmt, enc, d)
+    result: dict[str, Any] = {}
+    if backend == "triton":
+        kernel_out = heldout_output(fmt, enc, d, kernel=True, device=device)
+        result["errors"] = output_errors(kernel_out, ref)
+        result["torch_errors"] = output_errors(torch_out, ref)
+        result["kernel_vs_torch"] = output_errors(kernel_out, torch_out)
+    else:
+        result["errors"] = output_errors(torch_out, ref)
+    sel = fmt.selected_mask(d.queries, enc)
+    if sel is not None:
+        probs = attention_probs(d.queries, d.keys, causal=True)[..., :prefix_tokens]
+        result["recall"] = mass_recall(sel.to(torch.bool).cpu(), probs)
+    b, hkv, _, hd = d.keys.shape
+    elt = d.keys.element_size()
+    result["dense_bytes"] = 2 * b * hkv * prefix_tokens * hd * elt
+    result["stored_bytes"] = int(sum(fmt.nbytes(enc).values()))
+    result["traffic_bytes"] = int(fmt.traffic_bytes(enc, d.queries[:, :, -1:]))
+    return result
+
+
+def attention_fidelity(
+    cc: CompressedCache,
+    source: KVCache,
+    heldout: int | None = None,
+    backend: str = "auto",
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Score every layer of ``cc`` on the held-out queries of ``source`` (see the module docstring).
+
+    Returns ``{"backend", "device", "heldout", "prefix_tokens", "layers": {i: {...}}, "overall":
+    {...}, "storage_ratio", "traffic_ratio", "recall" (or None), "kernel_vs_torch" (Triton only)}``."""
+    m = check_source(cc, source, heldout)
+    fmt = cc.fmt
+    backend, device = resolve_backend(backend, fmt)
+    per: dict[int, dict[str, Any]] = {}
+    for i in cc.layer_indices:
+        per[i] = layer_fidelity(fmt, cc.layers[i], heldout_data(cc, source, i, m), cc.prefix_tokens, backend, device)
+        if progress is not None:
+            progress(i)
+    dense = sum(r["dense_bytes"] for r in per.values())
+    out: dict[str, Any] = {
+        "format": cc.format,
+        "params": cc.params,
+        "backend": backend,
+        "device": str(device),
+        "heldout": m,
+        "prefix_tokens": cc.prefix_tokens,
+        "layers": per,
+        "overall": pool_errors([r["errors"] for r in per.values()]),
+        "recall": pool_recall([r["recall"] for r in per.values() if "recall" in r]),
+        "dense_bytes": dense,
+        "stored_bytes": sum(r["stored_bytes"] for r in per.values()),
+        "traffic_bytes": sum(r["traffic_bytes"] for r in per.values()),
+    }
+    out["storage_ratio"] = out["stored_bytes"] / dense if dense else math.nan
+    out["traffic_ratio"] = out["traffic_bytes"] / dense if dense else math.nan
+    if backend == "triton":
+        out["kernel_vs_torch"] = pool_errors([r["kernel_vs_torch"] for r in per.values()])
+        out["torch_overall"] = pool_errors([r["torch_errors"] for r in per.values()])
+    return out
+
+
+# ----------------------------------------------------------------------------- model level
+
+
+def check_model_facts(model: Any, facts: ModelFacts, model_name: str) -> None:
+    """BadDataError naming the first structural fact where ``model`` differs from the capture's."""
+    got = facts_of(model, ModelSource("hf-folder", Path("."), model_name))
+    for key in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size"):
+        a, b = getattr(got, key), getattr(facts, key)
+        if a != b:
+            raise BadDataError(f"model {model_name} does not match the capture: {key.replace('_', ' ')} is {a}, the capture's model ({facts.name}) has {b}")
+    if got.vocab_size and facts.vocab_size and got.vocab_size != facts.vocab_size:
+        raise BadDataError(f"model {model_name} does not match the capture: vocabulary {got.vocab_size}, the capture's model ({facts.name}) has {facts.vocab_size}")
+
+
+@dataclass
+class DenseReference:
+    """The dense run a lossy run is compared with: the model's dense prefix cache per layer, the
+    continuation logits ``[B, W, V]`` and the greedy tokens ``[B, N]``."""
+
+    prefix: dict[int, Any]
+    logits: torch.Tensor
+    generated: torch.Tensor
+    prefix_tokens: int
+
+
+def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, generate: int = 0, source: KVCache | None = None, model_name: str = "the model") -> DenseReference:
+    """Prefill ``token_ids[:, :P]`` densely, run the continuation and greedy generation.
+
+    With ``source`` the prefill keys of the captured layers must reproduce the capture's keys
+    (relative L2 below 5%), otherwise the model is not the one the capture came from."""
+    if token_ids.shape[1] - prefix_tokens < 1:
+        raise UsageError("no continuation tokens after the prefix: the file needs held-out tokens (compress with --heldout 64)")
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab and int(token_ids.max()) >= vocab:
+        raise BadDataError(f"model {model_name} does not match the capture: token id {int(token_ids.max())} is outside its vocabulary of {vocab}")
+    prefix = hfattn.prefill(model, token_ids[:, :prefix_tokens])
+    if source is not None:
+        for i, layer in source.layers.items():
+            if i not in prefix:
+                continue
+            got = prefix[i].keys.float().cpu()
+            want = layer.keys[:, :, :prefix_tokens].float()
+            rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
+            if rel > 0.05:
+                raise BadDataError(f"model {model_name} does not reproduce the capture's keys (layer {i}: relative error {rel:.2f}); pass the model the capture came from with --model")
+    cache = hfattn.build_cache(model, prefix, None)
+    with hfattn.compressed_attention(model, None):
+        logits = hfattn.forward(model, cache, token_ids[:, prefix_tokens:])
+        gen = hfattn.greedy(model, cache, logits[:, -1], generate)
+    return DenseReference(prefix, logits, gen, prefix_tokens)
+
+
+def model_fidelity(model: Any, cc: CompressedCache, reference: DenseReference, generate: int = 0, backend: str = "torch") -> dict[str, Any]:
+    """Run the continuation with the file's layers attending to their encoded prefix and compare with
+    ``reference``: ``nll_dense``, ``nll_lossy``, ``nll_increase``, ``ppl_ratio``, ``agreement``,
+    ``kl``, ``max_kl`` and, with ``generate``, ``generated`` tokens and ``first_divergence``."""
+    if reference.prefix_tokens != cc.prefix_tokens:
+        raise UsageError("the dense reference was made for a different prefix length")
+    device = next(model.parameters()).device
+    prefix = hfattn.CompressedPrefix.from_compressed(cc, backend=backend).to(device)
+    cont = cc.token_ids[:, cc.prefix_tokens:]
+    cache = hfattn.build_cache(model, reference.prefix, prefix)
+    with hfattn.compressed_attention(model, prefix):
+        logits = hfattn.forward(model, cache, cont)
+        gen = hfattn.greedy(model, cache, logits[:, -1], generate)
+    result = compare_logits(reference.logits, logits, cont[:, 1:])
+    result["layers_compressed"] = cc.layer_indices
+    result["model_layers"] = int(model.config.num_hidden_layers)
+    if generate:
+        result["generate"] = generate
+        result["first_divergence"] = first_divergence(reference.generated, gen)
+        result["generated_dense"] = reference.generated.tolist()
+        result["generated_lossy"] = gen.tolist()
+    return result
+
+
+def default_model_spec(facts: ModelFacts, model: str | None) -> str | None:
+    """The model to use for model-level fidelity: ``model`` when given, the embedded model when the
+    capture came from it, else None (model-level metrics are skipped)."""
+    if model:
+        return model
+    if facts.source == "embedded":
+        return "embedded"
+    return None

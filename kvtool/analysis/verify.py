@@ -1,0 +1,86 @@
+"""Verifying a compressed file against the capture it came from (the library of ``kvtool verify``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtool.analysis.fidelity import (
+    attention_fidelity,
+    check_model_facts,
+    default_model_spec,
+    dense_reference,
+    find_source,
+    model_fidelity,
+)
+from kvtool.core import io
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.progress import Progress, or_silent
+from kvtool.formats.base import CompressedCache, load_compressed
+from kvtool.hf import models
+
+
+def load_model(spec: str, facts) -> tuple[Any, str]:
+    """Load a model for model-level fidelity and check it against the capture's facts."""
+    model, _tok, source = models.load(spec)
+    name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
+    check_model_facts(model, facts, name)
+    return model, name
+
+
+def verify_file(
+    compressed: Path,
+    capture: Path | None = None,
+    heldout: int | None = None,
+    backend: str = "auto",
+    model: str | None = None,
+    use_model: bool = True,
+    generate: int = 16,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Attention-level and (with a model) model-level fidelity of a compressed file; see
+    :mod:`kvtool.analysis.fidelity`. Returns the report dict that ``--json`` prints."""
+    if generate < 0:
+        raise UsageError(f"--generate must be 0 or more, got {generate}")
+    cc: CompressedCache = load_compressed(compressed)
+    source_path = find_source(cc, compressed, capture)
+    source = io.load(source_path, layers=cc.layer_indices)
+    report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
+    progress = or_silent(progress)
+    progress.stage("attention", len(cc.layer_indices))
+    report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance())
+    spec = default_model_spec(cc.facts, model) if use_model else None
+    if spec is None:
+        report["model"] = None
+        report["model_skipped"] = "--no-model" if not use_model else (
+            f"the capture came from {cc.facts.name} ({cc.facts.source}); pass --model to score the continuation"
+        )
+        return report
+    try:
+        mdl, name = load_model(spec, cc.facts)
+    except BadDataError as exc:
+        if model:
+            raise
+        raise BadDataError(f"{exc} (or pass --no-model for attention-level fidelity only)") from None
+    progress.stage("model", 2)
+    ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
+    progress.advance()
+    report["model"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
+    progress.advance()
+    report["model"]["name"] = name
+    return report
+
+
+def check_thresholds(report: dict[str, Any], max_nll_increase: float | None, min_agreement: float | None, max_error: float | None) -> list[str]:
+    """Human-readable lines for every threshold missed."""
+    missed = []
+    model = report.get("model")
+    if max_error is not None:
+        err = report["attention"]["overall"]["rel_l2"]
+        if not err <= max_error:
+            missed.append(f"attention-output relative L2 error {err:.4g} > --max-error {max_error:g}")
+    if model is not None and max_nll_increase is not None and not model["nll_increase"] <= max_nll_increase:
+        missed.append(f"NLL increase {model['nll_increase']:.4g} > --max-nll-increase {max_nll_increase:g}")
+    if model is not None and min_agreement is not None and not model["agreement"] >= min_agreement:
+        missed.append(f"top-1 agreement {model['agreement']:.4g} < --min-agreement {min_agreement:g}")
+    return missed

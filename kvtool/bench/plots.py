@@ -1,0 +1,86 @@
+"""Figures of ``kvtool bench`` results: time vs sequence length per provider, speedup vs sparsity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvtool.core import io
+
+
+def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> Path:
+    """Left: median µs vs seq (log-log), one line per (kernel/provider, param) for the largest batch.
+    Right: speedup over each baseline vs sparsity (or budget / k) at the largest seq and batch.
+    Only records with a timing are drawn. Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in doc["records"] if r["median_us"] is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    env = doc["env"]
+    title = f"kvtool bench {doc['subcommand']} — {env['device']}"
+    if not env.get("timing_valid", True):
+        title += " (CPU interpreter: timings meaningless)"
+    fig.suptitle(title, fontsize=10)
+    if recs:
+        batch = max(r["batch"] for r in recs)
+        lines: dict[str, list[tuple[int, float]]] = {}
+        for r in recs:
+            if r["batch"] != batch:
+                continue
+            label = r["provider"] + "".join(f" {n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None)
+            lines.setdefault(label, []).append((r["seq"], r["median_us"]))
+        for label, pts in sorted(lines.items()):
+            pts.sort()
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax1.set_xscale("log", base=2)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("sequence length (tokens)")
+        ax1.set_ylabel("median time (µs)")
+        ax1.set_title(f"time vs sequence length, batch {batch}", fontsize=9)
+        ax1.legend(fontsize=7)
+        ax1.grid(True, which="both", alpha=0.3)
+
+        seq = max(r["seq"] for r in recs if r["batch"] == batch)
+        param = next((n for n in ("sparsity", "budget", "k") if any(r[n] is not None for r in recs)), None)
+        if param is not None:
+            series: dict[str, list[tuple[float, float]]] = {}
+            for r in recs:
+                if r["batch"] != batch or r["seq"] != seq or r[param] is None:
+                    continue
+                primary = doc.get("primary_baselines") or list(r["speedup"])
+                for base, val in r["speedup"].items():
+                    if isinstance(val, float) and base in primary:
+                        series.setdefault(f"{r['provider']} over {base}", []).append((r[param], val))
+            for label, pts in sorted(series.items()):
+                pts.sort()
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax2.axhline(1.0, color="grey", lw=0.8)
+            ax2.set_xlabel(param)
+            ax2.set_ylabel("speedup (baseline time / kernel time)")
+            ax2.set_title(f"speedup vs {param}, batch {batch}, seq {seq}", fontsize=9)
+            if series:
+                ax2.legend(fontsize=7)
+            ax2.grid(True, alpha=0.3)
+        else:
+            for label in sorted(lines):
+                pts = sorted((r["seq"], r["bandwidth_fraction"]) for r in recs if r["batch"] == batch and r["bandwidth_fraction"] is not None
+                             and r["provider"] + "".join(f" {n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None) == label)
+                if pts:
+                    ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax2.axhline(1.0, color="grey", lw=0.8)
+            ax2.set_xscale("log", base=2)
+            ax2.set_xlabel("sequence length (tokens)")
+            ax2.set_ylabel("bytes read / time / measured copy bandwidth")
+            ax2.set_title(f"effective bandwidth vs copy, batch {batch}", fontsize=9)
+            if ax2.get_lines()[1:]:
+                ax2.legend(fontsize=7)
+            ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    with io.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return path

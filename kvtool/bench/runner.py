@@ -1,0 +1,136 @@
+"""Running one ``kvtool bench`` suite: the context from the options, the result document."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtool.bench import harness as B
+from kvtool.bench.suites import BenchContext, load_suites
+from kvtool.core.errors import BadDataError, UsageError
+
+DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """``"4096,32k,128K"`` -> ``[4096, 32768, 131072]`` (k = 1024)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            val = int(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise UsageError(f"--{what}: {part!r} is not an integer (lists look like 1,8,32 or 4k,32k)") from None
+        if val < 1:
+            raise UsageError(f"--{what}: {val} must be at least 1")
+        out.append(val)
+    if not out:
+        raise UsageError(f"--{what} is empty")
+    return out
+
+
+def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            val = float(part)
+        except ValueError:
+            raise UsageError(f"--{what}: {part!r} is not a number") from None
+        if not (lo <= val < hi):
+            raise UsageError(f"--{what}: {val} is outside [{lo}, {hi})")
+        out.append(val)
+    if not out:
+        raise UsageError(f"--{what} is empty")
+    return out
+
+
+def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: str, seq: str, sparsity: str, budget: str,
+                  k: str | None, dtype: str, capture: Path | None, layer: int | None, cold_l2: bool, warmup_ms: float,
+                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None):
+    shape = B.model_shape(model_shape, heads, kv_heads, head_dim)
+    if dtype.lower() not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: use fp16 or bf16")
+    if capture is not None and not Path(capture).is_file():
+        raise UsageError(f"--capture {capture}: no such file")
+    if page_size < 1 or window < 0:
+        raise UsageError("--page-size must be at least 1 and --window at least 0")
+    env = B.detect_env(cold_l2=cold_l2)
+    ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
+    if any(x > shape.heads for x in ks):
+        raise UsageError(f"--k {max(ks)} is more than the {shape.heads} query heads")
+    timer = B.Timer(env, warmup_ms=warmup_ms, rep_ms=rep_ms, hide_launch=not host_overhead, cuda_graph=cuda_graph)
+    if env.device_type == "cuda":
+        env.notes.append("timings include host launch overhead" if host_overhead else "device time: launches queued behind a GPU sleep before each start event")
+    return BenchContext(
+        env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
+        dtype=getattr(torch, DTYPES[dtype.lower()]), sparsities=parse_float_list(sparsity, "sparsity"),
+        budgets=parse_int_list(budget, "budget"), ks=ks, capture=capture, layer=layer, page_size=page_size,
+        window=window, step=step or (lambda msg: None),
+    )
+
+
+def run_suite(sub: str, ctx) -> dict[str, Any]:
+    """Run one subcommand's suite; the result document written by --json."""
+    suites = load_suites()
+    if sub not in suites:
+        raise B.BenchUnavailable(f"kvtool bench {sub}: no suite for it in this checkout")
+    primary = suites[sub].baselines
+    records = suites[sub].run(ctx)
+    if ctx.timer.graph_errors:
+        ctx.env.notes.append(f"{len(ctx.timer.graph_errors)} provider(s) could not be captured in a CUDA graph and were timed "
+                             f"as launches (method 'stream'); first reason: {ctx.timer.graph_errors[0]}")
+    return {
+        "kvtool_bench": 1,
+        "subcommand": sub,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": source_commit(),
+        "command": "kvtool " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtool", "__main__.py")) else None,
+        "env": ctx.env.to_dict(),
+        "shape": _shape_of(ctx, records),
+        "primary_baselines": list(primary),
+        "records": records,
+    }
+
+
+def _shape_of(ctx, records: list[dict]) -> dict[str, Any]:
+    """The attention shape timed: the model shape, or with --capture the captured model's."""
+    if ctx.capture is not None and records:
+        r = records[0]
+        return {"name": r["data"], "heads": r["heads"], "kv_heads": r["kv_heads"], "head_dim": r["head_dim"]}
+    return {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim}
+
+
+def read_bench_json(path: Path) -> dict[str, Any]:
+    """A ``kvtool bench --json`` document (BadDataError naming the file when it is not one)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadDataError(f"{path}: not a kvtool bench JSON file ({exc})") from None
+    if not isinstance(doc, dict) or not {"subcommand", "env", "records"} <= set(doc):
+        raise BadDataError(f"{path}: not a kvtool bench JSON file (no subcommand, env and records)")
+    return doc
+
+
+def source_commit() -> str | None:
+    """The kvtool commit being timed: ``$KVTOOL_COMMIT`` (set it where the tree has no .git, as on a
+    copied working tree), else ``git rev-parse`` of the source folder, else None."""
+    if os.environ.get("KVTOOL_COMMIT"):
+        return os.environ["KVTOOL_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None

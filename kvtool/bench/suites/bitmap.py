@@ -1,0 +1,157 @@
+"""The bitmap (Mustafar) kernels: whole decode attention, the two SpMV halves, compression."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtool.bench import harness as B
+from kvtool.bench.suites.common import (
+    BenchContext,
+    dense_records,
+    free_memory,
+    register_suite,
+    require_kernel,
+    speedups_per_kernel,
+    timed,
+)
+from kvtool.bench.suites.retrieval import retrieval_encode_records
+
+def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.Tensor:
+    """Per-token magnitude pruning (Mustafar's default): each token of ``x`` ``[B, Hkv, T, D]`` keeps
+    its ``round((1 - sparsity) * D)`` largest |x| (ties to the lower channel); the last ``window``
+    tokens stay dense. Returns a new tensor (pruned elements +0.0)."""
+    d = x.shape[-1]
+    keep = int(round((1.0 - sparsity) * d))
+    out = x.clone()
+    tc = x.shape[2] - window
+    if tc <= 0 or keep >= d:
+        return out
+    part = out[:, :, :tc]
+    mask = torch.zeros(part.shape, dtype=torch.bool, device=x.device)
+    if keep > 0:
+        mask.scatter_(-1, part.abs().topk(keep, dim=-1, sorted=False).indices, True)
+    part.masked_fill_(~mask, 0)
+    return out
+
+
+ATTENTION_BASELINES = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
+
+
+def _bitmap_bytes(cache) -> int:
+    kb, vb = cache.keys, cache.values
+    return B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, vb.nz, vb.bitmaps, vb.offsets, cache.window_keys, cache.window_values)
+
+
+@register_suite('attention', ('cublas_qk+pv', 'flashinfer_batch', 'flashinfer_single'),
+                'Whole decode attention: bitmap sparse attention vs dense torch, SDPA and FlashInfer decode.',
+                'kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 --json att.json --plot att.png')
+def suite_attention(ctx: BenchContext) -> list[dict]:
+    """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
+    ``window`` tokens dense) vs the dense baselines on the unpruned tensors of the same shape."""
+    att = require_kernel("bitmap_attention", "attention", ("bitmap_decode_attention",))
+    comp = require_kernel("bitmap_compress", "attention", ("encode_cache",))
+    backend = "triton" if ctx.env.device_type == "cuda" else "torch"
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="bitmap_attention", which=ATTENTION_BASELINES)
+        q4 = q[:, :, None]
+        for sp in ctx.sparsities:
+            ctx.step(f"bitmap_attention b={b} T={t} sparsity={sp}")
+            kp, vp = prune_per_token(k, sp, ctx.window), prune_per_token(v, sp, ctx.window)
+            cache = comp.encode_cache(kp, vp, window=min(ctx.window, t), backend=backend)
+            cache.validate()
+            ref = B.reference_decode(q, kp, vp, ctx.scale)
+            del kp, vp
+            # the layout was validated above, so the timed calls skip it
+            ctx.step(f"bitmap_triton b={b} T={t} sparsity={sp}")
+            fn = lambda cache=cache: att.bitmap_decode_attention(q4, cache, ctx.scale, validate=False)  # noqa: E731
+            tm, rel, st = timed(ctx, fn, fn()[0], ref)
+            recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
+                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
+            del cache, ref
+            free_memory(ctx)
+        del q, k, v, q4
+        free_memory(ctx)
+    B.add_speedups(recs, list(ATTENTION_BASELINES))
+    return recs
+
+
+@register_suite('compress', ('bitmap_torch',),
+                'Throughput of the bitmap compression kernel (and sign-VQ / page-statistics encoding) vs copy bandwidth.',
+                'kvtool bench compress --batch 8 --seq 32k --sparsity 0.7')
+def suite_compress(ctx: BenchContext) -> list[dict]:
+    """Bitmap compression throughput: the Triton encoder vs the torch encoder on the same pruned keys
+    and values (bytes = dense input read + layout written; ``bandwidth_fraction`` against copy, which
+    also counts read + write). The outputs must be byte-identical."""
+    comp = require_kernel("bitmap_compress", "compress", ("encode_torch", "encode_triton"))
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        del q
+        for sp in ctx.sparsities:
+            for kind, x in (("keys", prune_per_token(k, sp)), ("values", prune_per_token(v, sp))):
+                ctx.step(f"bitmap compress {kind} b={b} T={t} sparsity={sp}")
+                ref = comp.encode_torch(x, kind)
+                moved = B.tensor_bytes(x) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
+                got = comp.encode_triton(x, kind) if ctx.env.device_type == "cuda" or B.interpret_mode() else None
+                same = got is not None and all(torch.equal(a.view(torch.int8) if a.is_floating_point() else a, c.view(torch.int8) if c.is_floating_point() else c)
+                                               for a, c in ((got.nz, ref.nz), (got.bitmaps, ref.bitmaps), (got.offsets, ref.offsets)))
+                tm = ctx.timer.time(lambda: comp.encode_triton(x, kind)) if same else None
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
+                                          sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
+                tm = ctx.timer.time(lambda: comp.encode_torch(x, kind))
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
+                                          sparsity=sp, rel=0.0, data=data))
+                del x, ref, got
+                free_memory(ctx)
+        recs += retrieval_encode_records(ctx, shape, b, t, k, v, data)
+        del k, v
+        free_memory(ctx)
+    speedups_per_kernel(recs, ["bitmap_torch"])
+    return recs
+
+
+@register_suite('spmv', ('cublas_qk', 'cublas_pv'),
+                'Bitmap K·q and P·V products alone vs torch.matmul (cuBLAS) on the dense tensors.',
+                'kvtool bench spmv --batch 8 --seq 32k --sparsity 0.5,0.7')
+def suite_spmv(ctx: BenchContext) -> list[dict]:
+    """The two SpMV halves of bitmap attention alone (:mod:`kvtool.kernels.bitmap_spmv`: ``bitmap_qk`` /
+    ``bitmap_pv``, with the attention kernel's block expansion) vs torch.matmul (cuBLAS)
+    on the dense tensors: scores q·Kᵀ and P·V, per sparsity."""
+    popc = require_kernel("bitmap_spmv", "spmv", ("bitmap_qk", "bitmap_pv"))
+    comp = require_kernel("bitmap_compress", "spmv", ("encode",))
+    backend = "triton" if ctx.env.device_type == "cuda" else "torch"
+    recs = []
+    for b, t in ctx.configs():
+        shape, q, k, v, data = ctx.inputs(b, t)
+        if ctx.baselines:
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="spmv_qk", which=("cublas_qk",))
+            recs += dense_records(ctx, shape, q, k, v, data, kernel="spmv_pv", which=("cublas_pv",))
+        g = shape.group
+        for sp in ctx.sparsities:
+            kp, vp = prune_per_token(k, sp), prune_per_token(v, sp)
+            kb, vb = comp.encode(kp, "keys", backend), comp.encode(vp, "values", backend)
+            kb.validate()
+            vb.validate()
+            s_ref = torch.matmul(B.grouped(q, shape.kv_heads).float(), kp.float().transpose(-1, -2)).reshape(b, shape.heads, t)
+            p = torch.softmax(s_ref * ctx.scale, dim=-1).to(ctx.dtype)
+            pv_ref = torch.matmul(p.view(b, shape.kv_heads, g, t).float(), vp.float()).reshape(b, shape.heads, -1)
+            del kp, vp
+            ctx.step(f"spmv_qk b={b} T={t} sparsity={sp}")
+            fn = lambda kb=kb: popc.bitmap_qk(q, kb)  # noqa: E731
+            tm, rel, st = timed(ctx, fn, fn(), s_ref)
+            recs.append(B.make_record(ctx.env, "spmv_qk", "bitmap_qk", shape, b, t, ctx.dtype, tm,
+                                      B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, q), sparsity=sp, rel=rel, status=st, data=data))
+            ctx.step(f"spmv_pv b={b} T={t} sparsity={sp}")
+            fn = lambda vb=vb, p=p: popc.bitmap_pv(p, vb)  # noqa: E731
+            tm, rel, st = timed(ctx, fn, fn(), pv_ref)
+            recs.append(B.make_record(ctx.env, "spmv_pv", "bitmap_pv", shape, b, t, ctx.dtype, tm,
+                                      B.tensor_bytes(vb.nz, vb.bitmaps, vb.offsets, p), sparsity=sp, rel=rel, status=st, data=data))
+            del kb, vb, p, s_ref, pv_ref
+            free_memory(ctx)
+        del q, k, v
+        free_memory(ctx)
+    speedups_per_kernel(recs, ["cublas_qk", "cublas_pv"])
+    return recs

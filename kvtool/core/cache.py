@@ -1,0 +1,201 @@
+"""The in-memory KV container shared by every command and by the Python API.
+
+Shapes (B = batch, H = query heads, Hkv = KV heads, T = tokens, D = head_dim):
+
+- keys, values: ``[B, Hkv, T, D]``, exactly as attention reads them (RoPE applied to keys, before the
+  GQA expansion to H heads).
+- queries: ``[B, H, T, D]``, RoPE applied (optional).
+- hidden: ``[B, T, hidden_size]``, the layer's input hidden states (optional).
+- token_ids: ``[B, T]`` int64.
+
+All tensors of one capture share one floating dtype (``ModelFacts.dtype``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from kvtool.core.errors import UsageError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a capture knows about the model it came from.
+
+    ``name`` is the model's name or path; ``source`` is ``embedded``, ``hf-folder``, ``gguf`` or
+    ``synthetic`` (tensors made without a model, e.g. in tests and benchmarks).
+    """
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    rope_theta: float | None
+    dtype: str
+    rope_applied: bool = True
+    source: str = "synthetic"
+    vocab_size: int | None = None
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the GQA group)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelFacts":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING} - set(data)
+        if missing:
+            raise KeyError(", ".join(sorted(missing)))
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache.
+
+    keys, values: ``[B, Hkv, T, D]``; queries: ``[B, H, T, D]`` or None; hidden: ``[B, T, hidden]``
+    or None.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    queries: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    def slice_tokens(self, start: int | None = None, stop: int | None = None) -> "LayerKV":
+        """The tokens ``start:stop`` of every tensor (views, no copy)."""
+        sl = slice(start, stop)
+        return LayerKV(
+            keys=self.keys[:, :, sl],
+            values=self.values[:, :, sl],
+            queries=None if self.queries is None else self.queries[:, :, sl],
+            hidden=None if self.hidden is None else self.hidden[:, sl],
+        )
+
+    def to(self, *args, **kwargs) -> "LayerKV":
+        """``Tensor.to`` on every tensor."""
+        return LayerKV(
+            keys=self.keys.to(*args, **kwargs),
+            values=self.values.to(*args, **kwargs),
+            queries=None if self.queries is None else self.queries.to(*args, **kwargs),
+            hidden=None if self.hidden is None else self.hidden.to(*args, **kwargs),
+        )
+
+
+@dataclass
+class KVCache:
+    """A captured cache: model facts, per-layer tensors keyed by layer index, token ids, and
+    ``info`` (capture settings: prompt sha256, prefill and generated token counts, ...).
+
+    ``attention_mask`` (``[B, T]`` int64, 1 = real token) is present only for left-padded batches.
+    """
+
+    facts: ModelFacts
+    layers: dict[int, LayerKV]
+    token_ids: torch.Tensor
+    info: dict[str, Any] = field(default_factory=dict)
+    attention_mask: torch.Tensor | None = None
+
+    @property
+    def layer_indices(self) -> list[int]:
+        return sorted(self.layers)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[1])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def has_queries(self) -> bool:
+        return all(layer.queries is not None for layer in self.layers.values())
+
+    @property
+    def has_hidden(self) -> bool:
+        return all(layer.hidden is not None for layer in self.layers.values())
+
+    def layer(self, index: int) -> LayerKV:
+        """The layer with model index ``index``; a clear error if it was not captured."""
+        if index not in self.layers:
+            raise UsageError(f"layer {index} is not in this capture (it has layers {format_indices(self.layer_indices)})")
+        return self.layers[index]
+
+    def dense_kv_bytes(self) -> int:
+        """Bytes of keys + values over all captured layers, in the stored dtype."""
+        return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in self.layers.values())
+
+
+def format_indices(indices: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    out: list[str] = []
+    run: list[int] = []
+    for i in sorted(indices):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [i]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def parse_indices(text: str, upper: int, what: str = "layer") -> list[int]:
+    """``"0,5,10-12"`` -> ``[0, 5, 10, 11, 12]``; negative indices count from ``upper``.
+
+    Raises UsageError naming the bad part or the index out of ``0..upper-1``."""
+    result: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part[1:]:
+                a, b = part.split("-", 1) if not part.startswith("-") else ("-" + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1])
+                lo, hi = int(a), int(b)
+                rng = list(range(lo, hi + 1))
+            else:
+                rng = [int(part)]
+        except ValueError:
+            raise UsageError(f"cannot read {what} selection {text!r}: {part!r} is not a number or a range like 3-7") from None
+        for i in rng:
+            j = i + upper if i < 0 else i
+            if not 0 <= j < upper:
+                raise UsageError(f"{what} {i} is out of range: there are {upper} {what}s (0..{upper - 1})")
+            if j not in result:
+                result.append(j)
+    if not result:
+        raise UsageError(f"the {what} selection {text!r} is empty")
+    return sorted(result)

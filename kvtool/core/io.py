@@ -1,0 +1,358 @@
+"""Files: atomic writes, and the capture file (safetensors) with its validation.
+
+A capture file holds tensors ``layers.{i}.keys`` / ``.values`` ``[B, Hkv, T, D]``, optionally
+``layers.{i}.queries`` ``[B, H, T, D]`` and ``layers.{i}.hidden`` ``[B, T, hidden]``, ``token_ids``
+``[B, T]`` int64 and optionally ``attention_mask`` ``[B, T]`` int64. Header metadata (all strings):
+
+- ``kvtool.schema``: ``kvtool.capture``; ``kvtool.schema_version``: ``1``;
+- ``kvtool.version``: the writer's version;
+- ``kvtool.model``: JSON of :class:`~kvtool.core.cache.ModelFacts`;
+- ``kvtool.layers``: JSON list of the captured layer indices;
+- ``kvtool.info``: JSON of the capture settings.
+
+docs/formats.md is the byte-level specification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as st_save_bytes
+
+from kvtool._version import __version__
+from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
+from kvtool.core.errors import BadDataError, OutputExistsError, UsageError
+from kvtool.core.cache import format_indices
+
+CAPTURE_SCHEMA = "kvtool.capture"
+COMPRESSED_SCHEMA = "kvtool.compressed"
+SCHEMA_VERSION = "1"
+PAGED_SCHEMA = "kvtool.paged"  # written by kvtool.paged (kvtool export --to paged)
+KNOWN_SCHEMAS = (CAPTURE_SCHEMA, COMPRESSED_SCHEMA, PAGED_SCHEMA)
+LAYER_PARTS = ("keys", "values", "queries", "hidden")
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+
+def check_output(path: str | Path, force: bool) -> Path:
+    """Refuse to overwrite an existing file unless ``force``; check the folder exists."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise OutputExistsError(path)
+    if path.exists() and path.is_dir():
+        raise UsageError(f"{path} is a folder, not a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise UsageError(f"the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"the folder {parent} is not writable")
+    return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path in the same folder; on success fsync it and rename it onto ``path``.
+
+    On any exception (Ctrl-C included) the temporary file is removed and ``path`` is untouched."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    os.close(fd)
+    tmp_path = Path(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, path)
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(path.parent or ".", os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, force: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically (never a half-written file)."""
+    path = check_output(path, force)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str, force: bool = False) -> Path:
+    return atomic_write_bytes(path, text.encode(), force=force)
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False) -> Path:
+    """Save ``tensors`` with string ``metadata`` atomically. Tensors are made contiguous on the CPU."""
+    clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    data = st_save_bytes(clean, metadata=metadata)
+    return atomic_write_bytes(path, data, force=force)
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
+    """Metadata and ``{name: (dtype, shape)}`` of a safetensors file, without loading tensors.
+
+    Raises BadDataError for a missing, unreadable, truncated or non-safetensors file."""
+    path = Path(path)
+    if not path.exists():
+        raise BadDataError(f"{path}: no such file")
+    if path.is_dir():
+        raise BadDataError(f"{path}: is a folder, not a kvtool file")
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise BadDataError(f"{path}: not a safetensors file (too short)")
+            n = int.from_bytes(head, "little")
+            size = path.stat().st_size
+            if n <= 0 or n > min(size - 8, 100_000_000):
+                raise BadDataError(f"{path}: not a safetensors file (bad header length)")
+            header = json.loads(fh.read(n))
+    except (OSError, PermissionError) as exc:
+        raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BadDataError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise BadDataError(f"{path}: not a safetensors file (header is not an object)")
+    meta = header.pop("__metadata__", None) or {}
+    entries: dict[str, tuple[str, list[int]]] = {}
+    end = 0
+    for name, spec in header.items():
+        try:
+            entries[name] = (spec["dtype"], list(spec["shape"]))
+            end = max(end, int(spec["data_offsets"][1]))
+        except (KeyError, TypeError, IndexError, ValueError):
+            raise BadDataError(f"{path}: not a safetensors file (bad entry for {name!r})") from None
+    if 8 + n + end > size:
+        raise BadDataError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
+    return meta, entries
+
+
+def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Load tensors (all, or ``names``) from a safetensors file, CPU."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            return {name: fh.get_tensor(name) for name in (names if names is not None else fh.keys())}
+    except BadDataError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for corrupt data
+        raise BadDataError(f"{path}: cannot read tensors ({exc})") from exc
+
+
+def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = ...) -> Any:
+    if key not in meta:
+        if default is not ...:
+            return default
+        raise BadDataError(f"{path}: metadata key {key!r} is missing")
+    try:
+        return json.loads(meta[key])
+    except json.JSONDecodeError:
+        raise BadDataError(f"{path}: metadata {key!r} is not valid JSON") from None
+
+
+def check_schema(path: Path, meta: dict[str, str], expected: str | tuple[str, ...] = KNOWN_SCHEMAS) -> str:
+    """Return the file's schema name after checking it is a kvtool file of a supported version."""
+    schema = meta.get("kvtool.schema")
+    if schema is None:
+        raise BadDataError(f"{path}: not a kvtool file (no kvtool.schema in its metadata)")
+    expected = (expected,) if isinstance(expected, str) else expected
+    if schema not in expected:
+        raise BadDataError(f"{path}: is a {schema} file; expected {' or '.join(expected)}")
+    version = meta.get("kvtool.schema_version")
+    if version != SCHEMA_VERSION:
+        raise BadDataError(f"{path}: schema version {version!r} is not supported (this kvtool reads {SCHEMA_VERSION})")
+    return schema
+
+
+def facts_from_meta(path: Path, meta: dict[str, str]) -> ModelFacts:
+    data = parse_json_meta(path, meta, "kvtool.model")
+    try:
+        facts = ModelFacts.from_dict(data)
+    except (KeyError, TypeError) as exc:
+        raise BadDataError(f"{path}: kvtool.model lacks {exc}") from None
+    if facts.dtype not in DTYPES:
+        raise BadDataError(f"{path}: kvtool.model dtype {facts.dtype!r} is not one of {', '.join(DTYPES)}")
+    if min(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers) <= 0 or facts.num_heads % facts.num_kv_heads:
+        raise BadDataError(f"{path}: kvtool.model head counts are inconsistent ({facts.num_heads} heads, {facts.num_kv_heads} KV heads)")
+    return facts
+
+
+ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
+
+
+def capture_metadata(cache: KVCache) -> dict[str, str]:
+    return {
+        "kvtool.schema": CAPTURE_SCHEMA,
+        "kvtool.schema_version": SCHEMA_VERSION,
+        "kvtool.version": __version__,
+        "kvtool.model": json.dumps(cache.facts.to_dict()),
+        "kvtool.layers": json.dumps(cache.layer_indices),
+        "kvtool.info": json.dumps(cache.info),
+    }
+
+
+def capture_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {"token_ids": cache.token_ids.to(torch.int64)}
+    if cache.attention_mask is not None:
+        tensors["attention_mask"] = cache.attention_mask.to(torch.int64)
+    for i, layer in cache.layers.items():
+        for part in LAYER_PARTS:
+            t = getattr(layer, part)
+            if t is not None:
+                tensors[f"layers.{i}.{part}"] = t
+    return tensors
+
+
+def save(cache: KVCache, path: str | Path, force: bool = False) -> Path:
+    """Save a capture atomically. Refuses to overwrite unless ``force``.
+
+    Validates the container first (shapes against the model facts), so a bad cache is never
+    written."""
+    validate_cache(cache, Path(path))
+    return write_safetensors(path, capture_tensors(cache), capture_metadata(cache), force=force)
+
+
+def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
+    """Check every tensor's shape and dtype against the model facts; BadDataError on the first problem."""
+    f = cache.facts
+    if cache.token_ids.ndim != 2:
+        raise BadDataError(f"{path}: token_ids should be [batch, tokens], got shape {list(cache.token_ids.shape)}")
+    b, t = cache.token_ids.shape
+    if cache.attention_mask is not None and list(cache.attention_mask.shape) != [b, t]:
+        raise BadDataError(f"{path}: attention_mask should be {[b, t]}, got {list(cache.attention_mask.shape)}")
+    if not cache.layers:
+        raise BadDataError(f"{path}: the capture holds no layers")
+    want = {
+        "keys": [b, f.num_kv_heads, t, f.head_dim],
+        "values": [b, f.num_kv_heads, t, f.head_dim],
+        "queries": [b, f.num_heads, t, f.head_dim],
+        "hidden": [b, t, f.hidden_size],
+    }
+    for i, layer in cache.layers.items():
+        if not 0 <= i < f.num_layers:
+            raise BadDataError(f"{path}: layer {i} is outside the model's {f.num_layers} layers")
+        for part in LAYER_PARTS:
+            tensor = getattr(layer, part)
+            if tensor is None:
+                if part in ("keys", "values"):
+                    raise BadDataError(f"{path}: layer {i} has no {part}")
+                continue
+            if list(tensor.shape) != want[part]:
+                raise BadDataError(f"{path}: layers.{i}.{part} has shape {list(tensor.shape)}, the metadata says {want[part]}")
+            if tensor.dtype != f.torch_dtype:
+                raise BadDataError(f"{path}: layers.{i}.{part} is {tensor.dtype}, the metadata says {f.dtype}")
+
+
+def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS) -> KVCache:
+    """Load and validate a capture file.
+
+    ``layers`` restricts loading to those model layer indices; ``parts`` to some of keys, values,
+    queries, hidden (keys and values are always loaded). Raises BadDataError naming the file and the
+    problem for anything that is not a valid capture."""
+    path = Path(path)
+    meta, entries = read_header(path)
+    check_schema(path, meta, CAPTURE_SCHEMA)
+    facts = facts_from_meta(path, meta)
+    indices = parse_json_meta(path, meta, "kvtool.layers")
+    info = parse_json_meta(path, meta, "kvtool.info", default={})
+    if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
+    allowed = {"token_ids", "attention_mask"} | {f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS}
+    unknown = sorted(set(entries) - allowed)
+    if unknown:
+        raise BadDataError(f"{path}: unexpected tensor {unknown[0]!r} (not named in kvtool.layers)")
+    if "token_ids" not in entries:
+        raise BadDataError(f"{path}: tensor 'token_ids' is missing")
+    for i in indices:
+        for p in ("keys", "values"):
+            if f"layers.{i}.{p}" not in entries:
+                raise BadDataError(f"{path}: tensor 'layers.{i}.{p}' is missing")
+    for name, (dt, _shape) in entries.items():
+        if name.startswith("layers.") and ST_DTYPES.get(dt) != facts.dtype:
+            raise BadDataError(f"{path}: {name} is {ST_DTYPES.get(dt, dt)}, the metadata says {facts.dtype}")
+    if layers is not None:
+        missing = [i for i in layers if i not in indices]
+        if missing:
+            raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
+        indices = [i for i in indices if i in layers]
+    wanted = ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else [])
+    wanted += [f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS if (p in parts or p in ("keys", "values")) and f"layers.{i}.{p}" in entries]
+    tensors = read_tensors(path, wanted)
+    cache = KVCache(
+        facts=facts,
+        layers={
+            i: LayerKV(**{p: tensors.get(f"layers.{i}.{p}") for p in LAYER_PARTS})
+            for i in indices
+        },
+        token_ids=tensors["token_ids"],
+        info=info,
+        attention_mask=tensors.get("attention_mask"),
+    )
+    validate_cache(cache, path)
+    return cache
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """What ``kvtool info`` shows: schema, metadata (JSON decoded), tensors with shapes, dtypes and
+    bytes, totals. Works on any kvtool file without loading its tensors."""
+    path = Path(path)
+    meta, entries = read_header(path)
+    schema = check_schema(path, meta)
+    decoded: dict[str, Any] = {}
+    for key, value in meta.items():
+        try:
+            decoded[key] = json.loads(value)
+        except json.JSONDecodeError:
+            decoded[key] = value
+    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "BOOL": 1, "F64": 8}
+    tensors = []
+    total = 0
+    for name, (dt, shape) in sorted(entries.items(), key=lambda kv: _natural_key(kv[0])):
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * itemsize.get(dt, 0)
+        total += nbytes
+        tensors.append({"name": name, "dtype": ST_DTYPES.get(dt, dt), "shape": shape, "bytes": nbytes})
+    return {
+        "path": str(path),
+        "schema": schema,
+        "schema_version": meta.get("kvtool.schema_version"),
+        "metadata": decoded,
+        "tensors": tensors,
+        "tensor_bytes": total,
+        "file_bytes": path.stat().st_size,
+    }
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(p) if p.isdigit() else p for p in name.split(".")]

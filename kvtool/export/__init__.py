@@ -1,0 +1,1 @@
+"""Handing kvtool files on: transformers caches, FlashInfer/vLLM pages, numpy, dense captures, tables."""

@@ -1,0 +1,145 @@
+"""Compressing capture files and decoding compressed files back to dense captures."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvtool.core import io
+from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
+from kvtool.core.errors import UsageError
+from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
+from kvtool.formats.pipeline import resolve
+
+
+def default_output(capture: Path, fmt: str) -> Path:
+    return capture.with_name(f"{capture.stem}.{fmt}.safetensors")
+
+
+def compress_file(
+    capture: Path,
+    spec: str,
+    output: Path | None = None,
+    options: dict[str, Any] | None = None,
+    heldout: int = 64,
+    layers: str | None = None,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[CompressedCache, Path, dict[str, Any]]:
+    """Compress a capture file and write the result; returns (container, path, report).
+
+    ``spec``: ``NAME[:key=value,...]`` or an eviction + pruning + format chain; ``options``: format
+    parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: called
+    with each layer index once that layer is encoded."""
+    fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
+    output = output or default_output(capture, name)
+    io.check_output(output, force)
+    meta, _ = io.read_header(capture)
+    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(capture, meta)
+    selected = parse_indices(layers, facts.num_layers) if layers else None
+    cache = io.load(capture, layers=selected)
+    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
+        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
+    if heldout >= cache.num_tokens:
+        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
+    start = time.perf_counter()
+    cc = compress_cache(cache, fmt, params, heldout=heldout, progress=progress)
+    cc.info["source_sha256"] = io.sha256_file(capture)
+    cc.info["source_path"] = str(capture)
+    cc.info["seconds"] = round(time.perf_counter() - start, 3)
+    if fmt.name == "pipeline":
+        cc.info["pipeline"] = next(iter(cc.layers.values())).meta.get("label")
+    path = save_compressed(cc, output, force=force)
+    report = build_report(cc, cache)
+    report["output"] = str(path)
+    report["file_bytes"] = path.stat().st_size
+    return cc, path, report
+
+
+def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
+    """What ``kvtool compress`` and ``info`` report of a compressed file: bytes by part against the
+    dense bytes of the same tokens, and the format's own figures (``source``: the capture, if at hand)."""
+    fmt = cc.fmt
+    rep = cc.byte_report()
+    return {
+        "format": cc.format,
+        "params": cc.params,
+        "layers": cc.layer_indices,
+        "prefix_tokens": cc.prefix_tokens,
+        "heldout": cc.info.get("heldout", 0),
+        "dense_bytes": rep["dense_bytes"],
+        "compressed_bytes": rep["compressed_bytes"],
+        "bytes_by_part": rep["parts"],
+        "ratio": rep["ratio"],
+        "compression_rate_percent": 100.0 * rep["ratio"],
+        "details": fmt.report(cc, source),
+    }
+
+
+def decompress_cache(cc: CompressedCache) -> KVCache:
+    """Decode every layer and append the dense held-out tail: a capture-schema container."""
+    fmt = cc.fmt
+    layers: dict[int, LayerKV] = {}
+    for i in cc.layer_indices:
+        dense = fmt.decode(cc.layers[i])
+        if dense.keys.shape[2] != cc.prefix_tokens:
+            raise UsageError(
+                f"format {cc.format} keeps {dense.keys.shape[2]} of {cc.prefix_tokens} tokens per head; "
+                "its tokens cannot be written as a capture (use `kvtool export --to hf`)"
+            )
+        tail = cc.tails.get(i)
+        keys, values = dense.keys, dense.values
+        if tail is not None:
+            keys = torch.cat([keys, tail.keys.to(keys.dtype)], dim=2)
+            values = torch.cat([values, tail.values.to(values.dtype)], dim=2)
+        dtype = cc.facts.torch_dtype
+        layers[i] = LayerKV(keys=keys.to(dtype).contiguous(), values=values.to(dtype).contiguous())
+    return KVCache(cc.facts, layers, cc.token_ids, {})
+
+
+def read_kv_file(path: Path) -> KVCache | CompressedCache:
+    """A capture (:class:`KVCache`) or a compressed file (:class:`CompressedCache`), validated."""
+    meta, _ = io.read_header(path)
+    schema = io.check_schema(path, meta, (io.CAPTURE_SCHEMA, io.COMPRESSED_SCHEMA))
+    return io.load(path) if schema == io.CAPTURE_SCHEMA else load_compressed(path)
+
+
+def keeps_every_token(cc: CompressedCache) -> bool:
+    """True when the format's decode gives all ``prefix_tokens`` tokens of every layer."""
+    fmt = cc.fmt
+    return all(fmt.decode(enc).keys.shape[2] == cc.prefix_tokens for enc in cc.layers.values())
+
+
+def needs_attention(cc: CompressedCache) -> bool:
+    """True when no dense cache can stand in for the format: it selects tokens per query, or keeps
+    fewer tokens than it was given. Such files run through kvtool's attention function."""
+    return bool(cc.fmt.selects) or not keeps_every_token(cc)
+
+
+def dense_of(obj: KVCache | CompressedCache, path: Path, target: str) -> KVCache:
+    """The dense keys/values an object represents (a capture as it is, a compressed file decoded
+    with its held-out tail appended). UsageError naming the targets that can hold the format when its
+    decode does not keep every token."""
+    if isinstance(obj, KVCache):
+        return obj
+    if not keeps_every_token(obj):
+        raise UsageError(
+            f"{path}: format {obj.format} keeps fewer tokens than it was given, so --to {target} cannot hold it; "
+            "--to hf can (its attention runs inside the model)"
+        )
+    cache = decompress_cache(obj)
+    cache.info = {"decompressed_from": str(path), "format": obj.format, "params": obj.params, **{k: v for k, v in obj.info.items() if k != "source_info"}}
+    return cache
+
+
+def check_all_layers(layer_indices: list[int], num_layers: int, path: Path) -> None:
+    missing = [i for i in range(num_layers) if i not in layer_indices]
+    if missing:
+        raise UsageError(
+            f"{path} holds layers {format_indices(layer_indices)} of the model's {num_layers}; a transformers cache needs every layer "
+            "(recapture without --layers); --to paged, npz or dense can hold a partial capture"
+        )

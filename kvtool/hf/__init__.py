@@ -1,0 +1,1 @@
+"""Every transformers touchpoint: model loading, capture, the attention hook, caches, generation."""

