@@ -167,7 +167,7 @@ class RingParams(FormatParams):
 
 
 def append_token(enc, key, value, inplace=False):
-    """Test ring: token at position p goes to slot p mod R (the interface snapstream offers)."""
+    """Test ring: token at position p goes to slot p mod R (what snapstream's ``append_token`` does)."""
     r, length = int(enc.meta["recent"]), int(enc.meta["length"])
     t = enc.tensors if inplace else {n: x.clone() for n, x in enc.tensors.items()}
     t["keys"][:, :, length % r] = key.reshape(t["keys"][:, :, 0].shape)
@@ -187,6 +187,10 @@ class RingFormat(Format):
     summary = "test only"
     Params = RingParams
     selects = True
+    appends_tokens = True
+
+    def append_token(self, enc, key, value, inplace=False):
+        return append_token(enc, key, value, inplace)
 
     def encode(self, layer, params):
         t, r = layer.num_tokens, params.recent

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from kvtool.core.attention import attend_partial
-from kvtool.core.cache import KVCache, LayerKV, ModelFacts
-from kvtool.export.paged import from_paged, to_paged
+from kvtool.export.paged import from_paged
 from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode, pagestat_decode_reference
 from kvtool.formats.signvq import SignVQFormat, lut_scores, make_signvq_inputs, signvq_decode
 from kvtool.kernels.bitmap_attention import bitmap_decode_attention
 from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
 from kvtool.kernels.heads import selective_head_attention, selective_head_attention_reference
 from kvtool.kernels.signvq_lut import lut_scores_kernel
+
+from .paged_reference import dense_reference, synthetic_paged
 
 pytestmark = pytest.mark.gpu
 
@@ -107,24 +108,14 @@ def test_flashinfer_reads_the_paged_export(layout, page_size):
     """FlashInfer's batched paged decode on kvtool's pages and page table agrees with dense attention
     over the same sequences read back through the page table (left-padded batch of 4 lengths)."""
     flashinfer = pytest.importorskip("flashinfer")
-    lens, heads, kv_heads, d = [37, 128, 511, 1000], 32, 8, 128
-    b, t = len(lens), max(lens)
-    g = torch.Generator().manual_seed(0)
-    facts = ModelFacts(name="synthetic", architecture="synthetic", num_layers=1, num_heads=heads, num_kv_heads=kv_heads,
-                       head_dim=d, hidden_size=heads * d, rope_theta=None, dtype="float16")
-    keys = torch.randn(b, kv_heads, t, d, generator=g).half()
-    values = torch.randn(b, kv_heads, t, d, generator=g).half()
-    mask = torch.tensor([[0] * (t - n) + [1] * n for n in lens])
-    paged = to_paged(KVCache(facts, {0: LayerKV(keys, values)}, torch.zeros(b, t, dtype=torch.int64), {}, mask), page_size, layout)
-    q = torch.randn(b, heads, d, generator=g).half().cuda()
+    heads, kv_heads, d = 32, 8, 128
+    paged = synthetic_paged([37, 128, 511, 1000], heads, kv_heads, d, page_size, layout)
+    b = int(paged.seq_lens.numel())
+    q = torch.randn(b, heads, d, generator=torch.Generator().manual_seed(1)).half().cuda()
     workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, layout, use_tensor_cores=True)
     wrapper.plan(paged.kv_indptr.cuda(), paged.kv_indices.cuda(), paged.kv_last_page_len.cuda(), heads, kv_heads, d, page_size,
                  pos_encoding_mode="NONE", q_data_type=F16, kv_data_type=F16)
     out = wrapper.run(q, (paged.k_pages[0].cuda(), paged.v_pages[0].cuda())).float().cpu()
-    ref = []
-    for i, (k, v) in enumerate(from_paged(paged)[0]):
-        kf, vf = k.float().repeat_interleave(heads // kv_heads, 0), v.float().repeat_interleave(heads // kv_heads, 0)
-        p = torch.softmax(torch.einsum("hd,hld->hl", q[i].float().cpu(), kf) / math.sqrt(d), -1)
-        ref.append(torch.einsum("hl,hld->hd", p, vf))
-    assert float((out - torch.stack(ref)).abs().max()) <= 2e-2
+    ref = dense_reference(q.float().cpu(), from_paged(paged)[0], 1.0 / math.sqrt(d))
+    assert float((out - ref).abs().max()) <= 2e-2

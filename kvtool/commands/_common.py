@@ -127,13 +127,18 @@ def fmt_bytes(n: int | float) -> str:
 
 
 class BarProgress(LibraryProgress):
-    """The CLI's :class:`kvtool.core.progress.Progress`: each stage is a task of a rich bar."""
+    """The CLI's :class:`kvtool.core.progress.Progress`: each stage is a task of a rich bar, which
+    starts with the first stage (a command that fails before any stage prints nothing)."""
 
     def __init__(self, bar: Progress):
         self.bar = bar
         self.task = None
+        self.started = False
 
     def stage(self, what: str, total: int | None = None) -> None:
+        if not self.started:
+            self.bar.start()
+            self.started = True
         if self.task is not None:
             self.bar.remove_task(self.task)
         self.task = self.bar.add_task(what, total=total)
@@ -142,12 +147,19 @@ class BarProgress(LibraryProgress):
         if self.task is not None:
             self.bar.advance(self.task, units)
 
+    def close(self) -> None:
+        if self.started:
+            self.bar.stop()
+
 
 @contextmanager
 def library_progress(quiet: bool = False) -> Iterator[BarProgress]:
     """A progress sink for a library call, drawn as :func:`progress_bar` draws."""
-    with progress_bar(quiet) as bar:
-        yield BarProgress(bar)
+    sink = BarProgress(progress_bar(quiet))
+    try:
+        yield sink
+    finally:
+        sink.close()
 
 
 def progress_bar(quiet: bool = False) -> Progress:

@@ -24,7 +24,7 @@ from kvtool.commands._common import (
     fmt_bytes,
     kvtool_command,
     make_table,
-    progress_bar,
+    library_progress,
 )
 
 ORDER = 40
@@ -109,9 +109,8 @@ def register(app: typer.Typer) -> None:
             if not eq:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
-        with progress_bar(json_out) as bar:
-            task = bar.add_task(f"compress {format}", total=None)
-            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=lambda i: bar.advance(task))
+        with library_progress(json_out) as progress:
+            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress)
         if json_out:
             emit_json(report)
         else:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
+from kvtool.core.progress import Progress, or_silent
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 
@@ -27,13 +28,13 @@ def compress_file(
     heldout: int = 64,
     layers: str | None = None,
     force: bool = False,
-    progress: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
     """Compress a capture file and write the result; returns (container, path, report).
 
     ``spec``: ``NAME[:key=value,...]`` or an eviction + pruning + format chain; ``options``: format
-    parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: called
-    with each layer index once that layer is encoded."""
+    parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: one stage,
+    a unit per layer."""
     fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
@@ -47,7 +48,9 @@ def compress_file(
     if heldout >= cache.num_tokens:
         raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
     start = time.perf_counter()
-    cc = compress_cache(cache, fmt, params, heldout=heldout, progress=progress)
+    progress = or_silent(progress)
+    progress.stage(f"compress {name}", len(cache.layers))
+    cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
