@@ -20,7 +20,6 @@ Without CUDA the harness runs only under ``TRITON_INTERPRET=1`` on the CPU for t
 from __future__ import annotations
 
 import math
-import os
 import platform
 import statistics
 import time
@@ -29,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvtool.kernels.common import interpreting
 from kvtool.core.errors import UsageError
 from kvtool.core import io
 
@@ -100,7 +100,8 @@ def _version(module: str) -> str:
 
 
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+    """True under ``TRITON_INTERPRET=1`` (the CPU functional path)."""
+    return interpreting()
 
 
 def flashinfer_module():

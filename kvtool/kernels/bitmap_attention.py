@@ -42,7 +42,6 @@ standalone SpMV products of :mod:`.bitmap_spmv`.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -50,8 +49,9 @@ import triton.language as tl
 
 from kvtool.core.attention import attend_partial, default_scale
 from kvtool.core.errors import UsageError
-from kvtool.kernels.bitmap_compress import _check_device, _popc32
+from kvtool.kernels.bitmap_compress import _popc32
 from kvtool.kernels.bitmap_layout import TILE, BitmapCache
+from kvtool.kernels.common import check_device, interpreting
 from kvtool.kernels.online_softmax import attend_block as _attend_block, merge_split_partials
 
 LOG2E = 1.4426950408889634
@@ -264,7 +264,7 @@ def expansion_options(x: torch.Tensor, dp: int, expansion: str | None = None, ma
     :mod:`.bitmap_spmv`'s) for tensors like ``x`` and padded head_dim ``dp``: the ``USE_ASM`` and
     ``WALK`` constexprs (``expansion`` None picks walk where it can run) and the register cap (CUDA,
     ``dp`` <= 128). UsageError for an unknown expansion or walk where it cannot run."""
-    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    use_asm = x.is_cuda and not interpreting()
     can_walk = use_asm and x.dtype != torch.float32
     if expansion not in (None, "walk", "popc"):
         raise UsageError(f"expansion must be walk or popc, got {expansion!r}")
@@ -295,7 +295,7 @@ def bitmap_decode_attention(
     picks walk where it can run). ``maxnreg``: register cap per thread on CUDA for head_dim <= 128
     (None: no cap)."""
     check_query(q, cache)
-    _check_device(q, "q")
+    check_device(q=q)
     if validate:
         cache.validate()
     k, v = cache.keys, cache.values

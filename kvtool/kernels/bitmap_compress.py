@@ -19,13 +19,13 @@ way to make kernel inputs of any size on the GPU.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kvtool.core.errors import UsageError
+from kvtool.kernels.common import check_device, interpreting
 from kvtool.kernels.bitmap_layout import (
     _INT_VIEW,
     TILE,
@@ -192,11 +192,6 @@ def _bitmap_compress_kernel(
             tl.store(offset_ptr, cnt * 0)
 
 
-def _check_device(x: torch.Tensor, what: str) -> None:
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise UsageError(f"{what} is on {x.device}; the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-
-
 def _dp(d: int) -> int:
     return max(64, triton.next_power_of_2(d))
 
@@ -205,7 +200,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     """Triton encoder (same bytes as :func:`encode_torch`). ``x`` ``[B, Hkv, Tc, D]`` on CUDA (or CPU
     under ``TRITON_INTERPRET=1``). One host sync: the total size of ``nz``."""
     _check_input(x, kind)
-    _check_device(x, kind)
+    check_device(**{kind: x})
     b, h, tc, d = x.shape
     nb = -(-tc // TILE)
     dt = -(-d // TILE)
@@ -221,7 +216,7 @@ def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     is_key = kind == "keys"
     warps1 = 2 if is_key else 4
     warps2 = 8 if is_key else 4
-    use_asm = x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    use_asm = x.is_cuda and not interpreting()
     args = dict(IS_KEY=is_key, DP=_dp(d), USE_ASM=use_asm, ALIGN=align_elements(x.dtype))
     bm32 = bitmaps.view(torch.int32)
     _bitmap_compress_kernel[(nblocks,)](xi, bm32, offsets, xi, tc, d, nb, WRITE=False, num_warps=warps1, **args)

@@ -25,7 +25,7 @@ from kvtool.kernels.bitmap_attention import (
     default_splits,
     expansion_options,
 )
-from kvtool.kernels.bitmap_compress import _check_device
+from kvtool.kernels.common import check_device
 from kvtool.kernels.bitmap_layout import TILE
 
 
@@ -83,7 +83,7 @@ def bitmap_qk(q: torch.Tensor, keys) -> torch.Tensor:
     hkv, tc = keys.kv_heads, keys.tokens
     if b != keys.batch or d != keys.head_dim or h % hkv or q.dtype != keys.dtype:
         raise UsageError(f"q is {q.dtype} {list(q.shape)}; expected {keys.dtype} [{keys.batch}, a multiple of {hkv}, {keys.head_dim}]")
-    _check_device(q, "q")
+    check_device(q=q)
     rows = h // hkv
     out = torch.empty(b, h, tc, dtype=torch.float32, device=q.device)
     if tc == 0:
@@ -104,7 +104,7 @@ def bitmap_pv(p: torch.Tensor, values, num_splits: int | None = None) -> torch.T
     hkv, d = values.kv_heads, values.head_dim
     if b != values.batch or tc != values.tokens or h % hkv or p.dtype != values.dtype:
         raise UsageError(f"p is {p.dtype} {list(p.shape)}; expected {values.dtype} [{values.batch}, a multiple of {hkv}, {values.tokens}]")
-    _check_device(p, "p")
+    check_device(p=p)
     rows = h // hkv
     nb = values.blocks
     if tc == 0:

@@ -25,6 +25,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1``: kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 

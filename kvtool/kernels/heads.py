@@ -31,7 +31,6 @@ raises UsageError naming the tensor and the expected shape or dtype.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -39,6 +38,7 @@ import triton.language as tl
 
 from kvtool.core.attention import attend_partial, default_scale
 from kvtool.core.errors import UsageError
+from kvtool.kernels.common import check_device
 from kvtool.kernels.online_softmax import merge_split_partials
 
 LOG2E = 1.4426950408889634
@@ -127,8 +127,7 @@ def check_inputs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, head
         raise UsageError(f"head_index must be [batch={b}, k] with 1 <= k <= {h}, got shape {list(head_index.shape)}")
     if head_index.device != q.device:
         raise UsageError(f"head_index is on {head_index.device} but q is on {q.device}")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        raise UsageError(f"q is on {q.device}; the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    check_device(q=q)
     if check_values and head_index.numel():
         bad_range = (head_index < 0) | (head_index >= h)
         srt = head_index.sort(dim=1).values
