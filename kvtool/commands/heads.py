@@ -7,11 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.core import io
-from kvtool.core.cache import parse_indices
-from kvtool.core.errors import UsageError
-from kvtool.analysis.plots import plot_curves
-from kvtool.methods.heads import analyse_heads, save_routers
+from kvtool.analysis.reports import heads_file
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
@@ -23,51 +19,11 @@ from kvtool.commands._common import (
     example_epilog,
     kvtool_command,
     make_table,
-    progress_bar,
+    library_progress,
 )
 
 ORDER = 45
 SHORT_HELP = "Attention-head selection: oracle error curve and trained routers"
-
-
-def run_heads(
-    capture: Path,
-    k: int | None = None,
-    heldout: int = 128,
-    layers: str | None = None,
-    router_out: Path | None = None,
-    plot: Path | None = None,
-    steps: int = 300,
-    seed: int = 0,
-    force: bool = False,
-    quiet: bool = True,
-) -> dict[str, Any]:
-    """Analyse a capture's heads, optionally save the routers and a plot; returns the report."""
-    for out in (router_out, plot):
-        if out is not None:
-            io.check_output(out, force)
-    if router_out is not None and plot is not None and Path(router_out).resolve() == Path(plot).resolve():
-        raise UsageError("--router-out and --plot name the same file")
-    meta, _ = io.read_header(capture)
-    io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(capture, meta)
-    selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
-    if not cache.has_queries:
-        raise UsageError(f"{capture} has no queries; recapture without --no-queries")
-    if router_out is not None and not cache.has_hidden:
-        raise UsageError(f"--router-out needs hidden states, and {capture} has none; recapture with --hidden")
-    if cache.batch_size > 1 and cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
-        raise UsageError(f"{capture} holds a left-padded batch; recapture with --align truncate")
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("heads", total=len(cache.layers))
-        report, routers = analyse_heads(cache, k, heldout, router=True, steps=steps, seed=seed, progress=lambda i: bar.advance(task))
-    report["capture"] = str(capture)
-    if router_out is not None:
-        report["router_out"] = str(save_routers(router_out, routers, cache, report["k"], force=force))
-    if plot is not None:
-        report["plot"] = str(plot_curves(report, plot, force=force))
-    return report
 
 
 def print_report(rep: dict[str, Any]) -> None:
@@ -125,7 +81,8 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        report = run_heads(capture, k, heldout, layers, router_out, plot, steps, seed, force, quiet=json_out)
+        with library_progress(json_out) as progress:
+            report = heads_file(capture, k, heldout, layers, router_out, plot, steps, seed, force, progress=progress)
         if json_out:
             emit_json(report)
         else:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
-from kvtool.core import io
+from kvtool.formats.files import file_info
 from kvtool.commands._common import (
     DebugOpt,
     InputArg,
@@ -18,21 +16,10 @@ from kvtool.commands._common import (
     kvtool_command,
     make_table,
 )
-from kvtool.formats.base import load_compressed
-from kvtool.formats.files import build_report
 from kvtool.commands.compress import print_report
 
 ORDER = 20
 SHORT_HELP = "Show what a kvtool file holds: schema, model facts, tensors, bytes"
-
-
-def file_info(path: Path) -> dict:
-    """Schema, model facts, tensors and totals; for compressed files also bytes by part and ratio."""
-    data = io.describe(path)
-    if data["schema"] == io.COMPRESSED_SCHEMA:
-        cc = load_compressed(path)
-        data["compression"] = build_report(cc)
-    return data
 
 
 def register(app: typer.Typer) -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kvtool.core import io
-from kvtool.core.cache import format_indices, parse_indices
-from kvtool.core.errors import UsageError
-from kvtool.analysis.stats import StatsSettings, capture_stats, mass_tag
+from kvtool.core.cache import format_indices
+from kvtool.analysis.stats import StatsSettings, mass_tag
+from kvtool.analysis.reports import stats_file
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
@@ -22,80 +20,13 @@ from kvtool.commands._common import (
     example_epilog,
     kvtool_command,
     make_table,
-    progress_bar,
+    library_progress,
 )
 
 ORDER = 30
 SHORT_HELP = "Magnitudes, outlier channels, sign entropy, attention concentration"
 
 
-def head_row(layer: int, head: dict[str, Any]) -> dict[str, Any]:
-    """One flat row per (layer, KV head): the keys ``--sort`` can order by."""
-    row: dict[str, Any] = {"layer": layer, "head": head["kv_head"]}
-    for part, p in (("keys", "k"), ("values", "v")):
-        s = head[part]
-        row.update(
-            {
-                f"{p}_mean": s["mean_abs"],
-                f"{p}_max": s["max_abs"],
-                f"{p}_p99": s["p99"],
-                f"{p}_p99.9": s["p99.9"],
-                f"{p}_kurtosis": s["kurtosis"],
-                f"{p}_outliers": s["outliers"],
-                f"{p}_ratio": s["max_ratio"],
-                f"{p}_top30": s.get("top30_share"),
-                f"{p}_top50": s.get("top50_share"),
-                f"{p}_entropy": s["code_entropy_raw"],
-                f"{p}_entropy_mean": s["code_entropy_mean"],
-                f"{p}_entropy_median": s["code_entropy_median"],
-            }
-        )
-    att = head.get("attention")
-    if att:
-        for key in ("keys90", "keys90_frac", "keys99", "keys99_frac", "sink_share", "out_norm"):
-            row[key] = att.get(key)
-    return row
-
-
-SORT_ASCENDING = ("layer", "head")
-
-
-def sorted_rows(rows: list[dict[str, Any]], sort: str | None, top: int | None) -> list[dict[str, Any]]:
-    """Rows ordered by ``sort`` (largest first; layer/head smallest first), the first ``top`` kept."""
-    if sort is not None:
-        if not rows or sort not in rows[0]:
-            allowed = ", ".join(rows[0]) if rows else "layer, head"
-            raise UsageError(f"cannot sort by {sort!r}: choose one of {allowed}")
-        rev = sort not in SORT_ASCENDING
-        rows = sorted(rows, key=lambda r: (r[sort] is None, -r[sort] if rev and r[sort] is not None else (r[sort] or 0), r["layer"], r["head"]))
-    return rows[:top] if top is not None else rows
-
-
-def run_stats(
-    path: Path,
-    layers: str | None = None,
-    heads: str | None = None,
-    settings: StatsSettings = StatsSettings(),
-    attention: bool | None = None,
-    sort: str | None = None,
-    top: int | None = None,
-    quiet: bool = True,
-) -> dict[str, Any]:
-    """Load ``path`` (only the selected layers, queries only when needed) and compute the statistics;
-    adds ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
-    meta, _ = io.read_header(path)
-    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(path, meta)
-    layer_sel = parse_indices(layers, facts.num_layers, "layer") if layers else None
-    head_sel = parse_indices(heads, facts.num_kv_heads, "KV head") if heads else None
-    parts = ("keys", "values") if attention is False else ("keys", "values", "queries")
-    cache = io.load(path, layers=layer_sel, parts=parts)
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("stats", total=len(cache.layers))
-        result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: bar.advance(task))
-    rows = [head_row(e["layer"], h) for e in result["layers"] for h in e["heads"]]
-    result["rows"] = sorted_rows(rows, sort, top)
-    return {"file": str(path), **result}
 
 
 def _channels(chans: list[int], limit: int = 6) -> str:
@@ -104,7 +35,7 @@ def _channels(chans: list[int], limit: int = 6) -> str:
 
 
 def print_stats(result: dict[str, Any]) -> None:
-    """The rich tables of :func:`run_stats`'s result."""
+    """The rich tables of :func:`kvtool.analysis.reports.stats_file`'s result."""
     m = result["model"]
     s = result["settings"]
     console.print(
@@ -229,7 +160,8 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
-        result = run_stats(path, layers, heads, settings, attention, sort, top, quiet=json_out)
+        with library_progress(json_out) as progress:
+            result = stats_file(path, layers, heads, settings, attention, sort, top, progress=progress)
         if json_out:
             emit_json(result)
             return

@@ -146,3 +146,12 @@ def check_all_layers(layer_indices: list[int], num_layers: int, path: Path) -> N
             f"{path} holds layers {format_indices(layer_indices)} of the model's {num_layers}; a transformers cache needs every layer "
             "(recapture without --layers); --to paged, npz or dense can hold a partial capture"
         )
+
+
+def file_info(path: Path) -> dict[str, Any]:
+    """Schema, model facts, tensors and totals; for compressed files also bytes by part and ratio."""
+    data = io.describe(path)
+    if data["schema"] == io.COMPRESSED_SCHEMA:
+        cc = load_compressed(path)
+        data["compression"] = build_report(cc)
+    return data
