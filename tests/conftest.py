@@ -104,3 +104,14 @@ def synthetic_cache(batch=1, heads=4, kv_heads=2, tokens=80, head_dim=16, layers
         out[i] = LayerKV(k.to(dtype), v.to(dtype), None if q is None else q.to(dtype))
     ids = torch.randint(0, 250, (batch, tokens), generator=g)
     return KVCache(facts, out, ids, {"prefill_tokens": tokens, "generated_tokens": 0})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests without CUDA, and under the interpreter (conftest sets TRITON_INTERPRET=1
+    by default, so a GPU run exports TRITON_INTERPRET=0)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and TRITON_INTERPRET=0")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

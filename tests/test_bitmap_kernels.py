@@ -236,3 +236,21 @@ def test_spmv_halves_match_dense_products(b, hkv, g, t, d, sp):
     out = bitmap_pv(p, encode(values, "values"), num_splits=2)
     ref_o = torch.einsum("bht,bhtd->bhd", p.float(), vx)
     assert (out - ref_o).norm() / ref_o.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tq", [1, 16, 64])
+def test_attention_kernel_at_llama3_8b_shapes_on_the_gpu(dtype, tq):
+    """Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128): 64 held-out queries give 256
+    query rows per KV head, which once failed to compile as one dot tile."""
+    b, hkv, g, t, d, w = 1, 8, 4, 700, 128, 32
+    keys = random_pruned(b, hkv, t, d, 0.7, dtype=dtype, seed=1, window=w, device="cuda")
+    values = random_pruned(b, hkv, t, d, 0.7, dtype=dtype, seed=2, window=w, device="cuda")
+    cache = encode_cache(keys, values, window=w, backend="triton")
+    q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
+    ref_out, ref_lse = bitmap_attention_reference(q, cache)
+    for expansion in ("walk", "popc"):
+        out, lse = bitmap_decode_attention(q, cache, expansion=expansion)
+        assert rel_l2(out, ref_out) < 1e-2, expansion
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
