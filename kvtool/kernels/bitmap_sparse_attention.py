@@ -178,7 +178,7 @@ def _cuda_extension():
     if _EXTENSION is None:
         from torch.utils.cpp_extension import load
 
-        src = _SOURCE.read_bytes()
+        src = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("bitmap_sparse_attention*.cu*")))
         major, minor = torch.cuda.get_device_capability()
         arch = f"{major}{minor}"
         key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
@@ -187,7 +187,7 @@ def _cuda_extension():
         build.mkdir(parents=True, exist_ok=True)
         _EXTENSION = load(
             name=f"kvtool_bitmap_sparse_attention_{key}",
-            sources=[str(_SOURCE)],
+            sources=[str(_SOURCE)] + [str(_SOURCE.with_name(f"bitmap_sparse_attention_{t}_s{n}.cu")) for t in ("f16", "bf16") for n in (1, 2)],
             extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--use_fast_math"],
             build_directory=str(build),
             verbose=False,
@@ -244,7 +244,8 @@ def bitmap_sparse_attention(
     validate: bool = True,
     capacity: tuple[int, int] | None = None,
     rows_per_program: int | None = None,
-    stages: int = 2,
+    stages: int = 1,
+    half_tables: bool = True,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
@@ -303,7 +304,7 @@ def bitmap_sparse_attention(
         vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
         _cuda_extension().bitmap_sparse_attention(
             qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages, int(half_tables), torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
         use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
