@@ -107,61 +107,51 @@ __device__ __forceinline__ void fma_rows(float* acc, float v, const half* src) {
   }
 }
 
-// Walks the NH 32-bit bitmap words h[] (bit i of word j <-> table row 32 * j + i) starting at word
-// `rot` and wrapping around; element run[pos] for each set bit, pos = start + the set bits before
-// it in storage order (word 0 first). One iteration per set bit: lanes with equal counts (per-token
-// pruning) stay in step. Rotation moves lanes whose row stride would put them on one shared-memory
-// bank to different elements.
+// acc[r] += run element * table row (bit) for each set bit of w, lowest bit first; vp advances over
+// the word's packed run. Bits are walked reversed with count-leading-zeros: three integer
+// instructions per stored element.
+template <typename T, typename TAB, int NR>
+__device__ __forceinline__ void walk_word(unsigned w, const T* vp, const TAB* table, float* acc) {
+  unsigned wr = __brev(w);
+  while (wr) {
+    const int bit = __clz(wr);
+    wr ^= 0x80000000u >> bit;
+    fma_rows<NR>(acc, to_f(*vp++), table + bit * NR);
+  }
+}
+
+// A key row of NH 32-bit words h[] (bit i of word j <-> channel 32 j + i), packed from `start`
+// in word order, visited from word `rot` on (wrapping): lanes whose rows have equal lengths in a
+// multiple of 4-byte words would otherwise read one shared-memory bank together.
 template <typename T, typename TAB, int NR, int NH>
-__device__ __forceinline__ void walk_row(const unsigned* h, int rot, int cnt, const T* run, int start, const TAB* table, float* acc) {
+__device__ __forceinline__ void walk_row(const unsigned* h, int rot, const T* run, int start, const TAB* table, float* acc) {
   unsigned r[NH];
-  int pre = 0;
+  int pp[NH], bb[NH];
+  int pos = start;
 #pragma unroll
   for (int i = 0; i < NH; ++i) {
     r[i] = h[i];
-    pre += i < rot ? __popc(h[i]) : 0;
+    pp[i] = pos;
+    bb[i] = 32 * i;
+    pos += __popc(h[i]);
   }
 #pragma unroll
   for (int k = 0; k < NH - 1; ++k) {  // rotate left by rot, one constant-index step at a time
     const bool step = k < rot;
-    const unsigned first = r[0];
+    const unsigned r0 = r[0];
+    const int p0 = pp[0], b0 = bb[0];
 #pragma unroll
-    for (int i = 0; i < NH - 1; ++i) r[i] = step ? r[i + 1] : r[i];
-    r[NH - 1] = step ? first : r[NH - 1];
+    for (int i = 0; i < NH - 1; ++i) {
+      r[i] = step ? r[i + 1] : r[i];
+      pp[i] = step ? pp[i + 1] : pp[i];
+      bb[i] = step ? bb[i + 1] : bb[i];
+    }
+    r[NH - 1] = step ? r0 : r[NH - 1];
+    pp[NH - 1] = step ? p0 : pp[NH - 1];
+    bb[NH - 1] = step ? b0 : bb[NH - 1];
   }
-  int pos = start + pre, base = rot * 32;
-  unsigned cur = r[0];
-  for (int n = 0; n < cnt; ++n) {
-    while (cur == 0) {
-      cur = r[1];
 #pragma unroll
-      for (int i = 1; i < NH - 1; ++i) r[i] = r[i + 1];
-      r[NH - 1] = 0;
-      base += 32;
-      if (base == NH * 32) { base = 0; pos = start; }
-    }
-    const int bit = __ffs(cur) - 1;
-    cur &= cur - 1;
-    fma_rows<NR>(acc, to_f(run[pos++]), table + (base + bit) * NR);
-  }
-}
-
-// Value channel over the pair: words h[0..3] = tokens 0-31, 32-63 (run at p0), 64-95, 96-127 (run
-// at p1); acc[r] += element * p[token][r].
-template <typename T, typename TAB, int NR>
-__device__ __forceinline__ void walk_channel(const unsigned* h, int cnt, const T* run, int p0, int p1, const TAB* table, float* acc) {
-  unsigned r1 = h[1], r2 = h[2], r3 = h[3], cur = h[0];
-  int pos = p0, base = 0;
-  for (int n = 0; n < cnt; ++n) {
-    while (cur == 0) {
-      cur = r1; r1 = r2; r2 = r3; r3 = 0;
-      base += 32;
-      if (base == 64) pos = p1;
-    }
-    const int bit = __ffs(cur) - 1;
-    cur &= cur - 1;
-    fma_rows<NR>(acc, to_f(run[pos++]), table + (base + bit) * NR);
-  }
+  for (int i = 0; i < NH; ++i) walk_word<T, TAB, NR>(r[i], run + pp[i], table + bb[i] * NR, acc);
 }
 
 struct Params {
@@ -312,7 +302,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       for (int r = 0; r < NR; ++r) s[r] = 0.f;
       // equal counts put every lane on one bank when the row stride is a multiple of 4 words
       const int rot = (cnt & 7) == 0 ? (tid & 3) % (2 * p.DT) : 0;
-      walk_row<T, TAB, NR, NH>(h, rot, cnt, ks, pos, qs, s);
+      walk_row<T, TAB, NR, NH>(h, rot, ks, pos, qs, s);
 #pragma unroll
       for (int r = 0; r < NR; ++r) sc[tid * NR + r] = has_tok ? s[r] : -INFINITY;
       __syncthreads();
@@ -335,11 +325,13 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       for (int i = 0; i < CPT; ++i) {
 #pragma unroll
         for (int r = 0; r < NR; ++r) acc[i][r] *= alpha[r];
-        const unsigned hv[4] = {(unsigned)w0[i], (unsigned)(w0[i] >> 32), (unsigned)w1[i], (unsigned)(w1[i] >> 32)};
-        const int n0 = __popcll(w0[i]), n1 = __popcll(w1[i]);
-        walk_channel<T, TAB, NR>(hv, n0 + n1, vs, p0, p1, ps, acc[i]);
-        p0 += n0;
-        p1 += n1;
+        const unsigned lo0 = (unsigned)w0[i], lo1 = (unsigned)w1[i];
+        walk_word<T, TAB, NR>(lo0, vs + p0, ps, acc[i]);
+        walk_word<T, TAB, NR>((unsigned)(w0[i] >> 32), vs + p0 + __popc(lo0), ps + 32 * NR, acc[i]);
+        walk_word<T, TAB, NR>(lo1, vs + p1, ps + 64 * NR, acc[i]);
+        walk_word<T, TAB, NR>((unsigned)(w1[i] >> 32), vs + p1 + __popc(lo1), ps + 96 * NR, acc[i]);
+        p0 += __popcll(w0[i]);
+        p1 += __popcll(w1[i]);
       }
       __syncthreads();
     }
