@@ -160,7 +160,12 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
                voff_ptr="*i64", wk_ptr=f"*{dt}", wv_ptr=f"*{dt}", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
     for walk in ("", A.WALK_PTX):
-        build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk), stages=1, maxnreg=128)
+        # RP 256: 64 held-out queries of a 4-query-head group, served 32 rows per program
+        for rp in (16, 256):
+            build(A._bitmap_attention_kernel, sig, dict(RP=rp, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk, RB=min(rp, 32)), stages=1, maxnreg=128)
+    from kvtool.kernels import bitmap_sparse_attention as SA
+    for rb in (16, 64):
+        build(SA._sparse_attention_kernel, sig, dict(RB=rb, RP=256, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True))
 from kvtool.kernels import bitmap_spmv as V
 build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", koff_ptr="*i64", s_ptr="*fp32", Tc="i32", D="i32", NB="i32", R="i32"),
       dict(RP=16, DP=128, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)

@@ -85,7 +85,8 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: str, seq: str, sparsity: str, budget: str,
                   k: str | None, dtype: str, capture: Path | None, layer: int | None, cold_l2: bool, warmup_ms: float,
-                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None):
+                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None,
+                  backend: str = "auto"):
     import torch
 
     from ..bench_suites import BenchContext
@@ -97,6 +98,8 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
         raise UsageError(f"--capture {capture}: no such file")
     if page_size < 1 or window < 0:
         raise UsageError("--page-size must be at least 1 and --window at least 0")
+    if backend not in ("auto", "triton", "cuda"):
+        raise UsageError(f"--backend {backend!r}: use auto, triton or cuda")
     env = B.detect_env(cold_l2=cold_l2)
     ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
     if any(x > shape.heads for x in ks):
@@ -108,7 +111,7 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
         env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
         dtype=getattr(torch, DTYPES[dtype.lower()]), sparsities=parse_float_list(sparsity, "sparsity"),
         budgets=parse_int_list(budget, "budget"), ks=ks, capture=capture, layer=layer, page_size=page_size,
-        window=window, step=step or (lambda msg: None),
+        window=window, step=step or (lambda msg: None), backend=backend,
     )
 
 
@@ -156,7 +159,7 @@ def print_result(doc: dict[str, Any]) -> None:
     recs = doc["records"]
     base_names = [n for n in doc.get("primary_baselines", []) if any(n in r["speedup"] for r in recs)]
     many = len({r["kernel"] for r in recs}) > 1
-    cols = (["kernel"] if many else []) + ["provider", "batch", "seq", "param", "median µs", "p10-p90", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
+    cols = (["kernel"] if many else []) + ["provider", "batch", "seq", "param", "median µs", "p10-p90", "floor µs", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
     rows = []
     for r in recs:
         param = next((f"{n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None), "")
@@ -165,7 +168,7 @@ def print_result(doc: dict[str, Any]) -> None:
         sp = [r["speedup"].get(n) for n in base_names]
         sp = [f"{x:.2f}" if isinstance(x, float) else ("" if x is None else str(x)[:13]) for x in sp]
         rows.append(([r["kernel"]] if many else []) + [r["provider"], r["batch"], r["seq"], param, r["median_us"], spread,
-                     r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
+                     r.get("floor_us"), r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
     console.print(make_table(f"kvtool bench {doc['subcommand']}", cols, rows))
     if not env["timing_valid"]:
         console.print("[yellow]timings above are meaningless (CPU interpreter run)[/yellow]")
@@ -208,6 +211,7 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
         rep_ms: Annotated[float, typer.Option("--rep-ms", help="Timed kernel time per provider (10 to 500 runs).")] = 200.0,
         page_size: Annotated[int, typer.Option("--page-size", help="Page size of the paged layouts (FlashInfer, pages).")] = 16,
         window: Annotated[int, typer.Option("--window", help="Dense local window of the sparse formats (tokens).")] = 32,
+        backend: Annotated[str, typer.Option("--backend", help="Bitmap attention backend: auto (cuda for 16-bit CUDA tensors), triton or cuda (built on first use).")] = "auto",
         json_path: Annotated[str | None, typer.Option("--json", help="Write the records as JSON to this path ('-' for stdout).")] = None,
         plot: Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG/PDF/SVG): time vs seq per provider, speedup vs sparsity.", dir_okay=False)] = None,
         force: ForceOpt = False,
@@ -220,7 +224,7 @@ def _add_subcommand(bench_app: typer.Typer, sub: str, summary: str) -> None:
         quiet = json_path == "-"
         ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
                             cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph,
-                            step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")))
+                            step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")), backend=backend)
         doc = run_suite(sub, ctx)
         if json_path == "-":
             sys.stdout.write(to_json_text(doc))
