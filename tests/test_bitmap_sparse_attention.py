@@ -123,13 +123,12 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         cache.validate()
         q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
         ref_out, ref_lse = sparse_attention_reference(q, cache)
-        for backend in ("cuda", "triton"):
-            for stages in (1, 2):
-                out = torch.full((b, hkv * g, tq, d), float("nan"), device="cuda")
-                out, lse = bitmap_sparse_attention(q, cache, backend=backend, stages=stages)
-                assert bool(torch.isfinite(out).all())
-                assert rel_l2(out, ref_out) < 1e-2, (backend, stages, s)
-                torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+        runs = [("triton", {})] + [("cuda", dict(stages=st, half_tables=ht, bits_global=bg)) for st, ht, bg in ((1, True, False), (2, True, False), (1, False, False), (1, True, True))]
+        for backend, knobs in runs:
+            out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
+            assert bool(torch.isfinite(out).all())
+            assert rel_l2(out, ref_out) < 1e-2, (backend, knobs, s)
+            torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
                              torch::Tensor vbm, torch::Tensor vnz, torch::Tensor voff, torch::Tensor wk, torch::Tensor wv,
                              torch::Tensor acc, torch::Tensor m, torch::Tensor l, double scale_log2,
                              int64_t Tc, int64_t W, int64_t NB, int64_t BPS, int64_t S, int64_t kcap, int64_t vcap,
-                             int64_t nr, int64_t stages, int64_t half_tables, int64_t stream) {
+                             int64_t nr, int64_t stages, int64_t half_tables, int64_t bits_global, int64_t stream) {
   Params p;
   p.q = q.data_ptr(); p.kbm = reinterpret_cast<const uint64_t*>(kbm.data_ptr()); p.knz = knz.data_ptr();
   p.koff = koff.data_ptr<int64_t>(); p.vbm = reinterpret_cast<const uint64_t*>(vbm.data_ptr()); p.vnz = vnz.data_ptr();
@@ -26,12 +26,15 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   p.Tc = (int)Tc; p.W = (int)W; p.D = (int)q.size(2); p.DT = (p.D + 63) / 64; p.NB = (int)NB; p.R = (int)q.size(1);
   p.RP = (int)acc.size(2); p.DP = (int)acc.size(3); p.BPS = (int)BPS; p.S = (int)S;
   p.KCAP = (int)kcap; p.VCAP = (int)vcap; p.half_tables = (int)half_tables;
+  p.bits_global = (int)bits_global;
   const int cpt = p.D <= THREADS ? 1 : 2;
   const int bh = (int)q.size(0);
   dim3 grid(bh, p.S + 1, (p.R + nr - 1) / nr);
-  size_t head = ((size_t)(p.D * nr + 2 * PAIR * nr + 3 * nr + 8) * 4 + 15) / 16 * 16;
+  // the kernel's layout: scores, row state, scan scratch, then the query / probability tables
+  size_t head = ((size_t)(PAIR * nr + 3 * nr + 8) * 4 + (size_t)(p.D * nr + PAIR * nr) * (half_tables ? 2 : 4) + 15) / 16 * 16;
   const size_t esz = q.element_size();
-  size_t stage = (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8 + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
+  size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
+  size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
   size_t smem = head + stage * (stages == 2 ? 2 : 1);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "float16 or bfloat16 only");

@@ -158,31 +158,37 @@ struct Params {
   const void* q; const uint64_t* kbm; const void* knz; const int64_t* koff;
   const uint64_t* vbm; const void* vnz; const int64_t* voff; const void* wk; const void* wv;
   float* acc; float* m; float* l;
-  float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables;
+  float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables, bits_global;
 };
 
+// One shared-memory stage: key bits [PAIR * DT] and value bits [2 * D] (unless bits_global: then
+// threads read their words from global memory), key elements [KCAP], value elements [VCAP].
 template <typename T>
-struct Smem {
-  // per stage: key bits [PAIR * DT], value bits [2 * D], key elements [KCAP], value elements [VCAP]
-  static __device__ __forceinline__ size_t stage_bytes(const Params& p) {
-    size_t b = (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
-    b += ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16 + ((size_t)p.VCAP * sizeof(T) + 15) / 16 * 16;
-    return b;
+struct Stage {
+  size_t vb, ks, vs, bytes;
+  __device__ __forceinline__ explicit Stage(const Params& p) {
+    vb = p.bits_global ? 0 : (size_t)PAIR * p.DT * 8;
+    ks = vb + (p.bits_global ? 0 : (size_t)2 * p.D * 8);
+    vs = ks + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16;
+    bytes = vs + ((size_t)p.VCAP * sizeof(T) + 15) / 16 * 16;
   }
 };
 
 template <typename T>
 __device__ __forceinline__ void stage_pair(const Params& p, char* st, int64_t bh, int blk, int nblk) {
+  const Stage<T> L(p);
   uint64_t* kb = reinterpret_cast<uint64_t*>(st);
-  uint64_t* vb = kb + PAIR * p.DT;
-  T* ks = reinterpret_cast<T*>(vb + 2 * p.D);
-  T* vs = reinterpret_cast<T*>(reinterpret_cast<char*>(ks) + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16);
-  const int tok0 = blk * 64;
-  const int ntok = min(nblk * 64, p.Tc - tok0);
-  const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
-  for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
-  const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
-  for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
+  uint64_t* vb = reinterpret_cast<uint64_t*>(st + L.vb);
+  T* ks = reinterpret_cast<T*>(st + L.ks);
+  T* vs = reinterpret_cast<T*>(st + L.vs);
+  if (!p.bits_global) {
+    const int tok0 = blk * 64;
+    const int ntok = min(nblk * 64, p.Tc - tok0);
+    const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
+    for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
+    const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
+    for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
+  }
   const int64_t g = bh * p.NB + blk;
   constexpr int EPV = 16 / sizeof(T);
   const int64_t k0 = p.koff[g], k1 = p.koff[g + nblk];
@@ -242,8 +248,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   int* scratch = reinterpret_cast<int*>(alpha + NR);      // [8]
   TAB* qs = reinterpret_cast<TAB*>(scratch + 8);          // [D][NR], scaled by scale * log2(e)
   TAB* ps = qs + p.D * NR;                                // [PAIR][NR] probabilities
-  char* stages = smem + (((size_t)(p.D * NR + 2 * PAIR * NR + 3 * NR + 8) * 4 + 15) / 16 * 16);
-  const size_t stage_bytes = Smem<T>::stage_bytes(p);
+  char* stages = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
+  const Stage<T> L(p);
+  const size_t stage_bytes = L.bytes;
 
   const T* q = reinterpret_cast<const T*>(p.q);
   for (int i = tid; i < p.D * NR; i += THREADS) {
@@ -278,11 +285,11 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         cp_wait_all();
       }
       __syncthreads();
-      const uint64_t* kb = reinterpret_cast<const uint64_t*>(st);
-      const uint64_t* vb = kb + PAIR * p.DT;
-      const T* ks = reinterpret_cast<const T*>(vb + 2 * p.D);
-      const T* vs = reinterpret_cast<const T*>(reinterpret_cast<const char*>(ks) + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16);
       const int tok0 = blk * 64;
+      const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
+      const uint64_t* vb = p.bits_global ? p.vbm + ((size_t)bh * p.NB + blk) * p.D : reinterpret_cast<const uint64_t*>(st + L.vb);
+      const T* ks = reinterpret_cast<const T*>(st + L.ks);
+      const T* vs = reinterpret_cast<const T*>(st + L.vs);
       const int ntok = min(nblk * 64, p.Tc - tok0);
       // keys: thread = token of the pair; its run starts after the earlier tokens of its block
       const bool has_tok = tid < ntok;

@@ -246,6 +246,7 @@ def bitmap_sparse_attention(
     rows_per_program: int | None = None,
     stages: int = 1,
     half_tables: bool = True,
+    bits_global: bool = False,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
@@ -253,7 +254,8 @@ def bitmap_sparse_attention(
     a cache validated before. ``capacity``: :func:`stage_capacity` of the cache, computed here when
     None (pass it to keep the call free of host syncs, e.g. under CUDA graphs). ``num_splits``,
     ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``stages`` (cuda: 1 or 2
-    shared-memory buffers) and ``num_warps`` (triton) are tuning knobs that change only rounding."""
+    shared-memory buffers), ``half_tables`` (cuda: fp16 gather tables), ``bits_global`` (cuda,
+    one stage: bitmap words read from global memory instead of staged) and ``num_warps`` (triton) are tuning knobs that change only rounding."""
     check_query(q, cache)
     _check_device(q, "q")
     if cache.version != LAYOUT_V2:
@@ -304,7 +306,7 @@ def bitmap_sparse_attention(
         vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
         _cuda_extension().bitmap_sparse_attention(
             qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages, int(half_tables), torch.cuda.current_stream(q.device).cuda_stream,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages, int(half_tables), int(bits_global and stages == 1), torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
         use_asm = q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
