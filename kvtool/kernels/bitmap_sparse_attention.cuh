@@ -6,7 +6,8 @@
 //
 // One program = (KV head bh, split, chunk of NR query rows), 128 threads. It walks its layout
 // blocks two at a time (128 tokens): cp.async stages the pair's bitmaps and packed elements into
-// shared memory (double-buffered: pair i + 1 loads while pair i is computed), then
+// shared memory (STAGES 2: pair i + 1 loads while pair i is computed; one stage is the default,
+// since two halve the programs per SM and lost more than the prefetch won), then
 //   keys   (token tiles, bits along channels): thread = token; score[r] += val * q[r][channel];
 //   softmax (one warp per row) turns the 128 scores into probabilities and rescales;
 //   values (channel tiles, bits along tokens): thread = channel; acc[r] += val * p[r][token].
@@ -14,6 +15,8 @@
 // storage order (a block-wide scan of two 16-bit counts packed in one int: both blocks at once).
 // Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
 // by kvtool's Triton merge kernel.
+// Bound (docs/benchmarks/bitmap.json): instruction issue, about 30 warp instructions per
+// stored-element step with its shared-memory gathers, not DRAM bytes.
 
 #pragma once
 #include <cuda_runtime.h>
