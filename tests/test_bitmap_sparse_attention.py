@@ -77,6 +77,25 @@ def test_empty_blocks_and_more_splits_than_blocks():
         torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
 
 
+def bernoulli_pruned(b, hkv, t, d, keep, dtype, device="cpu", seed=0):
+    """Each element kept with probability ``keep``: counts vary per token row and per channel tile
+    (what the other pruning methods store)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, hkv, t, d, generator=g, device=device)
+    return (x * (torch.rand(b, hkv, t, d, generator=g, device=device) < keep)).to(dtype)
+
+
+def test_variable_counts_per_row():
+    keys = bernoulli_pruned(1, 2, 300, 64, 0.35, torch.float16, seed=3)
+    values = bernoulli_pruned(1, 2, 300, 64, 0.5, torch.float16, seed=4)
+    cache = encode_cache_v2(keys, values, window=20)
+    q = torch.randn(1, 8, 1, 64).half()
+    ref = sparse_attention_reference(q, cache)
+    out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=2)
+    assert rel_l2(out, ref[0]) < 1e-2
+    torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
+
+
 def test_conversion_from_layout_v1_is_bit_exact():
     keys = random_pruned(2, 2, 150, 80, 0.7, dtype=torch.bfloat16, seed=7, window=9)
     values = random_pruned(2, 2, 150, 80, 0.7, dtype=torch.bfloat16, seed=8, window=9)
@@ -132,9 +151,13 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5)])
+@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None)])
 def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     cache, _, _ = make_cache(b, hkv, t, d, 0.6, torch.float16, w, device="cuda", backend="triton")
+    if b == 2:  # variable counts per key row and per value tile
+        keys = bernoulli_pruned(b, hkv, t, d, 0.3, torch.float16, device="cuda", seed=1)
+        values = bernoulli_pruned(b, hkv, t, d, 0.5, torch.float16, device="cuda", seed=2)
+        cache = encode_cache_v2(keys, values, window=w, backend="triton")
     q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
     ref_out, ref_lse = sparse_attention_reference(q, cache)
     out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits)
