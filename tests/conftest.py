@@ -18,16 +18,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("KVTOOL_CACHE", str(ROOT / ".kvtool-cache"))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped (with the reason) on machines without it."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with `pytest -m gpu` on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 def make_byte_tokenizer():
     """A byte-level BPE tokenizer with no merges: 256 byte tokens + <s> (256) + </s> (257)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -114,3 +104,14 @@ def synthetic_cache(batch=1, heads=4, kv_heads=2, tokens=80, head_dim=16, layers
         out[i] = LayerKV(k.to(dtype), v.to(dtype), None if q is None else q.to(dtype))
     ids = torch.randint(0, 250, (batch, tokens), generator=g)
     return KVCache(facts, out, ids, {"prefill_tokens": tokens, "generated_tokens": 0})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``gpu`` tests without CUDA, and under the interpreter (conftest sets TRITON_INTERPRET=1
+    by default, so a GPU run exports TRITON_INTERPRET=0)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and TRITON_INTERPRET=0")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -157,9 +157,10 @@ def test_popcount_disagrees_with_offsets(saved):
 
 def test_padding_bits_set(saved):
     # 150 - 16 held out - 32 window = 102 compressed tokens: block 1 holds tokens 64..101, bits
-    # 38..63 are padding. Move one set bit there (the popcount stays right).
+    # 38..63 of its value tiles (layout v2: values are channel tiles) are padding. Move one set bit
+    # there (the popcount stays right).
     def edit(t):
-        bm = t["layers.0.keys.bitmaps"]
+        bm = t["layers.0.values.bitmaps"]
         w = int(bm[0, 0, 1, 0])
         low = w & -w
         bm[0, 0, 1, 0] = (w ^ low) | (1 << 40)
@@ -236,3 +237,29 @@ def test_bitmap_tensor_shape_checks():
     del enc.tensors["values.nz"]
     with pytest.raises(BadDataError, match="values.nz"):
         cache_from_encoded(enc)
+
+
+def test_layout_version_1_layers_still_decode_and_attend():
+    """A layer written before layout version 2 (keys as channel tiles, no layout_version in its
+    metadata) decodes as stored, and the kernel path converts it to version 2."""
+    from kvtool.formats.bitmap import encoded_from_cache
+    from kvtool.kernels.bitmap_sparse_attention import convert_layout
+
+    layer = synthetic_cache(tokens=150, head_dim=64, heads=4, kv_heads=2).layers[0]
+    enc2 = FMT.encode(layer, make_params(FMT, {"sparsity": "0.7"}))
+    assert enc2.meta["layout_version"] == 2 and list(enc2.tensors["keys.bitmaps"].shape) == [1, 2, 118, 1]
+    meta1 = {k: v for k, v in enc2.meta.items() if k != "layout_version"}
+    enc1 = encoded_from_cache(convert_layout(cache_from_encoded(enc2), 1), meta1)
+    assert list(enc1.tensors["keys.bitmaps"].shape) == [1, 2, 2, 64]
+    FMT.validate(enc1)
+    d1, d2 = FMT.decode(enc1), FMT.decode(enc2)
+    assert torch.equal(d1.keys, d2.keys) and torch.equal(d1.values, d2.values)
+    q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+    ref = FMT.attend(q, enc2)
+    for enc in (enc1, enc2):
+        out, lse = FMT.attend_kernel(q, enc)
+        assert float((out - ref[0]).norm() / ref[0].norm()) < 1e-2
+        torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
+    enc2.meta["layout_version"] = 7
+    with pytest.raises(BadDataError, match="layout version 7"):
+        FMT.validate(enc2)

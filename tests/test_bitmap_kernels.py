@@ -159,7 +159,12 @@ for dt, dp in (("fp16", 128), ("bf16", 64)):
                voff_ptr="*i64", wk_ptr=f"*{dt}", wv_ptr=f"*{dt}", acc_ptr="*fp32", m_ptr="*fp32", l_ptr="*fp32",
                scale_log2="fp32", Tc="i32", W="i32", D="i32", DT="i32", NB="i32", R="i32", BPS="i32", S="i32")
     for walk in ("", A.WALK_PTX):
-        build(A._bitmap_attention_kernel, sig, dict(RP=16, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk), stages=1, maxnreg=128)
+        # RP 256: 64 held-out queries of a 4-query-head group, served 32 rows per program
+        for rp in (16, 256):
+            build(A._bitmap_attention_kernel, sig, dict(RP=rp, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True, WALK=walk, RB=min(rp, 32)), stages=1, maxnreg=128)
+    from kvtool.kernels import bitmap_sparse_attention as SA
+    for rb in (16, 64):
+        build(SA._sparse_attention_kernel, sig, dict(RB=rb, RP=256, DP=dp, DTP=dp // 64, DOT_PREC="tf32", UPCAST=False, USE_ASM=True))
 from kvtool.kernels import bitmap_spmv as V
 build(V._bitmap_qk_kernel, dict(q_ptr="*fp16", kbm_ptr="*i32", knz_ptr="*fp16", koff_ptr="*i64", s_ptr="*fp32", Tc="i32", D="i32", NB="i32", R="i32"),
       dict(RP=16, DP=128, USE_ASM=True, WALK=A.WALK_PTX), maxnreg=128)
@@ -235,3 +240,21 @@ def test_spmv_halves_match_dense_products(b, hkv, g, t, d, sp):
     out = bitmap_pv(p, encode(values, "values"), num_splits=2)
     ref_o = torch.einsum("bht,bhtd->bhd", p.float(), vx)
     assert (out - ref_o).norm() / ref_o.norm() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tq", [1, 16, 64])
+def test_attention_kernel_at_llama3_8b_shapes_on_the_gpu(dtype, tq):
+    """Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128): 64 held-out queries give 256
+    query rows per KV head, which once failed to compile as one dot tile."""
+    b, hkv, g, t, d, w = 1, 8, 4, 700, 128, 32
+    keys = random_pruned(b, hkv, t, d, 0.7, dtype=dtype, seed=1, window=w, device="cuda")
+    values = random_pruned(b, hkv, t, d, 0.7, dtype=dtype, seed=2, window=w, device="cuda")
+    cache = encode_cache(keys, values, window=w, backend="triton")
+    q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
+    ref_out, ref_lse = bitmap_attention_reference(q, cache)
+    for expansion in ("walk", "popc"):
+        out, lse = bitmap_decode_attention(q, cache, expansion=expansion)
+        assert rel_l2(out, ref_out) < 1e-2, expansion
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)

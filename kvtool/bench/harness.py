@@ -35,8 +35,8 @@ from kvtool.core import io
 RECORD_FIELDS = (
     "kernel", "provider", "device", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype",
     "sparsity", "budget", "k", "median_us", "p10_us", "p90_us", "runs", "bytes_read",
-    "bandwidth_gbps", "bandwidth_fraction", "rel_err", "status", "speedup", "timing_valid", "cold_l2",
-    "method", "versions", "data",
+    "bandwidth_gbps", "bandwidth_fraction", "floor_us", "rel_err", "status", "speedup", "timing_valid", "cold_l2",
+    "method", "versions", "data", "backend",
 )
 
 MODEL_SHAPES = {
@@ -489,22 +489,26 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
 
 def make_record(env: BenchEnv, kernel: str, provider: str, shape: ModelShape, batch: int, seq: int, dtype: torch.dtype,
                 timing: Timing | None, bytes_read: int, *, sparsity: float | None = None, budget: int | None = None,
-                k: int | None = None, rel: float | None = None, status: str = "ok", data: str = "random") -> dict[str, Any]:
-    """One result row. ``speedup`` is filled by :func:`add_speedups` once every provider of the
+                k: int | None = None, rel: float | None = None, status: str = "ok", data: str = "random",
+                backend: str | None = None) -> dict[str, Any]:
+    """One result row. ``floor_us``: the byte floor, ``bytes_read`` at the measured copy bandwidth
+    (None where it was not measured); ``backend``: which backend of a kernel ran, where it has
+    several (bitmap attention: triton or cuda). ``speedup`` is filled by :func:`add_speedups` once every provider of the
     configuration has been timed; ``status`` is ``ok``, ``wrong`` (failed its correctness check; not
     timed), ``not installed`` or ``skipped: <why>``."""
     median = timing.median_us if timing else None
     gbps = bytes_read / (median * 1e-6) / 1e9 if median else None
     frac = gbps / env.copy_gbps if (gbps and env.copy_gbps) else None
+    floor = bytes_read / (env.copy_gbps * 1e3) if env.copy_gbps else None  # µs to move the bytes at copy bandwidth
     return {
         "kernel": kernel, "provider": provider, "device": env.device, "batch": batch, "seq": seq,
         "heads": shape.heads, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim,
         "dtype": str(dtype).removeprefix("torch."), "sparsity": sparsity, "budget": budget, "k": k,
         "median_us": median, "p10_us": timing.p10_us if timing else None, "p90_us": timing.p90_us if timing else None,
         "runs": timing.runs if timing else 0, "bytes_read": int(bytes_read), "bandwidth_gbps": gbps,
-        "bandwidth_fraction": frac, "rel_err": rel, "status": status, "speedup": {},
+        "bandwidth_fraction": frac, "floor_us": floor, "rel_err": rel, "status": status, "speedup": {},
         "timing_valid": env.timing_valid, "cold_l2": env.cold_l2, "method": timing.method if timing else None,
-        "versions": env.versions, "data": data,
+        "versions": env.versions, "data": data, "backend": backend,
     }
 
 

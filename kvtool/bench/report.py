@@ -45,19 +45,25 @@ BASELINES = {"cublas_qk", "cublas_pv", "cublas_qk+pv", "torch_dense", "sdpa", "f
 
 
 def summary_table(doc: dict[str, Any]) -> str:
-    """The kvtool kernels' rows only: median, share of the copy bandwidth and the speedup over each
-    primary baseline measured in the same run (the JSON keeps every provider)."""
+    """The kvtool kernels' rows only: median, byte floor (bytes at the measured copy bandwidth, where
+    the run recorded it), share of the copy bandwidth and the speedup over each primary baseline
+    measured in the same run (the JSON keeps every provider)."""
     if all(r["provider"] in BASELINES for r in doc["records"]):
         return baseline_table(doc)
-    primary = doc.get("primary_baselines", [])
-    head = ["kernel", "batch", "seq", "param", "median µs", "% of copy"] + [f"× {b}" for b in primary]
+    primary = list(doc.get("primary_baselines", []))
+    measured = {n for r in doc["records"] if r["median_us"] is not None for n in [r["provider"]]}
+    primary = [b for b in primary if b in measured] or primary
+    if "sdpa" in measured and not any(b.startswith("flashinfer") for b in primary):
+        primary.append("sdpa")  # the stand-in when FlashInfer was not installed
+    head = ["kernel", "batch", "seq", "param", "median µs", "floor µs", "% of copy"] + [f"× {b}" for b in primary]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["records"]:
         if r["provider"] in BASELINES or r["median_us"] is None:
             continue
         param = next((f"{n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None), "")
         name = r["provider"] if r["provider"] == r["kernel"] or r["kernel"] in r["provider"] else f"{r['provider']} ({r['kernel']})"
-        cells = [name, str(r["batch"]), str(r["seq"]), param, f"{r['median_us']:.1f}", f"{100 * r['bandwidth_fraction']:.0f}%"]
+        floor = r.get("floor_us")
+        cells = [name, str(r["batch"]), str(r["seq"]), param, f"{r['median_us']:.1f}", fmt(floor, 1), f"{100 * r['bandwidth_fraction']:.0f}%"]
         for b in primary:
             v = r["speedup"].get(b)
             cells.append(f"{v:.2f}" if isinstance(v, float) else "–")

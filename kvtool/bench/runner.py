@@ -59,7 +59,8 @@ def parse_float_list(text: str, what: str, lo: float = 0.0, hi: float = 1.0) -> 
 
 def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: str, seq: str, sparsity: str, budget: str,
                   k: str | None, dtype: str, capture: Path | None, layer: int | None, cold_l2: bool, warmup_ms: float,
-                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None):
+                  rep_ms: float, page_size: int, window: int, host_overhead: bool = False, cuda_graph: bool = False, step=None,
+                  backend: str = "auto"):
     shape = B.model_shape(model_shape, heads, kv_heads, head_dim)
     if dtype.lower() not in DTYPES:
         raise UsageError(f"--dtype {dtype!r}: use fp16 or bf16")
@@ -67,6 +68,8 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
         raise UsageError(f"--capture {capture}: no such file")
     if page_size < 1 or window < 0:
         raise UsageError("--page-size must be at least 1 and --window at least 0")
+    if backend not in ("auto", "triton", "cuda"):
+        raise UsageError(f"--backend {backend!r}: use auto, triton or cuda")
     env = B.detect_env(cold_l2=cold_l2)
     ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
     if any(x > shape.heads for x in ks):
@@ -78,7 +81,7 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
         env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
         dtype=getattr(torch, DTYPES[dtype.lower()]), sparsities=parse_float_list(sparsity, "sparsity"),
         budgets=parse_int_list(budget, "budget"), ks=ks, capture=capture, layer=layer, page_size=page_size,
-        window=window, step=step or (lambda msg: None),
+        window=window, step=step or (lambda msg: None), backend=backend,
     )
 
 

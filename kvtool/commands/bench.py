@@ -43,7 +43,7 @@ def print_result(doc: dict[str, Any]) -> None:
     recs = doc["records"]
     base_names = [n for n in doc.get("primary_baselines", []) if any(n in r["speedup"] for r in recs)]
     many = len({r["kernel"] for r in recs}) > 1
-    cols = (["kernel"] if many else []) + ["provider", "batch", "seq", "param", "median µs", "p10-p90", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
+    cols = (["kernel"] if many else []) + ["provider", "batch", "seq", "param", "median µs", "p10-p90", "floor µs", "GB/s", "%copy", "rel err", "status"] + [f"x{n}" for n in base_names]
     rows = []
     for r in recs:
         param = next((f"{n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None), "")
@@ -52,7 +52,7 @@ def print_result(doc: dict[str, Any]) -> None:
         sp = [r["speedup"].get(n) for n in base_names]
         sp = [f"{x:.2f}" if isinstance(x, float) else ("" if x is None else str(x)[:13]) for x in sp]
         rows.append(([r["kernel"]] if many else []) + [r["provider"], r["batch"], r["seq"], param, r["median_us"], spread,
-                     r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
+                     r.get("floor_us"), r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
     console.print(make_table(f"kvtool bench {doc['subcommand']}", cols, rows))
     if not env["timing_valid"]:
         console.print("[yellow]timings above are meaningless (CPU interpreter run)[/yellow]")
@@ -99,6 +99,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
         rep_ms: Annotated[float, typer.Option("--rep-ms", help="Timed kernel time per provider (10 to 500 runs).")] = 200.0,
         page_size: Annotated[int, typer.Option("--page-size", help="Page size of the paged layouts (FlashInfer, pages).")] = 16,
         window: Annotated[int, typer.Option("--window", help="Dense local window of the sparse formats (tokens).")] = 32,
+        backend: Annotated[str, typer.Option("--backend", help="Bitmap attention backend: auto (cuda for 16-bit CUDA tensors), triton or cuda (built on first use).")] = "auto",
         json_path: Annotated[str | None, typer.Option("--json", help="Write the records as JSON to this path ('-' for stdout).")] = None,
         plot: Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG/PDF/SVG): time vs seq per provider, speedup vs sparsity.", dir_okay=False)] = None,
         force: ForceOpt = False,
@@ -111,7 +112,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
         quiet = json_path == "-"
         ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
                             cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph,
-                            step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")))
+                            step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")), backend=backend)
         doc = run_suite(sub, ctx)
         if json_path == "-":
             sys.stdout.write(to_json_text(doc))

@@ -4,12 +4,16 @@ packed non-zeros and one offset per block of 64 tokens; the most recent ``dense_
 dense. Layout: :mod:`kvtool.kernels.bitmap_layout` and docs/formats.md (section ``bitmap``).
 
 Stored tensors per layer (B batch, Hkv KV heads, T tokens, W window, Tc = T - W, D head_dim,
-NB = ceil(Tc / 64), DT = ceil(D / 64)):
+NB = ceil(Tc / 64), DT = ceil(D / 64)), layout version 2 (layer metadata ``layout_version``):
 
 - ``keys.nz`` / ``values.nz``: 1-D, cache dtype, packed stored elements;
-- ``keys.bitmaps`` int64 ``[B, Hkv, NB, D]``; ``values.bitmaps`` int64 ``[B, Hkv, Tc, DT]``;
+- ``keys.bitmaps`` int64 ``[B, Hkv, Tc, DT]`` (token tiles); ``values.bitmaps`` int64
+  ``[B, Hkv, NB, D]`` (channel tiles of 64 tokens);
 - ``keys.offsets`` / ``values.offsets`` int64 ``[B * Hkv * NB + 1]``;
 - ``window.keys`` / ``window.values`` ``[B, Hkv, W, D]`` cache dtype.
+
+Version-1 layers (no ``layout_version``: keys as channel tiles, values as token tiles) still decode
+as stored; the kernel path converts them to version 2 on load.
 """
 
 from __future__ import annotations
@@ -22,11 +26,10 @@ import torch
 from kvtool.core.attention import attend_partial
 from kvtool.core.cache import KVCache, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.kernels.bitmap_compress import encode
-from kvtool.kernels.bitmap_layout import BitmapCache, BitmapTensor, popcount64
-from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
-from kvtool.kernels.bitmap_attention import bitmap_decode_attention
+from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, BitmapCache, BitmapTensor, popcount64
+from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2
+from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
 
 PARTS = ("nonzeros", "bitmaps", "offsets", "padding", "dense_window")
 
@@ -75,12 +78,16 @@ def cache_from_encoded(enc: Encoded) -> BitmapCache:
     try:
         tc = int(enc.meta["compressed_tokens"])
         d = int(enc.meta["head_dim"])
+        version = int(enc.meta.get("layout_version", LAYOUT_V1))
     except (KeyError, TypeError, ValueError):
-        raise BadDataError("layer metadata lacks compressed_tokens / head_dim") from None
+        raise BadDataError("layer metadata lacks compressed_tokens / head_dim (or has a bad layout_version)") from None
+    if version not in ORIENTATIONS:
+        raise BadDataError(f"bitmap layout version {version} is not known to this kvtool (known: {sorted(ORIENTATIONS)})")
+    korient, vorient = ORIENTATIONS[version]
     t = enc.tensors
-    keys = BitmapTensor("keys", t["keys.nz"], t["keys.bitmaps"], t["keys.offsets"], tc, d)
-    values = BitmapTensor("values", t["values.nz"], t["values.bitmaps"], t["values.offsets"], tc, d)
-    return BitmapCache(keys, values, t["window.keys"], t["window.values"])
+    keys = BitmapTensor(korient, t["keys.nz"], t["keys.bitmaps"], t["keys.offsets"], tc, d, label="keys")
+    values = BitmapTensor(vorient, t["values.nz"], t["values.bitmaps"], t["values.offsets"], tc, d, label="values")
+    return BitmapCache(keys, values, t["window.keys"], t["window.values"], version=version)
 
 
 def encoded_from_cache(cache: BitmapCache, meta: dict[str, Any]) -> Encoded:
@@ -109,8 +116,9 @@ def tensor_parts(bt: BitmapTensor) -> dict[str, int]:
 
 
 def paper_layout_bytes(bt: BitmapTensor) -> int:
-    """Bytes the reference (Mustafar) layout would spend on the same tiles: per tile an 8-byte
-    bitmap, a 4-byte offset and its non-zeros padded to 8 elements; plus one offset per row."""
+    """Bytes the reference (Mustafar) layout would spend on the tiles as stored (layout version 2:
+    token tiles of keys, channel tiles of values): per tile an 8-byte bitmap, a 4-byte offset and
+    its non-zeros padded to 8 elements; plus one offset per row."""
     item = bt.nz.element_size()
     pc = popcount64(bt.bitmaps)
     tiles = pc.numel()
@@ -157,13 +165,9 @@ class BitmapFormat(Format):
             backend = "triton" if layer.keys.is_cuda else "torch"
         res = prune_layer(layer, params.keys, params.values, params.method, params.dense_window)
         tc = layer.num_tokens - res.window
-        cache = BitmapCache(
-            encode(res.keys[:, :, :tc], "keys", backend),
-            encode(res.values[:, :, :tc], "values", backend),
-            res.keys[:, :, tc:].contiguous(),
-            res.values[:, :, tc:].contiguous(),
-        )
+        cache = encode_cache_v2(res.keys, res.values, window=res.window, backend=backend)
         meta = {
+            "layout_version": LAYOUT_V2,
             "tokens": layer.num_tokens,
             "compressed_tokens": tc,
             "window": res.window,
@@ -201,10 +205,14 @@ class BitmapFormat(Format):
         keys, values = cache_from_encoded(enc).decode()
         return attend_partial(q, keys, values, scale)
 
-    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~kvtool.kernels.bitmap_sparse_attention.bitmap_sparse_attention` (``backend``
+        auto / triton / cuda); a version-1 layer is converted to layout version 2 first."""
         cache = cache_from_encoded(enc)
         cache.validate()
-        return bitmap_decode_attention(q, cache, scale, validate=False)
+        if cache.version != LAYOUT_V2:
+            cache = convert_layout(cache, LAYOUT_V2, backend="triton" if q.is_cuda else "torch")
+        return bitmap_sparse_attention(q, cache, scale, backend=backend, validate=False)
 
     def report(self, cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
         """Achieved sparsity (of the pruned tokens, by the masks, and as stored), bytes by part for
@@ -236,6 +244,7 @@ class BitmapFormat(Format):
             out["stored_key_density"] = stored["keys"] / n["keys"]
             out["stored_value_density"] = stored["values"] / n["values"]
         out["method"] = next(iter(cc.layers.values())).meta.get("method") if cc.layers else None
+        out["layout_version"] = int(next(iter(cc.layers.values())).meta.get("layout_version", LAYOUT_V1)) if cc.layers else None
         out["dense_window_tokens"] = next(iter(cc.layers.values())).meta.get("window") if cc.layers else None
         out["compression_rate_percent"] = 100.0 * rep["ratio"]
         out["paper_layout_bytes"] = paper

@@ -185,22 +185,25 @@ def _bitmap_attention_kernel(
     q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, Tc, W, D, DT, NB, R, BPS, S,
     RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, USE_ASM: tl.constexpr,
-    WALK: tl.constexpr,
+    WALK: tl.constexpr, RB: tl.constexpr,
 ):
     """One program: token blocks [split * BPS, (split + 1) * BPS) of KV head bh (split < S) or the
-    dense window (split == S), all R = G * Tq query rows; partial (acc, m, l) to slot (bh, split).
+    dense window (split == S), query rows [RB * chunk, RB * (chunk + 1)) of the R = G * Tq rows
+    (chunk = program 2; RB <= 32: larger dot tiles fail to compile at head_dim 128, e.g. 64 held-out
+    queries in fp16); partial (acc, m, l) to slot (bh, split).
     q [B*Hkv, R, D]; int32 views of keys.bitmaps [B*Hkv, NB, D, 2] and values.bitmaps
     [B*Hkv, Tc, DT, 2]; offsets int64; window [B*Hkv, W, D]; acc float32 [B*Hkv, S+1, RP, DP]."""
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    rows = tl.arange(0, RP)
+    rows = tl.program_id(2) * RB + tl.arange(0, RB)
+    rmask = rows < R
     c = tl.arange(0, DP)
     t = tl.arange(0, 64)
     cmask = c < D
-    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=(rows[:, None] < R) & cmask[None, :], other=0.0)
-    m_i = tl.full([RP], float("-inf"), tl.float32)
-    l_i = tl.zeros([RP], tl.float32)
-    acc = tl.zeros([RP, DP], tl.float32)
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, DP], tl.float32)
     if split < S:
         blk_start = split * BPS
         blk_end = tl.minimum(blk_start + BPS, NB)
@@ -226,9 +229,9 @@ def _bitmap_attention_kernel(
             v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
             m_i, l_i, acc = _attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     slot = bh * (S + 1) + split
-    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc)
-    tl.store(m_ptr + slot * RP + rows, m_i)
-    tl.store(l_ptr + slot * RP + rows, l_i)
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + slot * RP + rows, m_i, mask=rmask)
+    tl.store(l_ptr + slot * RP + rows, l_i, mask=rmask)
 
 
 def check_query(q: torch.Tensor, cache: BitmapCache) -> None:
@@ -325,7 +328,8 @@ def bitmap_decode_attention(
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     prec = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     empty = torch.zeros(1, dtype=q.dtype, device=q.device)
-    _bitmap_attention_kernel[(bh, splits + 1)](
+    rb = min(rp, 32)
+    _bitmap_attention_kernel[(bh, splits + 1, -(-rows // rb))](
         qc,
         k.bitmaps.view(torch.int32),
         k.nz if k.nz.numel() else empty,
@@ -352,6 +356,7 @@ def bitmap_decode_attention(
         DTP=dp // TILE,
         DOT_PREC=prec,
         UPCAST=upcast,
+        RB=rb,
         num_warps=num_warps,
         num_stages=num_stages,
         **expansion_options(q, dp, expansion, maxnreg),

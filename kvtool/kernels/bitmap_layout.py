@@ -21,6 +21,14 @@ kernel computes with a prefix sum while it expands the bitmaps anyway.
 
 A set bit marks a stored element by its bit pattern (not its value): ``-0.0`` is stored, so
 decoding is bit-exact.
+
+``BitmapTensor.kind`` names the tile orientation above ("keys": channel tiles, bits along tokens;
+"values": token tiles, bits along channels). Layout version 1 (:data:`LAYOUT_V1`) stores keys as
+channel tiles and values as token tiles; version 2 (:data:`LAYOUT_V2`, what the ``bitmap`` format
+writes) swaps them, so that each operand's bits run along the axis its product reduces over: key
+rows hold a token's channels (q.K^T sums over channels) and value tiles hold a channel's tokens (P.V
+sums over tokens). A kernel then visits each stored element once and fetches the dense operand at
+its position (:mod:`.bitmap_sparse_attention`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ import torch
 from kvtool.core.errors import BadDataError
 
 TILE = 64
+LAYOUT_V1 = 1
+LAYOUT_V2 = 2
+# tile orientation (BitmapTensor.kind) of (keys, values) in each layout version
+ORIENTATIONS = {LAYOUT_V1: ("keys", "values"), LAYOUT_V2: ("values", "keys")}
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
 
 
@@ -83,6 +95,7 @@ class BitmapTensor:
     offsets: torch.Tensor
     tokens: int
     head_dim: int
+    label: str = ""  # the name in error messages ("keys" / "values"); kind when empty
 
     @property
     def batch(self) -> int:
@@ -149,7 +162,7 @@ class BitmapTensor:
 def validate_bitmap_tensor(bt: BitmapTensor) -> None:
     """Shapes and dtypes, offsets (start at 0, aligned, monotone, last == len(nz)), popcounts equal
     the stored block sizes, padding bits clear. Raises BadDataError naming the problem."""
-    name = bt.kind
+    name = bt.label or bt.kind
     if bt.kind not in ("keys", "values"):
         raise BadDataError(f"bitmap tensor kind must be keys or values, got {bt.kind!r}")
     if bt.nz.ndim != 1 or bt.nz.dtype not in _INT_VIEW:
@@ -217,18 +230,24 @@ class BitmapCache:
 
     keys/values: :class:`BitmapTensor` over the first Tc tokens; window_keys/window_values
     ``[B, Hkv, W, D]`` in the cache dtype (W may be 0). Token order: the Tc compressed tokens, then
-    the W window tokens."""
+    the W window tokens. ``version``: the layout version (:data:`ORIENTATIONS` gives the tiles'
+    orientation of keys and values)."""
 
     keys: BitmapTensor
     values: BitmapTensor
     window_keys: torch.Tensor
     window_values: torch.Tensor
+    version: int = LAYOUT_V1
 
     @property
     def tokens(self) -> int:
         return self.keys.tokens + self.window_keys.shape[2]
 
     def validate(self) -> None:
+        if self.version not in ORIENTATIONS:
+            raise BadDataError(f"unknown bitmap layout version {self.version!r} (known: {sorted(ORIENTATIONS)})")
+        if (self.keys.kind, self.values.kind) != ORIENTATIONS[self.version]:
+            raise BadDataError(f"layout version {self.version} stores keys as {ORIENTATIONS[self.version][0]!r} tiles and values as {ORIENTATIONS[self.version][1]!r} tiles")
         self.keys.validate()
         self.values.validate()
         k, v = self.keys, self.values

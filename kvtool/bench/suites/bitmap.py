@@ -47,9 +47,10 @@ def _bitmap_bytes(cache) -> int:
                 'kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 --json att.json --plot att.png')
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
-    ``window`` tokens dense) vs the dense baselines on the unpruned tensors of the same shape."""
-    att = require_kernel("bitmap_attention", "attention", ("bitmap_decode_attention",))
-    comp = require_kernel("bitmap_compress", "attention", ("encode_cache",))
+    ``window`` tokens dense; layout v2, :mod:`kvtool.kernels.bitmap_sparse_attention` with
+    ``ctx.backend``, reported as ``bitmap_triton`` with the backend that ran in ``backend``) vs the
+    dense baselines on the unpruned tensors of the same shape."""
+    att = require_kernel("bitmap_sparse_attention", "attention", ("bitmap_sparse_attention", "encode_cache_v2", "stage_capacity", "pick_backend"))
     backend = "triton" if ctx.env.device_type == "cuda" else "torch"
     recs = []
     for b, t in ctx.configs():
@@ -60,16 +61,19 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
         for sp in ctx.sparsities:
             ctx.step(f"bitmap_attention b={b} T={t} sparsity={sp}")
             kp, vp = prune_per_token(k, sp, ctx.window), prune_per_token(v, sp, ctx.window)
-            cache = comp.encode_cache(kp, vp, window=min(ctx.window, t), backend=backend)
+            cache = att.encode_cache_v2(kp, vp, window=min(ctx.window, t), backend=backend)
             cache.validate()
+            which = att.pick_backend(q, ctx.backend)
+            cap = att.stage_capacity(cache) if which == "cuda" else None
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
             # the layout was validated above, so the timed calls skip it
             ctx.step(f"bitmap_triton b={b} T={t} sparsity={sp}")
-            fn = lambda cache=cache: att.bitmap_decode_attention(q4, cache, ctx.scale, validate=False)  # noqa: E731
+            fn = lambda cache=cache, cap=cap, which=which: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap)  # noqa: E731
             tm, rel, st = timed(ctx, fn, fn()[0], ref)
             recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
-                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data))
+                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
+                                      backend=which))
             del cache, ref
             free_memory(ctx)
         del q, k, v, q4
@@ -91,18 +95,19 @@ def suite_compress(ctx: BenchContext) -> list[dict]:
         shape, q, k, v, data = ctx.inputs(b, t)
         del q
         for sp in ctx.sparsities:
-            for kind, x in (("keys", prune_per_token(k, sp)), ("values", prune_per_token(v, sp))):
-                ctx.step(f"bitmap compress {kind} b={b} T={t} sparsity={sp}")
+            # layout v2 orientations: keys as token tiles, values as channel tiles
+            for name, kind, x in (("keys", "values", prune_per_token(k, sp)), ("values", "keys", prune_per_token(v, sp))):
+                ctx.step(f"bitmap compress {name} b={b} T={t} sparsity={sp}")
                 ref = comp.encode_torch(x, kind)
                 moved = B.tensor_bytes(x) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
                 got = comp.encode_triton(x, kind) if ctx.env.device_type == "cuda" or B.interpret_mode() else None
                 same = got is not None and all(torch.equal(a.view(torch.int8) if a.is_floating_point() else a, c.view(torch.int8) if c.is_floating_point() else c)
                                                for a, c in ((got.nz, ref.nz), (got.bitmaps, ref.bitmaps), (got.offsets, ref.offsets)))
                 tm = ctx.timer.time(lambda: comp.encode_triton(x, kind)) if same else None
-                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
                 tm = ctx.timer.time(lambda: comp.encode_torch(x, kind))
-                recs.append(B.make_record(ctx.env, f"bitmap_compress_{kind}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
+                recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0, data=data))
                 del x, ref, got
                 free_memory(ctx)

@@ -68,6 +68,7 @@ class BenchContext:
     window: int = 32
     baselines: bool = True
     step: Callable[[str], None] = lambda msg: None
+    backend: str = "auto"  # bitmap attention: auto, triton or cuda
 
     @property
     def device(self) -> torch.device:

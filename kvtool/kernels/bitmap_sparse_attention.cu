@@ -1,0 +1,51 @@
+// Host entry of the CUDA backend (kernels: bitmap_sparse_attention.cuh, one .cu per dtype and
+// stage count).
+#include <torch/extension.h>
+#include "bitmap_sparse_attention.cuh"
+
+// built in the per-dtype translation units
+extern template void dispatch<half, 1>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void dispatch<half, 2>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void dispatch<__nv_bfloat16, 1>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void dispatch<__nv_bfloat16, 2>(const Params&, int, int, dim3, size_t, cudaStream_t);
+
+// q [BH, R, D]; kbm int64 [BH, Tc, DT]; vbm int64 [BH, NB, D]; offsets int64; window [BH, W, D];
+// acc float [BH, S+1, RP, DP]; m, l float [BH, S+1, RP]. nr in {1, 2, 4, 8}: rows per program;
+// stream: the cudaStream_t to launch on (torch's current stream, from Python).
+void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor knz, torch::Tensor koff,
+                             torch::Tensor vbm, torch::Tensor vnz, torch::Tensor voff, torch::Tensor wk, torch::Tensor wv,
+                             torch::Tensor acc, torch::Tensor m, torch::Tensor l, double scale_log2,
+                             int64_t Tc, int64_t W, int64_t NB, int64_t BPS, int64_t S, int64_t kcap, int64_t vcap,
+                             int64_t nr, int64_t stages, int64_t half_tables, int64_t bits_global, int64_t stream) {
+  Params p;
+  p.q = q.data_ptr(); p.kbm = reinterpret_cast<const uint64_t*>(kbm.data_ptr()); p.knz = knz.data_ptr();
+  p.koff = koff.data_ptr<int64_t>(); p.vbm = reinterpret_cast<const uint64_t*>(vbm.data_ptr()); p.vnz = vnz.data_ptr();
+  p.voff = voff.data_ptr<int64_t>(); p.wk = wk.data_ptr(); p.wv = wv.data_ptr();
+  p.acc = acc.data_ptr<float>(); p.m = m.data_ptr<float>(); p.l = l.data_ptr<float>();
+  p.scale_log2 = (float)scale_log2;
+  p.Tc = (int)Tc; p.W = (int)W; p.D = (int)q.size(2); p.DT = (p.D + 63) / 64; p.NB = (int)NB; p.R = (int)q.size(1);
+  p.RP = (int)acc.size(2); p.DP = (int)acc.size(3); p.BPS = (int)BPS; p.S = (int)S;
+  p.KCAP = (int)kcap; p.VCAP = (int)vcap; p.half_tables = (int)half_tables;
+  p.bits_global = (int)bits_global;
+  const int cpt = p.D <= THREADS ? 1 : 2;
+  const int bh = (int)q.size(0);
+  dim3 grid(bh, p.S + 1, (p.R + nr - 1) / nr);
+  // the kernel's layout: scores, row state, scan scratch, then the query / probability tables
+  size_t head = ((size_t)(PAIR * nr + 3 * nr + 8) * 4 + (size_t)(p.D * nr + PAIR * nr) * (half_tables ? 2 : 4) + 15) / 16 * 16;
+  const size_t esz = q.element_size();
+  size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
+  size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
+  size_t smem = head + stage * (stages == 2 ? 2 : 1);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "float16 or bfloat16 only");
+  const bool f16 = q.scalar_type() == at::kHalf;
+  if (stages == 2) {
+    if (f16) dispatch<half, 2>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16, 2>(p, (int)nr, cpt, grid, smem, s);
+  } else {
+    if (f16) dispatch<half, 1>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16, 1>(p, (int)nr, cpt, grid, smem, s);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bitmap_sparse_attention", &bitmap_sparse_attention, "bitmap decode attention, layout v2 (partials)");
+}

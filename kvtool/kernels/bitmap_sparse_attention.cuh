@@ -1,0 +1,423 @@
+// Bitmap decode attention, layout v2 (kvtool/kernels/bitmap_layout.py), CUDA backend of
+// kvtool/kernels/bitmap_sparse_attention.py. Work follows the stored elements: every thread walks
+// the set bits of its bitmap words and, per stored element, fetches the dense operand at that
+// position from shared memory (keys: the query rows at the element's channel; values: the
+// probabilities at the element's token), so no dense tile of the cache is ever built.
+//
+// One program = (KV head bh, split, chunk of NR query rows), 128 threads. It walks its layout
+// blocks two at a time (128 tokens): cp.async stages the pair's bitmaps and packed elements into
+// shared memory (STAGES 2: pair i + 1 loads while pair i is computed; one stage is the default,
+// since two halve the programs per SM and lost more than the prefetch won), then
+//   keys   (token tiles, bits along channels): thread = token; score[r] += val * q[r][channel];
+//   softmax (one warp per row) turns the 128 scores into probabilities and rescales;
+//   values (channel tiles, bits along tokens): thread = channel; acc[r] += val * p[r][token].
+// A thread's run in the staged block starts at the exclusive prefix sum of the popcounts in
+// storage order (a block-wide scan of two 16-bit counts packed in one int: both blocks at once).
+// Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
+// by kvtool's Triton merge kernel.
+// Bound (docs/benchmarks/bitmap.json): instruction issue, about 30 warp instructions per
+// stored-element step with its shared-memory gathers, not DRAM bytes.
+
+#pragma once
+#include <cuda_runtime.h>
+#include <stdexcept>
+#include <string>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+#include <stdint.h>
+
+namespace bsa {
+
+constexpr int THREADS = 128;
+
+inline void check(cudaError_t e) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("bitmap_sparse_attention: ") + cudaGetErrorString(e));
+}
+constexpr int PAIR = 128;  // tokens per step: two 64-token layout blocks
+
+__device__ __forceinline__ float to_f(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(float x) { return x; }
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+__device__ __forceinline__ void cp_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Exclusive block-wide prefix sum of x (THREADS threads), total in *total.
+__device__ __forceinline__ int block_excl_scan(int x, int* scratch, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inc = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int y = __shfl_up_sync(0xffffffffu, inc, o);
+    if (lane >= o) inc += y;
+  }
+  if (lane == 31) scratch[warp] = inc;
+  __syncthreads();
+  int base = 0, tot = 0;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) {
+    int s = scratch[w];
+    base += w < warp ? s : 0;
+    tot += s;
+  }
+  __syncthreads();
+  *total = tot;
+  return base + inc - x;
+}
+
+__device__ __forceinline__ void store_tab(float* t, float x) { *t = x; }
+__device__ __forceinline__ void store_tab(half* t, float x) { *t = __float2half_rn(x); }
+
+// acc[r] += v * src[r], r < NR, src a table row of NR floats or halves (one vector load).
+template <int NR>
+__device__ __forceinline__ void fma_rows(float* acc, float v, const float* src) {
+  if constexpr (NR % 4 == 0) {
+#pragma unroll
+    for (int r = 0; r < NR; r += 4) {
+      float4 s = *reinterpret_cast<const float4*>(src + r);
+      acc[r] += v * s.x; acc[r + 1] += v * s.y; acc[r + 2] += v * s.z; acc[r + 3] += v * s.w;
+    }
+  } else if constexpr (NR == 2) {
+    float2 s = *reinterpret_cast<const float2*>(src);
+    acc[0] += v * s.x; acc[1] += v * s.y;
+  } else {
+    acc[0] += v * src[0];
+  }
+}
+template <int NR>
+__device__ __forceinline__ void fma_rows(float* acc, float v, const half* src) {
+  if constexpr (NR % 4 == 0) {
+#pragma unroll
+    for (int r = 0; r < NR; r += 4) {
+      uint2 raw = *reinterpret_cast<const uint2*>(src + r);
+      float2 a = __half22float2(*reinterpret_cast<half2*>(&raw.x));
+      float2 b = __half22float2(*reinterpret_cast<half2*>(&raw.y));
+      acc[r] += v * a.x; acc[r + 1] += v * a.y; acc[r + 2] += v * b.x; acc[r + 3] += v * b.y;
+    }
+  } else if constexpr (NR == 2) {
+    float2 a = __half22float2(*reinterpret_cast<const half2*>(src));
+    acc[0] += v * a.x; acc[1] += v * a.y;
+  } else {
+    acc[0] += v * __half2float(src[0]);
+  }
+}
+
+// acc[r] += run element * table row (bit) for each set bit of w, lowest bit first; vp advances over
+// the word's packed run. Bits are walked reversed with count-leading-zeros: three integer
+// instructions per stored element.
+template <typename T, typename TAB, int NR>
+__device__ __forceinline__ void walk_word(unsigned w, const T* vp, const TAB* table, float* acc) {
+  unsigned wr = __brev(w);
+  while (wr) {
+    const int bit = __clz(wr);
+    wr ^= 0x80000000u >> bit;
+    fma_rows<NR>(acc, to_f(*vp++), table + bit * NR);
+  }
+}
+
+// A key row of NH 32-bit words h[] (bit i of word j <-> channel 32 j + i), packed from `start`
+// in word order, visited from word `rot` on (wrapping): lanes whose rows have equal lengths in a
+// multiple of 4-byte words would otherwise read one shared-memory bank together.
+template <typename T, typename TAB, int NR, int NH>
+__device__ __forceinline__ void walk_row(const unsigned* h, int rot, const T* run, int start, const TAB* table, float* acc) {
+  unsigned r[NH];
+  int pp[NH], bb[NH];
+  int pos = start;
+#pragma unroll
+  for (int i = 0; i < NH; ++i) {
+    r[i] = h[i];
+    pp[i] = pos;
+    bb[i] = 32 * i;
+    pos += __popc(h[i]);
+  }
+#pragma unroll
+  for (int k = 0; k < NH - 1; ++k) {  // rotate left by rot, one constant-index step at a time
+    const bool step = k < rot;
+    const unsigned r0 = r[0];
+    const int p0 = pp[0], b0 = bb[0];
+#pragma unroll
+    for (int i = 0; i < NH - 1; ++i) {
+      r[i] = step ? r[i + 1] : r[i];
+      pp[i] = step ? pp[i + 1] : pp[i];
+      bb[i] = step ? bb[i + 1] : bb[i];
+    }
+    r[NH - 1] = step ? r0 : r[NH - 1];
+    pp[NH - 1] = step ? p0 : pp[NH - 1];
+    bb[NH - 1] = step ? b0 : bb[NH - 1];
+  }
+#pragma unroll
+  for (int i = 0; i < NH; ++i) walk_word<T, TAB, NR>(r[i], run + pp[i], table + bb[i] * NR, acc);
+}
+
+struct Params {
+  const void* q; const uint64_t* kbm; const void* knz; const int64_t* koff;
+  const uint64_t* vbm; const void* vnz; const int64_t* voff; const void* wk; const void* wv;
+  float* acc; float* m; float* l;
+  float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables, bits_global;
+};
+
+// One shared-memory stage: key bits [PAIR * DT] and value bits [2 * D] (unless bits_global: then
+// threads read their words from global memory), key elements [KCAP], value elements [VCAP].
+template <typename T>
+struct Stage {
+  size_t vb, ks, vs, bytes;
+  __device__ __forceinline__ explicit Stage(const Params& p) {
+    vb = p.bits_global ? 0 : (size_t)PAIR * p.DT * 8;
+    ks = vb + (p.bits_global ? 0 : (size_t)2 * p.D * 8);
+    vs = ks + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16;
+    bytes = vs + ((size_t)p.VCAP * sizeof(T) + 15) / 16 * 16;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void stage_pair(const Params& p, char* st, int64_t bh, int blk, int nblk) {
+  const Stage<T> L(p);
+  uint64_t* kb = reinterpret_cast<uint64_t*>(st);
+  uint64_t* vb = reinterpret_cast<uint64_t*>(st + L.vb);
+  T* ks = reinterpret_cast<T*>(st + L.ks);
+  T* vs = reinterpret_cast<T*>(st + L.vs);
+  if (!p.bits_global) {
+    const int tok0 = blk * 64;
+    const int ntok = min(nblk * 64, p.Tc - tok0);
+    const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
+    for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
+    const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
+    for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
+  }
+  const int64_t g = bh * p.NB + blk;
+  constexpr int EPV = 16 / sizeof(T);
+  const int64_t k0 = p.koff[g], k1 = p.koff[g + nblk];
+  const T* kn = reinterpret_cast<const T*>(p.knz) + k0;
+  for (int i = threadIdx.x * EPV; i < (int)(k1 - k0); i += THREADS * EPV) cp16(ks + i, kn + i);
+  const int64_t v0 = p.voff[g], v1 = p.voff[g + nblk];
+  const T* vn = reinterpret_cast<const T*>(p.vnz) + v0;
+  for (int i = threadIdx.x * EPV; i < (int)(v1 - v0); i += THREADS * EPV) cp16(vs + i, vn + i);
+}
+
+// One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
+// max / sum updated, alpha[r] = rescale factor of the old accumulator.
+template <int NR, typename TAB>
+__device__ __forceinline__ void softmax_step(const float* sc, TAB* ps, float* mrow, float* lrow, float* alpha) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int r = warp; r < NR; r += THREADS / 32) {
+    float s[PAIR / 32];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < PAIR / 32; ++i) { s[i] = sc[(lane + 32 * i) * NR + r]; mx = fmaxf(mx, s[i]); }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const float m_old = mrow[r];
+    const float m_new = fmaxf(m_old, mx);
+    const float m_safe = m_new == -INFINITY ? 0.f : m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < PAIR / 32; ++i) {
+      float e = exp2f(s[i] - m_safe);
+      store_tab(ps + (lane + 32 * i) * NR + r, e);
+      sum += e;
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+      const float a = exp2f(m_old - m_safe);
+      alpha[r] = a;
+      lrow[r] = lrow[r] * a + sum;
+      mrow[r] = m_new;
+    }
+  }
+}
+
+// TAB: type of the shared-memory tables gathered per stored element (query rows, probabilities):
+// half halves the gather's shared-memory wavefronts.
+template <typename T, typename TAB, int NR, int CPT, int STAGES>
+__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params p) {
+  extern __shared__ __align__(16) char smem[];
+  const int64_t bh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int r0 = blockIdx.z * NR;
+  const int tid = threadIdx.x;
+  float* sc = reinterpret_cast<float*>(smem);            // [PAIR][NR] scores
+  float* mrow = sc + PAIR * NR;                           // [NR]
+  float* lrow = mrow + NR;
+  float* alpha = lrow + NR;
+  int* scratch = reinterpret_cast<int*>(alpha + NR);      // [8]
+  TAB* qs = reinterpret_cast<TAB*>(scratch + 8);          // [D][NR], scaled by scale * log2(e)
+  TAB* ps = qs + p.D * NR;                                // [PAIR][NR] probabilities
+  char* stages = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
+  const Stage<T> L(p);
+  const size_t stage_bytes = L.bytes;
+
+  const T* q = reinterpret_cast<const T*>(p.q);
+  for (int i = tid; i < p.D * NR; i += THREADS) {
+    const int c = i / NR, r = i % NR;
+    store_tab(qs + i, r0 + r < p.R ? to_f(q[(bh * p.R + r0 + r) * p.D + c]) * p.scale_log2 : 0.f);
+  }
+  if (tid < NR) { mrow[tid] = -INFINITY; lrow[tid] = 0.f; }
+  float acc[CPT][NR];
+#pragma unroll
+  for (int i = 0; i < CPT; ++i)
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[i][r] = 0.f;
+
+  if (split < p.S) {
+    const int b0 = split * p.BPS;
+    const int b1 = min(p.NB, b0 + p.BPS);
+    if (b0 < b1) stage_pair<T>(p, stages, bh, b0, min(2, b1 - b0));
+    cp_commit();
+    int it = 0;
+    for (int blk = b0; blk < b1; blk += 2, ++it) {
+      const int nblk = min(2, b1 - blk);
+      char* st = stages + (STAGES == 2 ? (it & 1) * stage_bytes : 0);
+      if (STAGES == 2) {
+        if (blk + 2 < b1) stage_pair<T>(p, stages + ((it + 1) & 1) * stage_bytes, bh, blk + 2, min(2, b1 - blk - 2));
+        cp_commit();
+        cp_wait_one();
+      } else {
+        if (it > 0) {
+          stage_pair<T>(p, stages, bh, blk, nblk);
+          cp_commit();
+        }
+        cp_wait_all();
+      }
+      __syncthreads();
+      const int tok0 = blk * 64;
+      const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
+      const uint64_t* vb = p.bits_global ? p.vbm + ((size_t)bh * p.NB + blk) * p.D : reinterpret_cast<const uint64_t*>(st + L.vb);
+      const T* ks = reinterpret_cast<const T*>(st + L.ks);
+      const T* vs = reinterpret_cast<const T*>(st + L.vs);
+      const int ntok = min(nblk * 64, p.Tc - tok0);
+      // keys: thread = token of the pair; its run starts after the earlier tokens of its block
+      const bool has_tok = tid < ntok;
+      constexpr int NH = 4 * CPT;  // 32-bit words per key row (head_dim <= 128 * CPT)
+      unsigned h[NH];
+      int cnt = 0;
+#pragma unroll
+      for (int i = 0; i < NH; ++i) {
+        h[i] = has_tok && i < 2 * p.DT ? reinterpret_cast<const unsigned*>(kb)[tid * 2 * p.DT + i] : 0u;
+        cnt += __popc(h[i]);
+      }
+      int total;
+      const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
+      int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + (int)(p.koff[bh * p.NB + blk + 1] - p.koff[bh * p.NB + blk]);
+      float s[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) s[r] = 0.f;
+      // equal counts put every lane on one bank when the row stride is a multiple of 4 words
+      const int rot = (cnt & 7) == 0 ? (tid & 3) % (2 * p.DT) : 0;
+      walk_row<T, TAB, NR, NH>(h, rot, ks, pos, qs, s);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) sc[tid * NR + r] = has_tok ? s[r] : -INFINITY;
+      __syncthreads();
+      softmax_step<NR>(sc, ps, mrow, lrow, alpha);
+      __syncthreads();
+      // values: thread = CPT channels; run = after the earlier channels of the same block
+      int vc = 0;
+      uint64_t w0[CPT], w1[CPT];
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+        const int c = tid * CPT + i;
+        w0[i] = c < p.D ? vb[c] : 0;
+        w1[i] = c < p.D && nblk > 1 ? vb[p.D + c] : 0;
+        vc += __popcll(w0[i]) + (__popcll(w1[i]) << 16);
+      }
+      const int vpacked = block_excl_scan(vc, scratch, &total);
+      int p0 = vpacked & 0xffff;
+      int p1 = (vpacked >> 16) + (int)(p.voff[bh * p.NB + blk + 1] - p.voff[bh * p.NB + blk]);
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+#pragma unroll
+        for (int r = 0; r < NR; ++r) acc[i][r] *= alpha[r];
+        const unsigned lo0 = (unsigned)w0[i], lo1 = (unsigned)w1[i];
+        walk_word<T, TAB, NR>(lo0, vs + p0, ps, acc[i]);
+        walk_word<T, TAB, NR>((unsigned)(w0[i] >> 32), vs + p0 + __popc(lo0), ps + 32 * NR, acc[i]);
+        walk_word<T, TAB, NR>(lo1, vs + p1, ps + 64 * NR, acc[i]);
+        walk_word<T, TAB, NR>((unsigned)(w1[i] >> 32), vs + p1 + __popc(lo1), ps + 96 * NR, acc[i]);
+        p0 += __popcll(w0[i]);
+        p1 += __popcll(w1[i]);
+      }
+      __syncthreads();
+    }
+    cp_wait_all();
+  } else {
+    const T* wk = reinterpret_cast<const T*>(p.wk);
+    const T* wv = reinterpret_cast<const T*>(p.wv);
+    __syncthreads();
+    for (int w0 = 0; w0 < p.W; w0 += PAIR) {
+      const int t = w0 + tid;
+      float s[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) s[r] = 0.f;
+      if (t < p.W)
+        for (int c = 0; c < p.D; ++c) fma_rows<NR>(s, to_f(wk[(bh * p.W + t) * p.D + c]), qs + c * NR);
+#pragma unroll
+      for (int r = 0; r < NR; ++r) sc[tid * NR + r] = t < p.W ? s[r] : -INFINITY;
+      __syncthreads();
+      softmax_step<NR>(sc, ps, mrow, lrow, alpha);
+      __syncthreads();
+      const int n = min(PAIR, p.W - w0);
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) {
+        const int c = tid * CPT + i;
+#pragma unroll
+        for (int r = 0; r < NR; ++r) acc[i][r] *= alpha[r];
+        if (c < p.D)
+          for (int j = 0; j < n; ++j) fma_rows<NR>(acc[i], to_f(wv[(bh * p.W + w0 + j) * p.D + c]), ps + j * NR);
+      }
+      __syncthreads();
+    }
+  }
+  __syncthreads();
+  const int64_t slot = bh * (p.S + 1) + split;
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    const int c = tid * CPT + i;
+    if (c < p.D)
+#pragma unroll
+      for (int r = 0; r < NR; ++r)
+        if (r0 + r < p.R) p.acc[(slot * p.RP + r0 + r) * p.DP + c] = acc[i][r];
+  }
+  if (tid < NR && r0 + tid < p.R) {
+    p.m[slot * p.RP + r0 + tid] = mrow[tid];
+    p.l[slot * p.RP + r0 + tid] = lrow[tid];
+  }
+}
+
+template <typename T, int NR, int CPT, int STAGES>
+void launch(const Params& p, dim3 grid, size_t smem, cudaStream_t stream) {
+  auto kern = p.half_tables ? bitmap_sparse_attention_kernel<T, half, NR, CPT, STAGES> : bitmap_sparse_attention_kernel<T, float, NR, CPT, STAGES>;
+  if (smem > 48 * 1024) check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kern<<<grid, THREADS, smem, stream>>>(p);
+  check(cudaGetLastError());
+}
+
+template <typename T, int CPT, int STAGES>
+void dispatch_nr(const Params& p, int nr, dim3 grid, size_t smem, cudaStream_t s) {
+  switch (nr) {
+    case 1: launch<T, 1, CPT, STAGES>(p, grid, smem, s); break;
+    case 2: launch<T, 2, CPT, STAGES>(p, grid, smem, s); break;
+    case 4: launch<T, 4, CPT, STAGES>(p, grid, smem, s); break;
+    default: launch<T, 8, CPT, STAGES>(p, grid, smem, s); break;
+  }
+}
+
+}  // namespace bsa
+using namespace bsa;
+
+// One translation unit per (dtype, stages) so that ninja builds them in parallel.
+template <typename T, int STAGES>
+void dispatch(const Params& p, int nr, int cpt, dim3 grid, size_t smem, cudaStream_t s) {
+  if (cpt == 1) dispatch_nr<T, 1, STAGES>(p, nr, grid, smem, s);
+  else dispatch_nr<T, 2, STAGES>(p, nr, grid, smem, s);
+}
+
+#define BSA_INSTANTIATE(T, STAGES) \
+  template void dispatch<T, STAGES>(const Params&, int, int, dim3, size_t, cudaStream_t);
+

@@ -1,0 +1,329 @@
+"""Decode attention over a bitmap cache in layout version 2 (keys as token tiles, values as channel
+tiles: :mod:`.bitmap_layout`), its encoder from pruned dense K/V, and a plain-torch reference of
+the same maths.
+
+Entry point: :func:`bitmap_sparse_attention` ``(q, cache, scale=None, backend="auto", ...) ->
+(out, lse)``, the partial of :mod:`kvtool.core.attention`: q ``[B, H, Tq, D]`` in the cache dtype (H a
+multiple of Hkv; query head h reads KV head ``h // G``), out ``[B, H, Tq, D]`` float32, lse
+``[B, H, Tq]`` float32 (natural log). All G * Tq query rows of a KV head are served by one pass
+over its data; token-axis splits are merged by
+:func:`kvtool.kernels.online_softmax.merge_split_partials`.
+
+The maths (what :func:`sparse_attention_reference` spells out in torch): for each stored key
+element (token t, channel c, value x) ``score[r, t] += x * q[r, c]``; softmax over tokens; for each
+stored value element (token t, channel c, value x) ``out[r, c] += x * p[r, t]``. A v2 layout puts a
+key row's bits along channels and a value tile's bits along tokens, so a thread that walks the set
+bits of its word touches each stored element once and gathers the dense operand at its position.
+
+Backends:
+
+- ``cuda`` (:file:`bitmap_sparse_attention.cu`, built on first use with
+  ``torch.utils.cpp_extension.load`` under the kvtool cache): the walk above, per thread, with the
+  pair of 64-token blocks staged in shared memory by ``cp.async``. Its cost follows the stored
+  elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
+  variable number of set bits nor a register-to-shared gather at a run-time position, which is what
+  this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
+- ``triton``: expands each 64-token block to dense tiles (the helpers of :mod:`.bitmap_attention`
+  with the orientations swapped) and multiplies on the tensor cores; runs under the interpreter,
+  for any head_dim and float32 caches.
+- ``auto``: cuda for CUDA tensors of 16-bit dtype and head_dim <= 256, else triton.
+
+Measured on the H100 (docs/benchmarks/bitmap.json): faster than cuBLAS q.K^T + P.V at 70% sparsity,
+slower at 50%; the cuda backend is bound by instruction issue in its per-element loop, not by bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.core.attention import attend_partial, default_scale
+from kvtool.core.errors import UsageError
+from kvtool.kernels.bitmap_attention import LOG2E, _expand_keys, _expand_values, check_query
+from kvtool.kernels.bitmap_compress import encode, encode_cache
+from kvtool.kernels.bitmap_layout import LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor
+from kvtool.kernels.common import check_device, interpreting
+from kvtool.kernels.online_softmax import attend_block, merge_split_partials
+
+BACKENDS = ("auto", "triton", "cuda")
+_SOURCE = Path(__file__).with_name("bitmap_sparse_attention.cu")
+_EXTENSION = None
+
+
+def encode_cache_v2(keys: torch.Tensor, values: torch.Tensor, window: int = 0, backend: str = "torch") -> BitmapCache:
+    """Pruned keys/values ``[B, Hkv, T, D]`` -> a layout-v2 :class:`BitmapCache` whose last
+    ``window`` tokens stay dense. ``backend`` ``torch`` / ``triton`` picks the encoder
+    (:func:`.bitmap_compress.encode`, identical bytes)."""
+    if keys.shape != values.shape:
+        raise UsageError(f"keys {list(keys.shape)} and values {list(values.shape)} must have one shape")
+    t = keys.shape[2]
+    if not 0 <= window <= t:
+        raise UsageError(f"window {window} must be between 0 and the {t} tokens")
+    tc = t - window
+    korient, vorient = ORIENTATIONS[LAYOUT_V2]
+    ck = encode(keys[:, :, :tc].contiguous(), korient, backend)
+    cv = encode(values[:, :, :tc].contiguous(), vorient, backend)
+    ck.label, cv.label = "keys", "values"
+    return BitmapCache(ck, cv, keys[:, :, tc:].contiguous(), values[:, :, tc:].contiguous(), version=LAYOUT_V2)
+
+
+def convert_layout(cache: BitmapCache, version: int = LAYOUT_V2, backend: str = "torch") -> BitmapCache:
+    """The same cache in layout ``version`` (decode, then encode the other way; bit-exact)."""
+    if cache.version == version:
+        return cache
+    keys, values = cache.decode()
+    w = cache.window_keys.shape[2]
+    if version == LAYOUT_V2:
+        return encode_cache_v2(keys, values, window=w, backend=backend)
+
+    return encode_cache(keys, values, window=w, backend=backend)
+
+
+def _stored_elements(bt: BitmapTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every stored element of ``bt``: (row = b * Hkv + h, token, channel, value), 1-D each,
+    read from the bitmaps and the packed runs (not via the dense decode)."""
+    nbt = bt.batch * bt.kv_heads * bt.blocks
+    bits = bt.block_bits()  # [NBt, slots] in storage order
+    g, slot = torch.nonzero(bits, as_tuple=True)
+    rank = bits.to(torch.int64).cumsum(-1) - 1
+    vals = bt.nz[bt.offsets[:-1][g] + rank[g, slot]]
+    if bt.kind == "keys":  # channel tiles: slot = channel * 64 + token in block
+        chan, tok = slot // TILE, slot % TILE
+    else:  # token tiles: slot = token in block * (64 * DT) + channel
+        width = bits.shape[1] // TILE if nbt else 1
+        tok, chan = slot // width, slot % width
+    return g // bt.blocks, (g % bt.blocks) * TILE + tok, chan, vals
+
+
+def sparse_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of the element-wise maths (module docstring) in float64 for any layout
+    version; same return as :func:`bitmap_sparse_attention`."""
+    check_query(q, cache)
+    b, h, tq, d = q.shape
+    hkv, tc, w = cache.keys.kv_heads, cache.keys.tokens, cache.window_keys.shape[2]
+    g = h // hkv
+    scale = default_scale(d) if scale is None else scale
+    qr = q.double().reshape(b * hkv, g * tq, d)  # rows of one KV head
+    scores = torch.zeros(b * hkv, g * tq, tc + w, dtype=torch.float64, device=q.device)
+    row, tok, chan, x = _stored_elements(cache.keys)
+    scores[:, :, :tc].index_put_((row[:, None], torch.arange(g * tq, device=q.device)[None, :], tok[:, None]), x.double()[:, None] * qr[row, :, chan], accumulate=True)
+    scores[:, :, tc:] = qr @ cache.window_keys.double().reshape(b * hkv, w, d).transpose(1, 2)
+    scores = scores * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse[..., None]) if tc + w else scores
+    out = torch.zeros(b * hkv, g * tq, d, dtype=torch.float64, device=q.device)
+    row, tok, chan, x = _stored_elements(cache.values)
+    out.index_put_((row[:, None], torch.arange(g * tq, device=q.device)[None, :], chan[:, None]), x.double()[:, None] * p[row, :, tok], accumulate=True)
+    out += p[:, :, tc:] @ cache.window_values.double().reshape(b * hkv, w, d)
+    if tc + w == 0:
+        lse = torch.full_like(lse, float("-inf"))
+    return out.float().reshape(b, h, tq, d), lse.float().reshape(b, h, tq)
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, kbm_ptr, knz_ptr, koff_ptr, vbm_ptr, vnz_ptr, voff_ptr, wk_ptr, wv_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, Tc, W, D, DT, NB, R, BPS, S,
+    RB: tl.constexpr, RP: tl.constexpr, DP: tl.constexpr, DTP: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """Triton backend, one program per (KV head bh, split, chunk of RB query rows): token blocks
+    [split * BPS, (split + 1) * BPS) (split < S) or the dense window (split == S). Keys (token
+    tiles) expand to ``[64, DP]`` and values (channel tiles) to ``[DP, 64]``, transposed for the
+    two products. q [B*Hkv, R, D]; int32 views of keys.bitmaps [B*Hkv, Tc, DT, 2] and
+    values.bitmaps [B*Hkv, NB, D, 2]; acc float32 [B*Hkv, S+1, RP, DP]."""
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    rows = tl.program_id(2) * RB + tl.arange(0, RB)
+    c = tl.arange(0, DP)
+    t = tl.arange(0, 64)
+    cmask = c < D
+    rmask = rows < R
+    q = tl.load(q_ptr + (bh * R + rows[:, None]) * D + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, DP], tl.float32)
+    if split < S:
+        blk_start = split * BPS
+        blk_end = tl.minimum(blk_start + BPS, NB)
+        bit3 = (tl.full([32], 1, tl.int32) << tl.arange(0, 32))[None, None, :]
+        below3 = bit3 - 1
+        for blk in range(blk_start, blk_end):
+            g = bh * NB + blk
+            tok = blk * 64 + t
+            tmask = tok < Tc
+            k = _expand_values(kbm_ptr, knz_ptr, koff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
+            vt = _expand_keys(vbm_ptr, vnz_ptr, voff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
+            m_i, l_i, acc = attend_block(q, tl.trans(k), tl.trans(vt), tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    else:
+        for w0 in range(0, W, 64):
+            tw = w0 + t
+            wmask = tw < W
+            kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
+            v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
+            m_i, l_i, acc = attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    slot = bh * (S + 1) + split
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + slot * RP + rows, m_i, mask=rmask)
+    tl.store(l_ptr + slot * RP + rows, l_i, mask=rmask)
+
+
+def _cuda_extension():
+    """The CUDA backend, compiled on first use for this GPU under ``$KVTOOL_CACHE`` (default
+    ``~/.cache/kvtool``)/cuda-ext, keyed by the source's hash and the GPU's compute capability."""
+    global _EXTENSION
+    if _EXTENSION is None:
+        from torch.utils.cpp_extension import load
+
+        src = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("bitmap_sparse_attention*.cu*")))
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}{minor}"
+        key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+        root = Path(os.environ.get("KVTOOL_CACHE") or Path.home() / ".cache" / "kvtool")
+        build = root / "cuda-ext" / f"bitmap_sparse_attention-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+        _EXTENSION = load(
+            name=f"kvtool_bitmap_sparse_attention_{key}",
+            sources=[str(_SOURCE)] + [str(_SOURCE.with_name(f"bitmap_sparse_attention_{t}_s{n}.cu")) for t in ("f16", "bf16") for n in (1, 2)],
+            extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--use_fast_math"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    return _EXTENSION
+
+
+def pick_backend(q: torch.Tensor, backend: str = "auto") -> str:
+    """``cuda`` or ``triton`` for ``q`` (UsageError for an unknown name or cuda where it cannot run)."""
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    interp = interpreting()
+    can_cuda = q.is_cuda and not interp and q.shape[-1] <= 256
+    if backend == "cuda" and not can_cuda:
+        raise UsageError("the cuda backend needs CUDA tensors (not under TRITON_INTERPRET) and head_dim <= 256")
+    if backend == "auto":
+        return "cuda" if can_cuda and q.dtype in (torch.float16, torch.bfloat16) else "triton"
+    return backend
+
+
+def stage_capacity(cache: BitmapCache) -> tuple[int, int]:
+    """Largest packed run, in elements, of two neighbouring 64-token blocks of one KV head, for keys
+    and values: the CUDA backend's shared-memory staging size (one host sync)."""
+    caps = []
+    nb = cache.keys.blocks
+    for bt in (cache.keys, cache.values):
+        bh = bt.batch * bt.kv_heads
+        if nb == 0 or bh == 0:
+            caps.append(0)
+            continue
+        blk = torch.arange(0, nb, 2, device=bt.offsets.device)
+        head = torch.arange(bh, device=bt.offsets.device)[:, None] * nb
+        start = bt.offsets[head + blk]
+        end = bt.offsets[head + torch.clamp(blk + 2, max=nb)]
+        caps.append(int((end - start).max()))
+    return caps[0], caps[1]
+
+
+def default_splits(bh: int, blocks: int, programs_per_split: int, device: torch.device, per_sm: int = 8) -> int:
+    """Token-axis splits per KV head: about ``per_sm`` programs per SM in all, at least one pair of
+    blocks per split; 1 on the CPU."""
+    if blocks == 0 or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-blocks // 2), -(-per_sm * sms // max(bh * programs_per_split, 1))))
+
+
+def bitmap_sparse_attention(
+    q: torch.Tensor,
+    cache: BitmapCache,
+    scale: float | None = None,
+    backend: str = "auto",
+    num_splits: int | None = None,
+    validate: bool = True,
+    capacity: tuple[int, int] | None = None,
+    rows_per_program: int | None = None,
+    stages: int = 1,
+    half_tables: bool = True,
+    bits_global: bool = False,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
+    window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). ``validate=False`` trusts
+    a cache validated before. ``capacity``: :func:`stage_capacity` of the cache, computed here when
+    None (pass it to keep the call free of host syncs, e.g. under CUDA graphs). ``num_splits``,
+    ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``stages`` (cuda: 1 or 2
+    shared-memory buffers), ``half_tables`` (cuda: fp16 gather tables), ``bits_global`` (cuda,
+    one stage: bitmap words read from global memory instead of staged) and ``num_warps`` (triton) are tuning knobs that change only rounding."""
+    check_query(q, cache)
+    check_device(q=q)
+    if cache.version != LAYOUT_V2:
+        raise UsageError(f"bitmap_sparse_attention reads layout version {LAYOUT_V2}; convert with convert_layout (this cache is version {cache.version})")
+    if validate:
+        cache.validate()
+    which = pick_backend(q, backend)
+    k, v = cache.keys, cache.values
+    b, h, tq, d = q.shape
+    hkv = k.kv_heads
+    rows = (h // hkv) * tq
+    bh = b * hkv
+    nb = k.blocks
+    w = cache.window_keys.shape[2]
+    out = torch.empty(b, h, tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, tq, dtype=torch.float32, device=q.device)
+    if bh == 0 or rows == 0:
+        return out, lse
+    if which == "cuda":
+        nr = rows_per_program or min(8, triton.next_power_of_2(rows))
+        if nr not in (1, 2, 4, 8):
+            raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")
+    else:
+        nr = rows_per_program or min(64, max(16, triton.next_power_of_2(rows)))
+    chunks = -(-rows // nr)
+    splits = default_splits(bh, nb, chunks, q.device) if num_splits is None else int(num_splits)
+    if splits < 1:
+        raise UsageError(f"num_splits must be at least 1, got {num_splits}")
+    bps = max(1, -(-nb // splits))
+    if which == "cuda":
+        bps += bps % 2  # splits start on a pair of blocks
+    splits = max(1, -(-nb // bps)) if nb else 1
+    rp = max(16, triton.next_power_of_2(rows))
+    dp = max(64, triton.next_power_of_2(d))
+    acc = torch.empty(bh, splits + 1, rp, dp, dtype=torch.float32, device=q.device)
+    m = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    l = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    scale = default_scale(d) if scale is None else scale
+    qc = q.contiguous()
+    empty = torch.zeros(8, dtype=q.dtype, device=q.device)
+    knz = k.nz if k.nz.numel() else empty
+    vnz = v.nz if v.nz.numel() else empty
+    wk = cache.window_keys.contiguous() if w else empty
+    wv = cache.window_values.contiguous() if w else empty
+    if which == "cuda":
+        kcap, vcap = stage_capacity(cache) if capacity is None else capacity
+        knz = knz if knz.data_ptr() % 16 == 0 else knz.clone()
+        vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
+        _cuda_extension().bitmap_sparse_attention(
+            qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages, int(half_tables), int(bits_global and stages == 1), torch.cuda.current_stream(q.device).cuda_stream,
+        )
+    else:
+        use_asm = q.is_cuda and not interpreting()
+        upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # the interpreter gets bfloat16 tl.dot wrong
+        _sparse_attention_kernel[(bh, splits + 1, chunks)](
+            qc, k.bitmaps.view(torch.int32), knz, k.offsets, v.bitmaps.view(torch.int32), vnz, v.offsets, wk, wv, acc, m, l,
+            float(scale) * LOG2E, k.tokens, w, d, -(-d // TILE), nb, rows, bps, splits,
+            RB=nr, RP=rp, DP=dp, DTP=dp // TILE, DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+            UPCAST=upcast, USE_ASM=use_asm, num_warps=num_warps, num_stages=1,
+        )
+    merge_split_partials(acc, m, l, out, lse, rows)
+    return out, lse
+
+
+def dense_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention over the decoded cache (:func:`kvtool.core.attention.attend_partial`)."""
+    keys, values = cache.decode()
+    return attend_partial(q, keys, values, scale)

@@ -1,0 +1,3 @@
+// __nv_bfloat16 kernels, 2 shared-memory stage(s): see bitmap_sparse_attention.cuh
+#include "bitmap_sparse_attention.cuh"
+BSA_INSTANTIATE(__nv_bfloat16, 2)

@@ -1,0 +1,165 @@
+"""Layout-v2 bitmap attention (kvtool.kernels.bitmap_sparse_attention): the Triton backend under
+TRITON_INTERPRET=1 against the element-wise torch reference and dense attention on the decoded
+cache (odd lengths and head_dims, GQA groups, several queries, fp16 / bf16 / fp32, empty blocks),
+the v1 -> v2 conversion, and the CUDA backend on the GPU (``gpu`` marker) at Llama-3-8B shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtool.core.errors import UsageError
+from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
+from kvtool.kernels.bitmap_layout import LAYOUT_V2
+from kvtool.kernels.bitmap_sparse_attention import (
+    bitmap_sparse_attention,
+    convert_layout,
+    dense_attention_reference,
+    encode_cache_v2,
+    sparse_attention_reference,
+    stage_capacity,
+)
+
+
+def rel_l2(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make_cache(b, hkv, t, d, s, dtype, w, device="cpu", seed=0, backend="torch"):
+    keys = random_pruned(b, hkv, t, d, s, dtype=dtype, seed=seed + 1, window=w, device=device)
+    values = random_pruned(b, hkv, t, d, s, dtype=dtype, seed=seed + 2, window=w, device=device)
+    return encode_cache_v2(keys, values, window=w, backend=backend), keys, values
+
+
+CASES = [
+    # B, Hkv, G, Tq, T, D, window, sparsity, dtype, splits
+    (1, 2, 4, 1, 200, 64, 32, 0.7, torch.float16, None),
+    (2, 1, 3, 1, 131, 80, 3, 0.5, torch.float16, 2),
+    (1, 2, 4, 2, 97, 96, 0, 0.0, torch.bfloat16, 3),
+    (1, 1, 8, 1, 70, 32, 5, 0.99, torch.float16, 2),
+    (1, 1, 3, 1, 40, 64, 40, 0.7, torch.bfloat16, None),  # everything in the window
+    (1, 1, 4, 1, 64, 16, 0, 0.7, torch.float32, 1),
+    (1, 1, 4, 5, 129, 72, 7, 0.6, torch.float32, 2),  # 20 query rows: two row chunks of 16
+]
+
+
+@pytest.mark.parametrize("b,hkv,g,tq,t,d,w,s,dtype,splits", CASES)
+def test_triton_backend_matches_references(b, hkv, g, tq, t, d, w, s, dtype, splits):
+    cache, keys, values = make_cache(b, hkv, t, d, s, dtype, w)
+    cache.validate()
+    q = (torch.randn(b, hkv * g, tq, d) * 2).to(dtype)
+    rows = 16 if g * tq > 16 else None
+    out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=splits, rows_per_program=rows)
+    ref_out, ref_lse = sparse_attention_reference(q, cache)
+    dense_out, dense_lse = dense_attention_reference(q, cache)
+    assert out.shape == (b, hkv * g, tq, d) and out.dtype == torch.float32 and lse.shape == (b, hkv * g, tq)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_l2(out, ref_out) < tol
+    assert rel_l2(dense_out, ref_out) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, atol=max(tol, 1e-4), rtol=1e-3)
+    torch.testing.assert_close(dense_lse, ref_lse, atol=1e-2, rtol=1e-3)
+    # the decoded cache is the pruned input
+    dk, dv = cache.decode()
+    assert torch.equal(dk.view(torch.uint8), keys.view(torch.uint8)) and torch.equal(dv.view(torch.uint8), values.view(torch.uint8))
+
+
+def test_empty_blocks_and_more_splits_than_blocks():
+    keys = random_pruned(1, 1, 256, 64, 0.9, seed=5)
+    values = random_pruned(1, 1, 256, 64, 0.9, seed=6)
+    keys[:, :, 64:128] = 0  # an empty block: its tokens score 0, still part of the softmax
+    values[:, :, 64:128] = 0
+    cache = encode_cache_v2(keys, values, window=0)
+    q = torch.randn(1, 3, 1, 64).half()
+    ref = sparse_attention_reference(q, cache)
+    for splits in (1, 3, 8):
+        out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=splits)
+        assert rel_l2(out, ref[0]) < 1e-2
+        torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
+
+
+def bernoulli_pruned(b, hkv, t, d, keep, dtype, device="cpu", seed=0):
+    """Each element kept with probability ``keep``: counts vary per token row and per channel tile
+    (what the other pruning methods store)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(b, hkv, t, d, generator=g, device=device)
+    return (x * (torch.rand(b, hkv, t, d, generator=g, device=device) < keep)).to(dtype)
+
+
+def test_variable_counts_per_row():
+    keys = bernoulli_pruned(1, 2, 300, 64, 0.35, torch.float16, seed=3)
+    values = bernoulli_pruned(1, 2, 300, 64, 0.5, torch.float16, seed=4)
+    cache = encode_cache_v2(keys, values, window=20)
+    q = torch.randn(1, 8, 1, 64).half()
+    ref = sparse_attention_reference(q, cache)
+    out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=2)
+    assert rel_l2(out, ref[0]) < 1e-2
+    torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
+
+
+def test_conversion_from_layout_v1_is_bit_exact():
+    keys = random_pruned(2, 2, 150, 80, 0.7, dtype=torch.bfloat16, seed=7, window=9)
+    values = random_pruned(2, 2, 150, 80, 0.7, dtype=torch.bfloat16, seed=8, window=9)
+    v1 = encode_cache(keys, values, window=9)
+    v2 = convert_layout(v1)
+    assert v1.version == 1 and v2.version == LAYOUT_V2
+    v2.validate()
+    for a, b in zip(v1.decode(), v2.decode()):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    direct = encode_cache_v2(keys, values, window=9)
+    assert torch.equal(direct.keys.nz.view(torch.int16), v2.keys.nz.view(torch.int16))
+    assert torch.equal(direct.values.bitmaps, v2.values.bitmaps)
+    # the keys of v2 are token tiles: [B, Hkv, Tc, DT] bitmaps; the values channel tiles [B, Hkv, NB, D]
+    assert list(v2.keys.bitmaps.shape) == [2, 2, 141, 2] and list(v2.values.bitmaps.shape) == [2, 2, 3, 80]
+
+
+def test_version_and_backend_are_checked():
+    cache, _, _ = make_cache(1, 1, 70, 64, 0.5, torch.float16, 3)
+    q = torch.randn(1, 2, 1, 64).half()
+    with pytest.raises(UsageError, match="layout version"):
+        bitmap_sparse_attention(q, convert_layout(cache, 1), backend="triton")
+    with pytest.raises(UsageError, match="backend"):
+        bitmap_sparse_attention(q, cache, backend="tpu")
+    with pytest.raises(UsageError, match="cuda backend"):
+        bitmap_sparse_attention(q, cache, backend="cuda")
+
+
+def test_stage_capacity_is_the_largest_pair_run():
+    cache, _, _ = make_cache(1, 2, 200, 64, 0.5, torch.float16, 0)
+    kcap, vcap = stage_capacity(cache)
+    off = cache.keys.offsets
+    # blocks per head: 4; pairs (0, 1), (2, 3) of each head
+    runs = [int(off[h * 4 + p + 2] - off[h * 4 + p]) for h in range(2) for p in (0, 2)]
+    assert kcap == max(runs) and vcap > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tq", [1, 16, 64])
+def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
+    b, hkv, g, t, d, w = 2, 8, 4, 1000, 128, 32
+    for s in (0.5, 0.7):
+        cache, _, _ = make_cache(b, hkv, t, d, s, dtype, w, device="cuda", backend="triton")
+        cache.validate()
+        q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
+        ref_out, ref_lse = sparse_attention_reference(q, cache)
+        runs = [("triton", {})] + [("cuda", dict(stages=st, half_tables=ht, bits_global=bg)) for st, ht, bg in ((1, True, False), (2, True, False), (1, False, False), (1, True, True))]
+        for backend, knobs in runs:
+            out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
+            assert bool(torch.isfinite(out).all())
+            assert rel_l2(out, ref_out) < 1e-2, (backend, knobs, s)
+            torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None)])
+def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
+    cache, _, _ = make_cache(b, hkv, t, d, 0.6, torch.float16, w, device="cuda", backend="triton")
+    if b == 2:  # variable counts per key row and per value tile
+        keys = bernoulli_pruned(b, hkv, t, d, 0.3, torch.float16, device="cuda", seed=1)
+        values = bernoulli_pruned(b, hkv, t, d, 0.5, torch.float16, device="cuda", seed=2)
+        cache = encode_cache_v2(keys, values, window=w, backend="triton")
+    q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
+    ref_out, ref_lse = sparse_attention_reference(q, cache)
+    out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits)
+    assert rel_l2(out, ref_out) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
