@@ -172,3 +172,32 @@ def test_capture_cli_chunked_query_layers_and_device_map(tmp_path, tiny_llama_di
     torch.testing.assert_close(back.layers[1].keys, one.layers[1].keys, rtol=1e-5, atol=1e-5)
     res = runner.invoke(app, ["capture", "--model", str(tiny_llama_dir), "--prompt", "x", "--no-queries", "--query-layers", "1", "-o", str(tmp_path / "n.safetensors")])
     assert res.exit_code == 2 and "--query-layers needs queries" in res.output
+
+
+def test_device_option_on_every_command(tmp_path, sample_capture, monkeypatch):
+    """--device cpu gives the same numbers as the default on a CPU machine; cuda without CUDA and a
+    device that is not one are one-line usage errors (exit 2)."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+    from kvtool.placement import resolve_device
+
+    runner = CliRunner()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(None) == torch.device("cpu")
+    out = tmp_path / "b.safetensors"
+    res = runner.invoke(app, ["compress", str(sample_capture), "--format", "bitmap", "--sparsity", "0.7", "--layers", "7", "--device", "cpu", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    a = runner.invoke(app, ["verify", str(out), "--no-model", "--backend", "torch", "--device", "cpu", "--json"])
+    b = runner.invoke(app, ["verify", str(out), "--no-model", "--backend", "torch", "--json"])
+    assert a.exit_code == 0 and json.loads(a.output)["attention"]["overall"] == json.loads(b.output)["attention"]["overall"]
+    assert json.loads(a.output)["attention"]["device"] == "cpu"
+    for cmd in (["compress", str(sample_capture), "-o", str(tmp_path / "x.safetensors")], ["verify", str(out)],
+                ["eval", str(sample_capture), "--formats", "dense"], ["stats", str(sample_capture)]):
+        res = runner.invoke(app, cmd + ["--device", "cuda"])
+        assert res.exit_code == 2 and "CUDA is not available" in res.output, (cmd, res.output)
+        res = runner.invoke(app, cmd + ["--device", "tpu"])
+        assert res.exit_code == 2 and "--device must be" in res.output, (cmd, res.output)
+    res = runner.invoke(app, ["stats", str(sample_capture), "--layers", "15", "--device", "cpu", "--json"])
+    ref = runner.invoke(app, ["stats", str(sample_capture), "--layers", "15", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["model_summary"] == json.loads(ref.output)["model_summary"]

@@ -14,6 +14,7 @@ from ..cache import KVCache, LayerKV, parse_indices
 from ..errors import UsageError
 from ..formats import load_all
 from ..formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
+from ..placement import DEVICE_HELP
 from ._common import (
     CaptureArg,
     DebugOpt,
@@ -51,10 +52,15 @@ def compress_file(
     layers: str | None = None,
     force: bool = False,
     quiet: bool = True,
+    device: str | None = None,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
-    """Compress a capture file and write the result; returns (container, path, report)."""
+    """Compress a capture file and write the result; returns (container, path, report). Layers are
+    read one at a time onto ``device`` (default: CUDA when present) and encoded there."""
     from ..pipeline import resolve
+    from ..placement import resolve_device
+    from ..streaming import open_capture
 
+    dev = resolve_device(device)
     fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
@@ -62,7 +68,7 @@ def compress_file(
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
+    cache = open_capture(capture, layers=selected, device=dev)
     if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
         raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
     if heldout >= cache.num_tokens:
@@ -162,6 +168,7 @@ def register(app: typer.Typer) -> None:
         param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
         layers: LayersOpt = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
@@ -173,7 +180,7 @@ def register(app: typer.Typer) -> None:
             if not eq:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
-        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out)
+        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out, device=device)
         if json_out:
             emit_json(report)
         else:

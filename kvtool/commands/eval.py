@@ -13,6 +13,7 @@ import typer
 from .. import io
 from ..cache import parse_indices
 from ..errors import KvtoolError, UsageError
+from ..placement import DEVICE_HELP
 from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, model_fidelity
 from ..formats.base import FORMATS, compress_cache, make_params
 from ..sweep import METRICS, Point, load_results, point_key, resolve_points, summarize
@@ -64,9 +65,14 @@ def run_eval(
     quiet: bool = True,
     debug: bool = False,
     layers: str | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``."""
+    ``out_dir``; return ``{"rows", "files", "resumed"}``. Each point reads the capture's layers one at
+    a time onto ``device`` (default: CUDA when present), where formats encode and are scored."""
+    from ..placement import resolve_device
+
+    dev = resolve_device(device)
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -89,7 +95,7 @@ def run_eval(
     with progress_bar(quiet) as bar:
         task = bar.add_task("eval", total=total)
         for cap_path in captures:
-            cache = _load_capture(cap_path, layers)
+            cache = _load_capture(cap_path, layers, dev)
             if cache.num_tokens <= heldout:
                 raise UsageError(f"capture {cap_path} has {cache.num_tokens} tokens, too short for --heldout {heldout} (lower --heldout or capture a longer prompt)")
             if not cache.has_queries:
@@ -115,11 +121,11 @@ def run_eval(
                 else:
                     if spec is not None and reference is None:
                         if spec not in models_loaded:
-                            models_loaded[spec] = _load_model(spec, cache.facts)
+                            models_loaded[spec] = _load_model(spec, cache.facts, dev)
                         mdl, name = models_loaded[spec]
                         check_model_facts(mdl, cache.facts, name)
                         reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
-                    row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug))
+                    row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev))
                     if not row.get("skipped"):
                         finished[key] = row
                 rows.append(row)
@@ -141,32 +147,34 @@ def run_eval(
     return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key}
 
 
-def _load_capture(path: Path, layers: str | None):
+def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
     """The capture (keys, values, queries), optionally only the ``--layers`` selection (the model
-    runs the other layers densely)."""
+    runs the other layers densely), read one layer at a time onto ``device`` when used."""
+    from ..streaming import open_capture
+
     parts = ("keys", "values", "queries")
     if layers is None:
-        return io.load(path, parts=parts)
+        return open_capture(path, parts=parts, device=device)
     meta, _ = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
-    return io.load(path, layers=parse_indices(layers, facts.num_layers), parts=parts)
+    return open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
 
 
-def _load_model(spec: str, facts) -> tuple[Any, str]:
+def _load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
     from .verify import load_model
 
-    return load_model(spec, facts)
+    return load_model(spec, facts, device)
 
 
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug) -> dict[str, Any]:
+def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
     try:
         cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
         cc.info["source_sha256"] = sha
         cc.info["source_path"] = str(cap_path)
-        att = attention_fidelity(cc, cache, heldout, backend)
+        att = attention_fidelity(cc, cache, heldout, backend, device=device)
         mod = None
         if model_pair is not None and reference is not None:
             mod = model_fidelity(model_pair[0], cc, reference, generate, backend=att["backend"])
@@ -269,13 +277,14 @@ def register(app: typer.Typer) -> None:
         x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
         layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         captures, specs = split_inputs(inputs, formats or [])
         use_paper = (not specs) if paper is None else paper
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
-        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers)
+        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers, device=device)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:

@@ -10,6 +10,7 @@ import typer
 from .. import io
 from ..cache import format_indices, parse_indices
 from ..errors import UsageError
+from ..placement import DEVICE_HELP
 from ..stats import StatsSettings, capture_stats, mass_tag
 from ._common import (
     CaptureArg,
@@ -79,19 +80,25 @@ def run_stats(
     sort: str | None = None,
     top: int | None = None,
     quiet: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """Load ``path`` (only the selected layers, queries only when needed) and compute the statistics;
-    adds ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    """Read ``path`` one layer at a time (only the selected layers, queries only when needed) and
+    compute the statistics, the attention part on ``device`` (default: CUDA when present); adds
+    ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    from ..placement import resolve_device
+    from ..streaming import open_capture
+
+    dev = resolve_device(device)
     meta, _ = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
     layer_sel = parse_indices(layers, facts.num_layers, "layer") if layers else None
     head_sel = parse_indices(heads, facts.num_kv_heads, "KV head") if heads else None
     parts = ("keys", "values") if attention is False else ("keys", "values", "queries")
-    cache = io.load(path, layers=layer_sel, parts=parts)
+    cache = open_capture(path, layers=layer_sel, parts=parts)
     with progress_bar(quiet) as bar:
         task = bar.add_task("stats", total=len(cache.layers))
-        result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: bar.advance(task))
+        result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: bar.advance(task), device=dev)
     rows = [head_row(e["layer"], h) for e in result["layers"] for h in e["heads"]]
     result["rows"] = sorted_rows(rows, sort, top)
     return {"file": str(path), **result}
@@ -224,11 +231,12 @@ def register(app: typer.Typer) -> None:
         queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
         sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
         attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
-        result = run_stats(path, layers, heads, settings, attention, sort, top, quiet=json_out)
+        result = run_stats(path, layers, heads, settings, attention, sort, top, quiet=json_out, device=device)
         if json_out:
             emit_json(result)
             return

@@ -6,12 +6,15 @@ import math
 from pathlib import Path
 from typing import Annotated, Any
 
+import torch
 import typer
 
 from .. import io
 from ..errors import BadDataError, UsageError
 from ..fidelity import BACKENDS, attention_fidelity, check_model_facts, default_model_spec, dense_reference, find_source, model_fidelity
 from ..formats.base import CompressedCache, load_compressed
+from ..placement import DEVICE_HELP, resolve_device
+from ..streaming import open_capture
 from ._common import DebugOpt, JsonOpt, console, emit_json, example_epilog, kvtool_command, make_table, progress_bar
 
 ORDER = 50
@@ -33,11 +36,15 @@ def parse_threshold(text: str | None, option: str, lo: float | None = None, hi: 
     return value
 
 
-def load_model(spec: str, facts) -> tuple[Any, str]:
-    """Load a model for model-level fidelity and check it against the capture's facts."""
+def load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
+    """Load a model for model-level fidelity and check it against the capture's facts. On a CUDA
+    ``device`` it loads there in the capture's dtype; on the CPU (the default) as it is stored."""
     from .. import models
 
-    model, _tok, source = models.load(spec)
+    if device is not None and torch.device(device).type == "cuda":
+        model, _tok, source = models.load(spec, device=str(device), torch_dtype=facts.torch_dtype)
+    else:
+        model, _tok, source = models.load(spec)
     name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
     check_model_facts(model, facts, name)
     return model, name
@@ -52,18 +59,22 @@ def verify_file(
     use_model: bool = True,
     generate: int = 16,
     quiet: bool = True,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Attention-level and (with a model) model-level fidelity of a compressed file; see
-    :mod:`kvtool.fidelity`. Returns the report dict that ``--json`` prints."""
+    :mod:`kvtool.fidelity`. The capture's layers are read one at a time onto ``device`` (default:
+    CUDA when present), where the references, the format and the model run. Returns the report
+    dict that ``--json`` prints."""
     if generate < 0:
         raise UsageError(f"--generate must be 0 or more, got {generate}")
+    dev = resolve_device(device)
     cc: CompressedCache = load_compressed(compressed)
     source_path = find_source(cc, compressed, capture)
-    source = io.load(source_path, layers=cc.layer_indices)
+    source = open_capture(source_path, layers=cc.layer_indices, parts=("keys", "values", "queries"), device=dev)
     report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
     with progress_bar(quiet) as bar:
         task = bar.add_task("attention", total=len(cc.layer_indices))
-        report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: bar.advance(task))
+        report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: bar.advance(task), device=dev)
     spec = default_model_spec(cc.facts, model) if use_model else None
     if spec is None:
         report["model"] = None
@@ -72,7 +83,7 @@ def verify_file(
         )
         return report
     try:
-        mdl, name = load_model(spec, cc.facts)
+        mdl, name = load_model(spec, cc.facts, dev)
     except BadDataError as exc:
         if model:
             raise
@@ -157,6 +168,7 @@ def register(app: typer.Typer) -> None:
             "kvtool verify cap.bitmap.safetensors",
             "kvtool verify cap.signvq.safetensors --capture cap.safetensors --generate 32 --json",
             "kvtool verify cap.bitmap.safetensors --max-nll-increase 0.05 --min-agreement 0.95   # CI gate",
+            "kvtool verify cap.bitmap.safetensors --device cuda --backend torch --no-model   # torch reference on the GPU",
         ),
     )
     @kvtool_command
@@ -164,13 +176,14 @@ def register(app: typer.Typer) -> None:
         compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
         capture: Annotated[Path | None, typer.Option("--capture", "-c", help="The source capture (default: found by the sha256 and path recorded in the file).", dir_okay=False)] = None,
         heldout: Annotated[int | None, typer.Option(help="Held-out queries to score (default: all the file keeps dense, 64 unless compressed otherwise).")] = None,
-        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKENDS)} (auto: Triton on a CUDA GPU).")] = "auto",
+        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKENDS)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
         model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the continuation (default: the embedded one when the capture came from it).")] = None,
         no_model: Annotated[bool, typer.Option("--no-model", help="Skip model-level fidelity.")] = False,
         generate: Annotated[int, typer.Option(help="Greedy tokens generated after the continuation on both caches.")] = 16,
         max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
         min_agreement: Annotated[str | None, typer.Option(help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
         max_error: Annotated[str | None, typer.Option(help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
@@ -179,7 +192,7 @@ def register(app: typer.Typer) -> None:
         err_t = parse_threshold(max_error, "--max-error", 0.0)
         if no_model and (nll_t is not None or agree_t is not None):
             raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
-        report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, quiet=json_out)
+        report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, quiet=json_out, device=device)
         if report["model"] is None and (nll_t is not None or agree_t is not None):
             raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
         missed = check_thresholds(report, nll_t, agree_t, err_t)
