@@ -12,10 +12,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "samples" / "smollm2-sample.safetensors"
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # on a GPU the kernels run compiled (the gpu tests need that)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # converted GGUF weights are shared by every test that loads the embedded model (ignored by git)
 os.environ.setdefault("KVTOOL_CACHE", str(ROOT / ".kvtool-cache"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``@pytest.mark.gpu`` tests on a machine without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def make_byte_tokenizer():
