@@ -284,7 +284,7 @@ def _run(plan: _Plan, sink: Any, generate: int, hidden: bool, chunk_size: int | 
                 if hidden:
                     for i in kept:
                         sink.hidden(i, c0, out.hidden_states[i].detach())
-                out.hidden_states = None
+                out.hidden_states = None  # written; let the chunk's [B, n, hidden] tensors go before the next chunk
             am = full_mask
             pos = t
             for _ in range(generate):
