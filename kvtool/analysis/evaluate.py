@@ -22,7 +22,9 @@ from kvtool.core import io
 from kvtool.core.cache import parse_indices
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import to_json_text
+from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import open_capture
 from kvtool.formats.base import FORMATS, compress_cache, make_params
 
 CSV_FIELDS = [
@@ -47,9 +49,12 @@ def run_eval(
     progress: Progress | None = None,
     debug: bool = False,
     layers: str | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``."""
+    ``out_dir``; return ``{"rows", "files", "resumed"}``. Each point reads the capture's layers one at
+    a time onto ``device`` (default: CUDA when present), where formats encode and are scored."""
+    dev = resolve_device(device)
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -72,7 +77,7 @@ def run_eval(
     progress = or_silent(progress)
     progress.stage("eval", total)
     for cap_path in captures:
-        cache = _load_capture(cap_path, layers)
+        cache = _load_capture(cap_path, layers, dev)
         if cache.num_tokens <= heldout:
             raise UsageError(f"capture {cap_path} has {cache.num_tokens} tokens, too short for --heldout {heldout} (lower --heldout or capture a longer prompt)")
         if not cache.has_queries:
@@ -97,11 +102,11 @@ def run_eval(
             else:
                 if spec is not None and reference is None:
                     if spec not in models_loaded:
-                        models_loaded[spec] = load_model(spec, cache.facts)
+                        models_loaded[spec] = load_model(spec, cache.facts, dev)
                     mdl, name = models_loaded[spec]
                     check_model_facts(mdl, cache.facts, name)
                     reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
-                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug))
+                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev))
                 if not row.get("skipped"):
                     finished[key] = row
             rows.append(row)
@@ -121,26 +126,26 @@ def run_eval(
     return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key}
 
 
-def _load_capture(path: Path, layers: str | None):
+def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
     """The capture (keys, values, queries), optionally only the ``--layers`` selection (the model
-    runs the other layers densely)."""
+    runs the other layers densely), read one layer at a time onto ``device`` when used."""
     parts = ("keys", "values", "queries")
     if layers is None:
-        return io.load(path, parts=parts)
+        return open_capture(path, parts=parts, device=device)
     meta, _ = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
-    return io.load(path, layers=parse_indices(layers, facts.num_layers), parts=parts)
+    return open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
 
 
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug) -> dict[str, Any]:
+def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
     try:
         cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
         cc.info["source_sha256"] = sha
         cc.info["source_path"] = str(cap_path)
-        att = attention_fidelity(cc, cache, heldout, backend)
+        att = attention_fidelity(cc, cache, heldout, backend, device=device)
         mod = None
         if model_pair is not None and reference is not None:
             mod = model_fidelity(model_pair[0], cc, reference, generate, backend=att["backend"])

@@ -31,6 +31,7 @@ from kvtool.hf import attention as hfattn
 from kvtool.core import io
 from kvtool.core.attention import attend_partial, attention_probs, dense_attention, merge_partials
 from kvtool.core.cache import KVCache, ModelFacts
+from kvtool.core.placement import resolve_device
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.analysis.metrics import (
@@ -93,25 +94,27 @@ def check_source(cc: CompressedCache, source: KVCache, heldout: int | None = Non
     missing = [i for i in cc.layer_indices if i not in source.layers]
     if missing:
         raise BadDataError(f"the capture lacks layer {missing[0]}, which the compressed file holds")
-    if not source.has_queries:
-        raise UsageError("the capture has no queries, which verify scores; recapture without --no-queries")
+    if not source.has_queries_for(cc.layer_indices):
+        raise UsageError("the capture has no queries for the compressed layers, which verify scores; recapture without --no-queries (or with --query-layers covering them)")
     return m
 
 
-def resolve_backend(backend: str, fmt: Format) -> tuple[str, torch.device]:
-    """``auto`` -> ``triton`` on a CUDA GPU when the format has a kernel, else ``torch``. Returns the
-    backend and the device the attention runs on. ``triton`` without CUDA needs TRITON_INTERPRET=1."""
+def resolve_backend(backend: str, fmt: Format, device: str | torch.device | None = None) -> tuple[str, torch.device]:
+    """The backend (``triton``: the format's kernel; ``torch``: its plain-torch reference) and the
+    device it runs on (``device``, default CUDA when present). ``auto`` -> ``triton`` on a CUDA
+    device when the format has a kernel, else ``torch``. ``triton`` on the CPU needs TRITON_INTERPRET=1."""
     if backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    cuda = torch.cuda.is_available()
+    dev = resolve_device(device)
+    cuda = dev.type == "cuda"
     if backend == "auto":
         backend = "triton" if cuda and fmt.has_kernel else "torch"
     if backend == "torch":
-        return "torch", torch.device("cpu")
+        return "torch", dev
     if not fmt.has_kernel:
         raise UsageError(f"format {fmt.name} has no Triton kernel; use --backend torch")
     if cuda:
-        return "triton", torch.device("cuda")
+        return "triton", dev
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         return "triton", torch.device("cpu")
     raise UsageError("--backend triton needs a CUDA GPU (or TRITON_INTERPRET=1 to run the kernels on the CPU, slowly); use --backend torch")
@@ -138,7 +141,8 @@ class HeldoutData:
     tail_values: torch.Tensor
 
 
-def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int) -> HeldoutData:
+def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int, device: torch.device | None = None) -> HeldoutData:
+    """Layer ``layer``'s held-out inputs, on ``device`` (default: where the source layer is)."""
     src = source.layers[layer]
     t = source.num_tokens
     tail = cc.tails.get(layer)
@@ -146,14 +150,15 @@ def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int) -> He
         tail_k, tail_v = src.keys[:, :, cc.prefix_tokens:], src.values[:, :, cc.prefix_tokens:]
     else:
         tail_k, tail_v = tail.keys, tail.values
-    return HeldoutData(src.queries[:, :, t - m:], src.keys, src.values, tail_k, tail_v)
+    device = device or src.keys.device
+    return HeldoutData(*(x.to(device) for x in (src.queries[:, :, t - m:], src.keys, src.values, tail_k, tail_v)))
 
 
 def heldout_output(fmt: Format, enc: Encoded, d: HeldoutData, kernel: bool = False, device: torch.device | None = None) -> torch.Tensor:
-    """Output ``[B, H, M, D]`` float32 (CPU) of the held-out queries over the encoded prefix
-    (``fmt.attend`` or, with ``kernel``, ``fmt.attend_kernel`` on ``device``) merged with their dense
-    causal window of tail tokens (query i of M sees tail tokens 0..W-M+i)."""
-    device = device or torch.device("cpu")
+    """Output ``[B, H, M, D]`` float32 on ``device`` (default: the queries' device) of the held-out
+    queries over the encoded prefix (``fmt.attend`` or, with ``kernel``, ``fmt.attend_kernel``)
+    merged with their dense causal window of tail tokens (query i of M sees tail tokens 0..W-M+i)."""
+    device = device or d.queries.device
     q = d.queries.to(device)
     if kernel:
         part = fmt.attend_kernel(q, _on(enc, device), None)
@@ -163,13 +168,17 @@ def heldout_output(fmt: Format, enc: Encoded, d: HeldoutData, kernel: bool = Fal
     mask = torch.ones(m, w, dtype=torch.bool, device=device).tril(diagonal=w - m)
     tail = attend_partial(q, d.tail_keys.to(device), d.tail_values.to(device), None, mask)
     out, _ = merge_partials((part[0].float(), part[1].float()), tail)
-    return out.cpu()
+    return out
 
 
 def layer_fidelity(fmt: Format, enc: Encoded, d: HeldoutData, prefix_tokens: int, backend: str = "torch", device: torch.device | None = None) -> dict[str, Any]:
-    """Errors, recall, bytes and (Triton backend) the kernel's own error for one layer."""
+    """Errors, recall, bytes and (Triton backend) the kernel's own error for one layer. Everything
+    runs on ``device`` (default: where ``d`` is): the dense reference, the format's torch path and
+    its kernel."""
+    device = device or d.queries.device
+    enc = _on(enc, device)
     ref = dense_attention(d.queries, d.keys, d.values, causal=True)
-    torch_out = heldout_output(fmt, enc, d)
+    torch_out = heldout_output(fmt, enc, d, device=device)
     result: dict[str, Any] = {}
     if backend == "triton":
         kernel_out = heldout_output(fmt, enc, d, kernel=True, device=device)
@@ -181,7 +190,7 @@ def layer_fidelity(fmt: Format, enc: Encoded, d: HeldoutData, prefix_tokens: int
     sel = fmt.selected_mask(d.queries, enc)
     if sel is not None:
         probs = attention_probs(d.queries, d.keys, causal=True)[..., :prefix_tokens]
-        result["recall"] = mass_recall(sel.to(torch.bool).cpu(), probs)
+        result["recall"] = mass_recall(sel.to(device=probs.device, dtype=torch.bool), probs)
     b, hkv, _, hd = d.keys.shape
     elt = d.keys.element_size()
     result["dense_bytes"] = 2 * b * hkv * prefix_tokens * hd * elt
@@ -196,17 +205,19 @@ def attention_fidelity(
     heldout: int | None = None,
     backend: str = "auto",
     progress: Callable[[int], None] | None = None,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
-    """Score every layer of ``cc`` on the held-out queries of ``source`` (see the module docstring).
+    """Score every layer of ``cc`` on the held-out queries of ``source`` (see the module docstring),
+    one layer at a time on ``device`` (default: CUDA when present, else the CPU).
 
     Returns ``{"backend", "device", "heldout", "prefix_tokens", "layers": {i: {...}}, "overall":
     {...}, "storage_ratio", "traffic_ratio", "recall" (or None), "kernel_vs_torch" (Triton only)}``."""
     m = check_source(cc, source, heldout)
     fmt = cc.fmt
-    backend, device = resolve_backend(backend, fmt)
+    backend, device = resolve_backend(backend, fmt, device)
     per: dict[int, dict[str, Any]] = {}
     for i in cc.layer_indices:
-        per[i] = layer_fidelity(fmt, cc.layers[i], heldout_data(cc, source, i, m), cc.prefix_tokens, backend, device)
+        per[i] = layer_fidelity(fmt, cc.layers[i], heldout_data(cc, source, i, m, device), cc.prefix_tokens, backend, device)
         if progress is not None:
             progress(i)
     dense = sum(r["dense_bytes"] for r in per.values())
@@ -273,7 +284,7 @@ def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, gen
             if i not in prefix:
                 continue
             got = prefix[i].keys.float().cpu()
-            want = layer.keys[:, :, :prefix_tokens].float()
+            want = layer.keys[:, :, :prefix_tokens].float().cpu()
             rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
             if rel > 0.05:
                 raise BadDataError(f"model {model_name} does not reproduce the capture's keys (layer {i}: relative error {rel:.2f}); pass the model the capture came from with --model")

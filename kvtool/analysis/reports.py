@@ -11,7 +11,9 @@ from kvtool.analysis.stats import StatsSettings, capture_stats
 from kvtool.core import io
 from kvtool.core.cache import format_indices, parse_indices
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import open_capture
 from kvtool.methods.heads import analyse_heads, save_routers
 
 # --sort keys that order smallest first (every statistic orders largest first)
@@ -66,19 +68,22 @@ def stats_file(
     sort: str | None = None,
     top: int | None = None,
     progress: Progress | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
-    """Load ``path`` (only the selected layers, queries only when needed) and compute the statistics;
-    adds ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    """Read ``path`` one layer at a time (only the selected layers, queries only when needed) and
+    compute the statistics, the attention part on ``device`` (default: CUDA when present); adds
+    ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    dev = resolve_device(device)
     meta, _ = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
     layer_sel = parse_indices(layers, facts.num_layers, "layer") if layers else None
     head_sel = parse_indices(heads, facts.num_kv_heads, "KV head") if heads else None
     parts = ("keys", "values") if attention is False else ("keys", "values", "queries")
-    cache = io.load(path, layers=layer_sel, parts=parts)
+    cache = open_capture(path, layers=layer_sel, parts=parts)
     progress = or_silent(progress)
     progress.stage("stats", len(cache.layers))
-    result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: progress.advance())
+    result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: progress.advance(), device=dev)
     rows = [head_row(e["layer"], h) for e in result["layers"] for h in e["heads"]]
     result["rows"] = sorted_rows(rows, sort, top)
     return {"file": str(path), **result}

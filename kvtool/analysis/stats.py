@@ -312,7 +312,7 @@ def causal_probs(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, s
     (later keys get 0)."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     scores = (q[..., positions, :].float() @ keys.float().T) * scale
-    allowed = torch.arange(keys.shape[0])[None, :] <= positions[:, None]
+    allowed = torch.arange(keys.shape[0], device=keys.device)[None, :] <= positions.to(keys.device)[:, None]
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
@@ -379,6 +379,11 @@ class LayerAttention:
     group: int
     positions: list[list[int]] = field(default_factory=list)
 
+    def cpu(self) -> "LayerAttention":
+        """The same statistics with every tensor on the CPU (after a layer ran on a GPU)."""
+        return LayerAttention({m: t.cpu() for m, t in self.keys_needed.items()}, self.visible.cpu(), self.sink.cpu(),
+                              self.out_norm.cpu(), self.curve.cpu(), self.curve_kept.cpu(), self.group, self.positions)
+
 
 def layer_attention(layer: LayerKV, facts: ModelFacts, settings: StatsSettings, attention_mask: torch.Tensor | None = None) -> LayerAttention:
     """Causal attention statistics for one layer from its captured queries (every query head).
@@ -422,7 +427,7 @@ def layer_attention(layer: LayerKV, facts: ModelFacts, settings: StatsSettings, 
         weights.append(pos.numel())
     if not weights:
         raise BadDataError("the capture has too few tokens for attention statistics")
-    w = torch.tensor(weights, dtype=torch.float32)
+    w = torch.tensor(weights, dtype=torch.float32, device=curves[0].device)
     curve = (torch.stack(curves) * w[:, None, None]).sum(0) / w.sum()
     return LayerAttention(
         keys_needed={m: torch.cat(needed[m], dim=1) for m in masses},
@@ -530,6 +535,7 @@ def capture_stats(
     settings: StatsSettings = StatsSettings(),
     attention: bool | None = None,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
     """All statistics of ``cache`` as one JSON-ready dict.
 
@@ -537,8 +543,10 @@ def capture_stats(
     (BadDataError without them), None computes attention statistics when queries are there, False
     skips them. Result keys: ``model``, ``settings``, ``selection``, ``layers`` (list of per-layer dicts
     with ``keys``/``values`` aggregates, ``heads`` per KV head, ``attention``), ``model_summary`` and
-    ``outlier_consistency`` (for keys and values)."""
+    ``outlier_consistency`` (for keys and values). The attention statistics (queries against every
+    key) run on ``device``, one layer at a time; magnitudes are summed on the CPU."""
     facts = cache.facts
+    device = torch.device(device)
     layers = cache.layer_indices if layers is None else layers
     kv_heads = list(range(facts.num_kv_heads)) if kv_heads is None else kv_heads
     if attention and not cache.has_queries:
@@ -564,7 +572,11 @@ def capture_stats(
             for r in picked:
                 model_acc[part].add(r)
             outl[part][li] = {h: s["outlier_channels"] for h, s in zip(kv_heads, head_stats)}
-        att = attention_summary(layer_attention(layer, facts, settings, cache.attention_mask), settings) if do_attention else None
+        att = None
+        if do_attention:
+            placed = layer if device.type == "cpu" else LayerKV(layer.keys.to(device), layer.values.to(device), layer.queries.to(device))
+            att = attention_summary(layer_attention(placed, facts, settings, cache.attention_mask).cpu(), settings)
+            del placed
         for i, h in enumerate(kv_heads):
             head_entry: dict[str, Any] = {"kv_head": h, "keys": per_part_heads["keys"][i], "values": per_part_heads["values"][i]}
             if att is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvtool.analysis.fidelity import (
     attention_fidelity,
     check_model_facts,
@@ -13,16 +15,21 @@ from kvtool.analysis.fidelity import (
     find_source,
     model_fidelity,
 )
-from kvtool.core import io
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, load_compressed
 from kvtool.hf import models
 
 
-def load_model(spec: str, facts) -> tuple[Any, str]:
-    """Load a model for model-level fidelity and check it against the capture's facts."""
-    model, _tok, source = models.load(spec)
+def load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
+    """Load a model for model-level fidelity and check it against the capture's facts. On a CUDA
+    ``device`` it loads there in the capture's dtype; on the CPU (the default) as it is stored."""
+    if device is not None and torch.device(device).type == "cuda":
+        model, _tok, source = models.load(spec, device=str(device), torch_dtype=facts.torch_dtype)
+    else:
+        model, _tok, source = models.load(spec)
     name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
     check_model_facts(model, facts, name)
     return model, name
@@ -37,18 +44,22 @@ def verify_file(
     use_model: bool = True,
     generate: int = 16,
     progress: Progress | None = None,
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Attention-level and (with a model) model-level fidelity of a compressed file; see
-    :mod:`kvtool.analysis.fidelity`. Returns the report dict that ``--json`` prints."""
+    :mod:`kvtool.analysis.fidelity`. The capture's layers are read one at a time onto ``device``
+    (default: CUDA when present), where the references, the format and the model run. Returns the
+    report dict that ``--json`` prints."""
     if generate < 0:
         raise UsageError(f"--generate must be 0 or more, got {generate}")
+    dev = resolve_device(device)
     cc: CompressedCache = load_compressed(compressed)
     source_path = find_source(cc, compressed, capture)
-    source = io.load(source_path, layers=cc.layer_indices)
+    source = open_capture(source_path, layers=cc.layer_indices, parts=("keys", "values", "queries"), device=dev)
     report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
     progress = or_silent(progress)
     progress.stage("attention", len(cc.layer_indices))
-    report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance())
+    report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance(), device=dev)
     spec = default_model_spec(cc.facts, model) if use_model else None
     if spec is None:
         report["model"] = None
@@ -57,7 +68,7 @@ def verify_file(
         )
         return report
     try:
-        mdl, name = load_model(spec, cc.facts)
+        mdl, name = load_model(spec, cc.facts, dev)
     except BadDataError as exc:
         if model:
             raise

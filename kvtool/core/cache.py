@@ -141,6 +141,10 @@ class KVCache:
     def has_queries(self) -> bool:
         return all(layer.queries is not None for layer in self.layers.values())
 
+    def has_queries_for(self, indices: list[int]) -> bool:
+        """Whether every one of the layers ``indices`` holds queries."""
+        return all(i in self.layers and self.layers[i].queries is not None for i in indices)
+
     @property
     def has_hidden(self) -> bool:
         return all(layer.hidden is not None for layer in self.layers.values())

@@ -272,6 +272,23 @@ def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
                 raise BadDataError(f"{path}: layers.{i}.{part} is {tensor.dtype}, the metadata says {f.dtype}")
 
 
+def check_entries(path: Path, facts: ModelFacts, indices: list[int], entries: dict[str, tuple[str, list[int]]]) -> None:
+    """The capture's tensor names against ``kvtool.layers`` and their dtypes against the facts."""
+    allowed = {"token_ids", "attention_mask"} | {f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS}
+    unknown = sorted(set(entries) - allowed)
+    if unknown:
+        raise BadDataError(f"{path}: unexpected tensor {unknown[0]!r} (not named in kvtool.layers)")
+    if "token_ids" not in entries:
+        raise BadDataError(f"{path}: tensor 'token_ids' is missing")
+    for i in indices:
+        for p in ("keys", "values"):
+            if f"layers.{i}.{p}" not in entries:
+                raise BadDataError(f"{path}: tensor 'layers.{i}.{p}' is missing")
+    for name, (dt, _shape) in entries.items():
+        if name.startswith("layers.") and ST_DTYPES.get(dt) != facts.dtype:
+            raise BadDataError(f"{path}: {name} is {ST_DTYPES.get(dt, dt)}, the metadata says {facts.dtype}")
+
+
 def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS) -> KVCache:
     """Load and validate a capture file.
 
@@ -286,19 +303,7 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     info = parse_json_meta(path, meta, "kvtool.info", default={})
     if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
         raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
-    allowed = {"token_ids", "attention_mask"} | {f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS}
-    unknown = sorted(set(entries) - allowed)
-    if unknown:
-        raise BadDataError(f"{path}: unexpected tensor {unknown[0]!r} (not named in kvtool.layers)")
-    if "token_ids" not in entries:
-        raise BadDataError(f"{path}: tensor 'token_ids' is missing")
-    for i in indices:
-        for p in ("keys", "values"):
-            if f"layers.{i}.{p}" not in entries:
-                raise BadDataError(f"{path}: tensor 'layers.{i}.{p}' is missing")
-    for name, (dt, _shape) in entries.items():
-        if name.startswith("layers.") and ST_DTYPES.get(dt) != facts.dtype:
-            raise BadDataError(f"{path}: {name} is {ST_DTYPES.get(dt, dt)}, the metadata says {facts.dtype}")
+    check_entries(path, facts, indices, entries)
     if layers is not None:
         missing = [i for i in layers if i not in indices]
         if missing:

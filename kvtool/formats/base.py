@@ -312,7 +312,8 @@ def compress_cache(cache: KVCache, fmt: Format, params: FormatParams, heldout: i
         fmt.check(head, params)
         layers[i] = fmt.encode(head, params)
         tail = full.slice_tokens(prefix, None)
-        tails[i] = LayerKV(keys=tail.keys.contiguous(), values=tail.values.contiguous())
+        # a copy, never a view: a view would keep the whole layer (possibly on a GPU) alive
+        tails[i] = LayerKV(keys=tail.keys.clone(memory_format=torch.contiguous_format), values=tail.values.clone(memory_format=torch.contiguous_format))
         if progress is not None:
             progress(i)
     info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info}

@@ -11,7 +11,9 @@ import torch
 from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
+from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 
@@ -29,12 +31,15 @@ def compress_file(
     layers: str | None = None,
     force: bool = False,
     progress: Progress | None = None,
+    device: str | None = None,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
     """Compress a capture file and write the result; returns (container, path, report).
 
     ``spec``: ``NAME[:key=value,...]`` or an eviction + pruning + format chain; ``options``: format
     parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: one stage,
-    a unit per layer."""
+    a unit per layer. Layers are read one at a time onto ``device`` (default: CUDA when present)
+    and encoded there."""
+    dev = resolve_device(device)
     fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
@@ -42,7 +47,7 @@ def compress_file(
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
+    cache = open_capture(capture, layers=selected, device=dev)
     if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
         raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
     if heldout >= cache.num_tokens:

@@ -153,7 +153,7 @@ class SnapStreamFormat(Format):
             "keys": _gather_slots(layer.keys, pos).contiguous(),
             "values": _gather_slots(layer.values, pos).contiguous(),
             "positions": pos.to(torch.int32).contiguous(),
-            "topk_pad": torch.full((b,), pad, dtype=torch.int32),
+            "topk_pad": torch.full((b,), pad, dtype=torch.int32, device=layer.keys.device),
         }
         meta = {"sinks": s, "recent": r, "topk": topk, "budget": params.budget, "prefix_tokens": t, "length": t, "policy": params.policy}
         return Encoded(tensors, meta)
@@ -211,7 +211,7 @@ class SnapStreamFormat(Format):
         p = pos.to(torch.int64)
         if bool((p < -1).any()) or bool((p >= m["length"]).any()):
             raise BadDataError(f"positions out of range -1..{m['length'] - 1}")
-        slots = torch.arange(budget)
+        slots = torch.arange(budget, device=p.device)
         sink_ok = (p[..., :s] == slots[:s]) | (p[..., :s] == -1)
         ring = p[..., s:s + r]
         ring_ok = (ring == -1) | ((ring >= s) & ((ring - s) % r == slots[:r]))

@@ -156,7 +156,7 @@ def quantize_symmetric(x: torch.Tensor, kind: str, scale_dtype: torch.dtype | No
     top = 127.0 if kind == "int8" else FP8_MAX
     xf = x.float()
     sdt = scale_dtype_for(x) if scale_dtype is None else scale_dtype
-    scale = round_to_dtype(xf.abs().amax(-1) / top, sdt, "up") if xf.shape[-1] else torch.zeros(xf.shape[:-1], dtype=sdt)
+    scale = round_to_dtype(xf.abs().amax(-1) / top, sdt, "up") if xf.shape[-1] else torch.zeros(xf.shape[:-1], dtype=sdt, device=xf.device)
     s = scale.float()[..., None]
     y = xf / torch.where(s > 0, s, torch.ones_like(s))
     if kind == "int8":

@@ -1,0 +1,209 @@
+"""Capture files written and read one layer at a time.
+
+Writing (:class:`StreamingWriter`). A safetensors file starts with its JSON header, which names
+every tensor with its byte offsets. A capture knows every tensor's name, dtype and shape before the
+model runs (layers, batch, heads, prompt + generated tokens), so the header's offsets are fixed up
+front: the writer lays the tensors out contiguously in that order, reserves room for the header
+(its JSON padded with spaces, which the format allows), and writes each block of tokens straight
+to its place in the file as the forward pass produces it (``os.pwrite``, one call per outer row;
+the tokens axis is not the outermost one, so a block of ``n`` tokens lands in ``B * H`` pieces).
+Host memory holds one block at a time. On success the final header (metadata known only at the
+end: generated tokens, timings) is written into the reserved room, every byte is checked to be
+written, and the temporary file is fsynced and renamed onto the output (:func:`kvtool.io.atomic_path`);
+on any error the output is untouched. The result is an ordinary capture file: every loader reads it.
+
+Reading (:class:`LazyCapture`). :func:`open_capture` checks the header like :func:`kvtool.io.load`
+and returns an object with the :class:`~kvtool.cache.KVCache` attributes whose ``layers[i]`` reads
+that layer's tensors from the file when asked (``safe_open`` per tensor, never the whole file) and
+places them on a device, so commands stream a long capture through a GPU one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kvtool.core import io
+from kvtool.core.cache import KVCache, LayerKV, ModelFacts, format_indices
+from kvtool.core.errors import BadDataError, UsageError
+
+ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+HEADER_SLACK = 64 * 1024  # room for metadata known only at the end (timings, generated tokens)
+
+
+class StreamingWriter:
+    """A safetensors file whose tensors are written in token blocks, in any order.
+
+    ``specs``: ``[(name, dtype, shape, token_axis)]``; tensors are laid out in this order.
+    ``token_axis`` is the dimension blocks are cut along (every dimension before it is an outer row).
+    Use as a context manager around :func:`kvtool.io.atomic_path`'s temporary path::
+
+        with io.atomic_path(out) as tmp, StreamingWriter(tmp, specs, metadata) as w:
+            w.write("layers.0.keys", start, block)   # block [B, Hkv, n, D] for tokens start..start+n
+            w.metadata["kvtool.info"] = ...          # final metadata, written on close
+    """
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str]):
+        self.path = Path(path)
+        self.metadata = dict(metadata)
+        self.entries: dict[str, dict[str, Any]] = {}
+        offset = 0
+        for name, dtype, shape, axis in specs:
+            if dtype not in ST_NAMES:
+                raise UsageError(f"{name}: dtype {dtype} cannot be streamed")
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            self.entries[name] = {"dtype": dtype, "shape": list(shape), "axis": axis, "begin": offset, "end": offset + nbytes, "written": 0}
+            offset += nbytes
+        self.data_bytes = offset
+        self.header_room = len(self._header_json()) + HEADER_SLACK
+        self.header_room += (-(8 + self.header_room)) % 8  # data starts 8-byte aligned
+        self.fd = -1
+
+    def _header_json(self) -> bytes:
+        header: dict[str, Any] = {"__metadata__": self.metadata}
+        for name, e in self.entries.items():
+            header[name] = {"dtype": ST_NAMES[e["dtype"]], "shape": e["shape"], "data_offsets": [e["begin"], e["end"]]}
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def __enter__(self) -> "StreamingWriter":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.ftruncate(self.fd, 8 + self.header_room + self.data_bytes)
+        return self
+
+    def write(self, name: str, start: int, block: torch.Tensor) -> None:
+        """Write ``block`` (shape of tensor ``name`` with ``n`` tokens on its token axis) as tokens
+        ``start .. start + n``. The block is converted to the tensor's dtype and moved to the CPU."""
+        e = self.entries[name]
+        shape, axis = e["shape"], e["axis"]
+        n = block.shape[axis]
+        if list(block.shape[:axis]) != shape[:axis] or list(block.shape[axis + 1:]) != shape[axis + 1:] or start < 0 or start + n > shape[axis]:
+            raise UsageError(f"{name}: block {list(block.shape)} at token {start} does not fit {shape}")
+        if n == 0:
+            return
+        host = block.detach().to(e["dtype"]).contiguous().cpu()
+        rows = math.prod(shape[:axis])
+        inner = math.prod(shape[axis + 1:]) * host.element_size()
+        raw = host.reshape(-1).view(torch.uint8).numpy().reshape(rows, n * inner)
+        base = 8 + self.header_room + e["begin"]
+        for r in range(rows):
+            os.pwrite(self.fd, raw[r].data, base + (r * shape[axis] + start) * inner)
+        e["written"] += raw.nbytes
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                short = [n for n, e in self.entries.items() if e["written"] != e["end"] - e["begin"]]
+                if short:
+                    raise BadDataError(f"{short[0]}: {self.entries[short[0]]['written']} of {self.entries[short[0]]['end'] - self.entries[short[0]]['begin']} bytes were produced")
+                header = self._header_json()
+                if len(header) > self.header_room:
+                    raise BadDataError(f"the capture's metadata ({len(header)} bytes) outgrew the room reserved for it")
+                os.pwrite(self.fd, self.header_room.to_bytes(8, "little") + header.ljust(self.header_room, b" "), 0)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _LazyLayers(Mapping):
+    """``{layer index: LayerKV}`` read from the file on each access (nothing is kept)."""
+
+    def __init__(self, owner: "LazyCapture"):
+        self.owner = owner
+
+    def __getitem__(self, index: int) -> LayerKV:
+        if index not in self.owner.indices:
+            raise KeyError(index)
+        return self.owner.read_layer(index)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.owner.indices)
+
+    def __len__(self) -> int:
+        return len(self.owner.indices)
+
+
+class LazyCapture(KVCache):
+    """A :class:`~kvtool.cache.KVCache` whose layers stay in the file until read.
+
+    ``layers[i]`` reads layer i's ``parts`` (keys and values always; queries and hidden when asked
+    for and present) with ``safe_open`` and returns them on ``device``. ``token_ids`` and
+    ``attention_mask`` are read once, on the CPU."""
+
+    def __init__(self, path: Path, facts: ModelFacts, indices: list[int], names: set[str], token_ids: torch.Tensor,
+                 info: dict[str, Any], attention_mask: torch.Tensor | None, parts: tuple[str, ...], device: torch.device):
+        self.path = path
+        self.indices = list(indices)
+        self.names = names
+        self.parts = parts
+        self.device = device
+        super().__init__(facts=facts, layers=_LazyLayers(self), token_ids=token_ids, info=info, attention_mask=attention_mask)  # type: ignore[arg-type]
+
+    def layer_parts(self, index: int) -> list[str]:
+        return [p for p in ("keys", "values", "queries", "hidden") if (p in self.parts or p in ("keys", "values")) and f"layers.{index}.{p}" in self.names]
+
+    def read_layer(self, index: int) -> LayerKV:
+        from safetensors import safe_open
+
+        want = self.layer_parts(index)
+        try:
+            with safe_open(str(self.path), framework="pt", device="cpu") as fh:
+                got = {p: fh.get_tensor(f"layers.{index}.{p}") for p in want}
+        except Exception as exc:  # safetensors raises its own error types for corrupt data
+            raise BadDataError(f"{self.path}: cannot read layer {index} ({exc})") from exc
+        layer = LayerKV(**{p: got.get(p) for p in ("keys", "values", "queries", "hidden")})
+        _check_layer(self, index, layer)
+        return layer if self.device.type == "cpu" else layer.to(self.device)
+
+    @property
+    def has_queries(self) -> bool:
+        return all(f"layers.{i}.queries" in self.names for i in self.indices) and "queries" in self.parts
+
+    @property
+    def has_hidden(self) -> bool:
+        return all(f"layers.{i}.hidden" in self.names for i in self.indices) and "hidden" in self.parts
+
+    def has_queries_for(self, indices: list[int]) -> bool:
+        return "queries" in self.parts and all(f"layers.{i}.queries" in self.names for i in indices)
+
+    def dense_kv_bytes(self) -> int:
+        f = self.facts
+        return 2 * len(self.indices) * self.batch_size * f.num_kv_heads * self.num_tokens * f.head_dim * torch.empty(0, dtype=f.torch_dtype).element_size()
+
+    def materialize(self) -> KVCache:
+        """Every selected layer read into memory (on the device): an ordinary KVCache."""
+        return KVCache(self.facts, {i: self.read_layer(i) for i in self.indices}, self.token_ids, self.info, self.attention_mask)
+
+
+def _check_layer(cap: LazyCapture, index: int, layer: LayerKV) -> None:
+    io.validate_cache(KVCache(cap.facts, {index: layer}, cap.token_ids, cap.info, cap.attention_mask), cap.path)
+
+
+def open_capture(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = ("keys", "values", "queries", "hidden"),
+                 device: str | torch.device = "cpu") -> LazyCapture:
+    """Check a capture file's header (as :func:`kvtool.io.load` does) and return a
+    :class:`LazyCapture` of the ``layers`` selection whose layers are read on access onto ``device``."""
+    path = Path(path)
+    meta, entries = io.read_header(path)
+    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+    facts = io.facts_from_meta(path, meta)
+    indices = io.parse_json_meta(path, meta, "kvtool.layers")
+    info = io.parse_json_meta(path, meta, "kvtool.info", default={})
+    if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
+    io.check_entries(path, facts, indices, entries)
+    if layers is not None:
+        missing = [i for i in layers if i not in indices]
+        if missing:
+            raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
+        indices = [i for i in indices if i in layers]
+    small = io.read_tensors(path, ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else []))
+    return LazyCapture(path, facts, indices, set(entries), small["token_ids"], info, small.get("attention_mask"), tuple(parts), torch.device(device))
