@@ -24,7 +24,6 @@ KERNEL_TOLERANCE = 1e-3
 FORMATS = sorted(load_all())
 # The bitmap kernel's fp16 build at head_dim 128 fails in Triton's TritonGPUOptimizeDotOperands pass
 # (seen on the H100 with Triton 3.6); the kernel fix belongs to the bitmap-kernel work (issue 21).
-BITMAP_FP16 = "bitmap kernel: fp16 at head_dim 128 fails to compile (PassManager::run failed); issue 21 fixes it"
 
 
 def llama8b_capture(tokens: int, dtype: torch.dtype, seed: int = 0) -> KVCache:
@@ -86,12 +85,7 @@ def test_every_format_verifies_on_the_gpu_at_llama8b_shapes(tokens, dtype, name)
         err = torch_gpu["overall"]["rel_l2"]
         assert math.isfinite(err), (m, err)
         if fmt.has_kernel:
-            try:
-                got = attention_fidelity(cc, cache, m, "triton", device="cuda")
-            except RuntimeError as exc:
-                if name == "bitmap" and dtype == torch.float16 and "PassManager::run failed" in str(exc):
-                    pytest.xfail(f"{BITMAP_FP16} ({m} queries)")
-                raise
+            got = attention_fidelity(cc, cache, m, "triton", device="cuda")
             assert got["backend"] == "triton"
             assert got["kernel_vs_torch"]["rel_l2"] < KERNEL_TOLERANCE, (m, got["kernel_vs_torch"])
             assert abs(got["torch_overall"]["rel_l2"] - err) < 1e-4
