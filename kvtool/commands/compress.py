@@ -51,11 +51,19 @@ def compress_file(
     layers: str | None = None,
     force: bool = False,
     quiet: bool = True,
+    plan: Path | None = None,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
-    """Compress a capture file and write the result; returns (container, path, report)."""
+    """Compress a capture file and write the result; returns (container, path, report). With
+    ``plan`` (a plan file, :mod:`kvtool.plan`) each layer gets the plan's format(s) instead of ``spec``."""
     from ..pipeline import resolve
 
-    fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
+    if plan is not None:
+        from ..plan import load_plan
+
+        plan_obj = load_plan(plan)
+        fmt, params, name = resolve("mixed")
+    else:
+        fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
     meta, _ = io.read_header(capture)
@@ -70,7 +78,12 @@ def compress_file(
     start = time.perf_counter()
     with progress_bar(quiet) as bar:
         task = bar.add_task(f"compress {name}", total=len(cache.layers))
-        cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: bar.advance(task))
+        if plan is not None:
+            from ..plan import compress_plan
+
+            cc = compress_plan(cache, plan_obj, heldout=heldout, progress=lambda i: bar.advance(task))
+        else:
+            cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: bar.advance(task))
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
@@ -131,6 +144,7 @@ def register(app: typer.Typer) -> None:
             "kvtool compress cap.safetensors --format bitmap --sparsity 0.7 -o cap.bitmap.safetensors",
             "kvtool compress cap.safetensors --format quant:bits=4 --json",
             "kvtool compress cap.safetensors --evict snapkv:budget=256 --prune per-token:k=0.5,v=0.7 --format quant:bits=4",
+            "kvtool compress cap.safetensors --plan plan.json -o cap.plan.safetensors   # plan from kvtool recommend",
         ),
     )
     @kvtool_command
@@ -161,19 +175,22 @@ def register(app: typer.Typer) -> None:
         prune: Annotated[str | None, typer.Option(help="Pruning step after eviction: METHOD:k=KEY_SPARSITY,v=VALUE_SPARSITY[,window=N]; with --format quant it stores as bitmapq.")] = None,
         param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
+        plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
         layers: LayersOpt = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         local = dict(locals())
+        if plan is not None and (format != "dense" or any(local.get(k) is not None for k in FLOAT_OPTS + INT_OPTS + STR_OPTS) or param):
+            raise UsageError("--plan sets every layer's format; drop --format and the format options")
         options: dict[str, Any] = {k: local[k] for k in FLOAT_OPTS + INT_OPTS + STR_OPTS if local.get(k) is not None}
         for item in param or []:
             key, eq, value = item.partition("=")
             if not eq:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
-        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out)
+        _, _, report = compress_file(capture, format, output, options, heldout, layers, force, quiet=json_out, plan=plan)
         if json_out:
             emit_json(report)
         else:
