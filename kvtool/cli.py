@@ -55,6 +55,8 @@ SHORT_HELP = {
     "heads": "Attention-head selection: oracle error curve and trained routers",
     "verify": "Fidelity of a compressed file: attention error, recall, model NLL",
     "eval": "Sweep formats and parameters; fidelity vs bytes frontier",
+    "recommend": "A compression plan per layer / KV head for a byte budget",
+    "report": "One self-contained HTML report: cache, frontier, plans, kernels",
     "export": "Export to transformers caches, paged layouts, numpy, tables",
     "generate": "Continue generation from a saved or compressed cache",
     "bench": "Time the GPU kernels against cuBLAS and FlashInfer",
