@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io as _io
+import json
+import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -64,9 +67,29 @@ def run_eval(
     quiet: bool = True,
     debug: bool = False,
     layers: str | None = None,
+    threads: int | None = 1,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``."""
+    ``out_dir``; return ``{"rows", "files", "resumed"}``. Unless ``quiet``, one progress line per
+    point goes to stderr. ``threads``: torch CPU threads while it runs (1: the work is many small
+    operations, which a second thread slows down on a shared machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _say(quiet: bool, msg: str) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers) -> dict[str, Any]:
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -86,8 +109,12 @@ def run_eval(
     rows: list[dict[str, Any]] = []
     models_loaded: dict[str, tuple[Any, str]] = {}
     total = len(captures) * len(points)
-    with progress_bar(quiet) as bar:
-        task = bar.add_task("eval", total=total)
+    n_paper = sum(1 for p in points if p.comparison)
+    _say(quiet, f"eval: {len(points) - n_paper} sweep points" + (f" + {n_paper} paper comparison rows (--paper)" if n_paper else "")
+         + f" x {len(captures)} capture(s) = {total} runs; results go to {out_dir}")
+    started = time.perf_counter()
+    done_count = [0]
+    with contextlib.nullcontext():
         for cap_path in captures:
             cache = _load_capture(cap_path, layers)
             if cache.num_tokens <= heldout:
@@ -100,7 +127,6 @@ def run_eval(
             spec = default_model_spec(cache.facts, model) if use_model else None
             reference = None
             for p in points:
-                bar.update(task, description=f"{cap_path.name} {p.spec}"[:60])
                 key = point_key(sha, p, heldout, spec, generate, cache.layer_indices)
                 row: dict[str, Any] = {"key": key, "capture": str(cap_path), "comparison": p.comparison, "label": p.label,
                                        "format": p.format, "params": p.params, "params_text": params_text(p), "spec": p.spec}
@@ -118,13 +144,15 @@ def run_eval(
                             models_loaded[spec] = _load_model(spec, cache.facts)
                         mdl, name = models_loaded[spec]
                         check_model_facts(mdl, cache.facts, name)
+                        _say(quiet, f"eval: dense reference of {cap_path.name} on {name} ({time.perf_counter() - started:.0f} s)")
                         reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
                     row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug))
                     if not row.get("skipped"):
                         finished[key] = row
                 rows.append(row)
                 _write_json(json_path, rows, done)
-                bar.advance(task)
+                done_count[0] += 1
+                _say(quiet, f"eval [{done_count[0]}/{total}] {(p.label + ': ') if p.label else ''}{p.spec}: " + _brief(row) + f" ({time.perf_counter() - started:.0f} s)")
     files = {"json": str(json_path), "csv": str(out_dir / "eval.csv")}
     io.atomic_write_text(out_dir / "eval.csv", to_csv(rows), force=True)
     have_model = any(r.get("agreement") is not None for r in rows)
@@ -133,8 +161,10 @@ def run_eval(
     from ..frontier_plot import plot_frontier
 
     for cap_path in captures:
-        own = [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped") and r.get("comparison") is None]
-        own = own or [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped")]
+        own = [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped")]
+        # a paper row that repeats a sweep point (same format and parameters) is drawn once
+        seen: set[str] = set()
+        own = [r for r in sorted(own, key=lambda r: r.get("comparison") is not None) if not (json.dumps([r["format"], r["params"]], sort_keys=True) in seen or seen.add(json.dumps([r["format"], r["params"]], sort_keys=True)))]
         name = "frontier.png" if len(captures) == 1 else f"frontier-{cap_path.stem}.png"
         plot_frontier(own, out_dir / name, metric, x_key, title=f"{cap_path.name}: {METRICS[metric][0]} vs bytes, {heldout} held-out queries")
         files[f"plot:{cap_path.name}"] = str(out_dir / name)
@@ -183,6 +213,15 @@ def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, ref
     if mod is not None:
         row["layers_compressed"] = f"{len(mod['layers_compressed'])}/{mod['model_layers']}"
     return row
+
+
+def _brief(row: dict[str, Any]) -> str:
+    if row.get("skipped"):
+        return f"skipped ({row['skipped'][:80]})"
+    parts = [f"{100 * row['storage_ratio']:.1f}% stored", f"rel L2 {row['rel_l2']:.3g}"]
+    if row.get("nll_increase") is not None:
+        parts.append(f"NLL {row['nll_increase']:+.4f}, top-1 {row['agreement']:.3f}")
+    return ", ".join(parts)
 
 
 def params_text(p: Point) -> str:
@@ -269,13 +308,14 @@ def register(app: typer.Typer) -> None:
         x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
         layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
+        threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         captures, specs = split_inputs(inputs, formats or [])
         use_paper = (not specs) if paper is None else paper
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
-        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers)
+        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers, threads=threads)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:
