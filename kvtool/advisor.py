@@ -96,7 +96,7 @@ def load_cases(model: Any, tokenizer: Any, cache, heldout: int, texts: list[tupl
     cases = [capture_case(model, cache, heldout, "capture", model_name)]
     _note(progress, f"model check: dense reference of the capture ({time.perf_counter() - start:.0f} s)")
     for name, text in texts:
-        cases.append(text_case(model, tokenizer, text, name, cache.num_tokens, heldout))
+        cases.append(text_case(model, tokenizer, text, name, cache.num_tokens, heldout, cache.layer_indices))
         _note(progress, f"model check: text {name!r} prefilled ({time.perf_counter() - start:.0f} s)")
     return cases
 

@@ -59,6 +59,13 @@ class Case:
     cache: KVCache
     token_ids: torch.Tensor
     reference: DenseReference
+    layers: list[int] | None = None  # the layers compressed (the capture's); None: all
+
+    def compressible(self) -> KVCache:
+        """The cache restricted to the layers a plan or format compresses (others stay dense)."""
+        if self.layers is None or set(self.layers) == set(self.cache.layers):
+            return self.cache
+        return KVCache(self.cache.facts, {i: self.cache.layers[i] for i in self.layers}, self.cache.token_ids, self.cache.info)
 
     @property
     def prefix_tokens(self) -> int:
@@ -74,7 +81,7 @@ def capture_case(model: Any, cache: KVCache, heldout: int, name: str = "capture"
 
 
 @torch.no_grad()
-def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, heldout: int) -> Case:
+def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, heldout: int, layers: list[int] | None = None) -> Case:
     """A held-out text cut to its first ``tokens`` tokens: one pass over the prefix records its cache
     (the compressor's input and the dense reference's prefix), then the continuation runs densely."""
     from . import capturing, hfattn
@@ -90,13 +97,13 @@ def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, hel
     with hfattn.compressed_attention(model, None):
         logits = hfattn.forward(model, dense, ids[:, p:])
     ref = DenseReference(prefix, logits, torch.zeros(1, 0, dtype=torch.int64), p)
-    return Case(name, cache, ids, ref)
+    return Case(name, cache, ids, ref, layers)
 
 
 def score_case(model: Any, case: Case, plan: Plan) -> dict[str, Any]:
     """Compress the case's prefix with ``plan`` and score its continuation: ``nll_dense``,
     ``nll_increase``, ``relative_nll_increase``, ``agreement``, ``kl``, ``stored_ratio``."""
-    cache = case.cache
+    cache = case.compressible()
     heldout = cache.num_tokens - case.prefix_tokens  # the capture case keeps its tail; text cases have none
     cc = compress_plan(cache, plan, heldout=heldout)
     cc.token_ids = case.token_ids
@@ -128,3 +135,23 @@ def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress:
                 progress(f"model check: {label} on {case.name}: NLL {100 * r['relative_nll_increase']:+.2f}%, top-1 {r['agreement']:.3f}")
         out[label] = {"cases": rows, **{m: interval([r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
     return out
+
+
+def score_format_on_cases(model: Any, cases: list[Case], fmt: Any, params: Any) -> list[dict[str, Any]]:
+    """One format (not a plan) on text cases (prefix-only caches): ``nll_increase``,
+    ``relative_nll_increase``, ``agreement``, ``kl`` per case."""
+    from .formats.base import compress_cache
+
+    rows = []
+    for case in cases:
+        cache = case.compressible()
+        cc = compress_cache(cache, fmt, params, heldout=cache.num_tokens - case.prefix_tokens)
+        cc.token_ids = case.token_ids
+        res = model_fidelity(model, cc, case.reference)
+        rows.append({"case": case.name, "nll_increase": res["nll_increase"], "relative_nll_increase": res["nll_increase"] / res["nll_dense"],
+                     "agreement": res["agreement"], "kl": res["kl"]})
+    return rows
+
+
+def text_cases(model: Any, tokenizer: Any, texts: list[tuple[str, str]], tokens: int, heldout: int, layers: list[int] | None = None) -> list[Case]:
+    return [text_case(model, tokenizer, text, name, tokens, heldout, layers) for name, text in texts]

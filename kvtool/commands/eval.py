@@ -25,7 +25,9 @@ ORDER = 55
 
 CSV_FIELDS = [
     "capture", "comparison", "label", "format", "params_text", "storage_ratio", "traffic_ratio", "rel_l2", "cosine",
-    "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence", "seconds", "skipped",
+    "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence",
+    "relative_nll_increase_mean", "relative_nll_increase_lo", "relative_nll_increase_hi", "agreement_mean", "agreement_lo", "agreement_hi",
+    "seconds", "skipped",
 ]
 
 
@@ -68,9 +70,12 @@ def run_eval(
     debug: bool = False,
     layers: str | None = None,
     threads: int | None = 1,
+    texts: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``. Unless ``quiet``, one progress line per
+    ``out_dir``; return ``{"rows", "files", "resumed"}``. ``texts`` (file paths, or ``shipped`` for
+    kvtool's held-out texts) adds their continuations to the model-level metrics: each point's row
+    then holds ``<metric>_mean``/``_lo``/``_hi`` (95% interval) over the capture and the texts. Unless ``quiet``, one progress line per
     point goes to stderr. ``threads``: torch CPU threads while it runs (1: the work is many small
     operations, which a second thread slows down on a shared machine)."""
     import torch
@@ -79,7 +84,7 @@ def run_eval(
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers)
+        return _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers, texts)
     finally:
         torch.set_num_threads(before)
 
@@ -89,7 +94,17 @@ def _say(quiet: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers) -> dict[str, Any]:
+def _text_list(texts: list[str] | None) -> list[tuple[str, str]]:
+    from .. import texts as shipped
+
+    if not texts:
+        return []
+    if texts == ["shipped"]:
+        return shipped.shipped()
+    return shipped.read_files([Path(t) for t in texts])
+
+
+def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force, quiet, debug, layers, texts=None) -> dict[str, Any]:
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -126,8 +141,9 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
             sha = io.sha256_file(cap_path)
             spec = default_model_spec(cache.facts, model) if use_model else None
             reference = None
+            cases: list = []
             for p in points:
-                key = point_key(sha, p, heldout, spec, generate, cache.layer_indices)
+                key = point_key(sha, p, heldout, (spec or "") + (f"|texts={','.join(texts)}" if texts else ""), generate, cache.layer_indices)
                 row: dict[str, Any] = {"key": key, "capture": str(cap_path), "comparison": p.comparison, "label": p.label,
                                        "format": p.format, "params": p.params, "params_text": params_text(p), "spec": p.spec}
                 if p.skipped:
@@ -142,11 +158,20 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
                     if spec is not None and reference is None:
                         if spec not in models_loaded:
                             models_loaded[spec] = _load_model(spec, cache.facts)
+                            if texts:
+                                from .. import models as _models
+
+                                models_loaded[spec + ":tok"] = _models.load(spec if spec != "embedded" else None)[1]
                         mdl, name = models_loaded[spec]
                         check_model_facts(mdl, cache.facts, name)
                         _say(quiet, f"eval: dense reference of {cap_path.name} on {name} ({time.perf_counter() - started:.0f} s)")
                         reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
-                    row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug))
+                        if texts:
+                            from ..modelcheck import text_cases
+
+                            cases = text_cases(mdl, models_loaded[spec + ":tok"], _text_list(texts), cache.num_tokens, heldout, cache.layer_indices)
+                            _say(quiet, f"eval: {len(cases)} held-out texts prefilled ({time.perf_counter() - started:.0f} s)")
+                    row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, cases))
                     if not row.get("skipped"):
                         finished[key] = row
                 rows.append(row)
@@ -189,7 +214,7 @@ def _load_model(spec: str, facts) -> tuple[Any, str]:
     return load_model(spec, facts)
 
 
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug) -> dict[str, Any]:
+def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, cases=()) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
     try:
@@ -207,6 +232,16 @@ def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, ref
             raise
         return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
     row = summarize(att, mod)
+    if mod is not None and cases:
+        from ..modelcheck import interval, score_format_on_cases
+
+        extra = score_format_on_cases(model_pair[0], list(cases), fmt, make_params(fmt, p.values))
+        own = {"case": "capture", "nll_increase": mod["nll_increase"], "relative_nll_increase": mod["nll_increase"] / mod["nll_dense"],
+               "agreement": mod["agreement"], "kl": mod["kl"]}
+        row["cases"] = [own] + extra
+        for m in ("nll_increase", "relative_nll_increase", "agreement", "kl"):
+            iv = interval([c[m] for c in row["cases"]])
+            row[f"{m}_mean"], row[f"{m}_lo"], row[f"{m}_hi"] = iv["mean"], iv["lo"], iv["hi"]
     row["backend"] = att["backend"]
     row["seconds"] = round(time.perf_counter() - start, 3)
     row["per_layer_rel_l2"] = {str(i): r["errors"]["rel_l2"] for i, r in att["layers"].items()}
@@ -259,6 +294,16 @@ def print_results(result: dict[str, Any]) -> None:
         ]
 
     sweep = [r for r in rows if r.get("comparison") is None and not r.get("skipped")]
+    if any(r.get("relative_nll_increase_mean") is not None for r in rows):
+        n = max(len(r.get("cases", [])) for r in rows)
+        cols = cols + [f"NLL + mean [95%], {n} texts", "top-1 mean [95%]"]
+        plain = cells
+
+        def cells(r: dict[str, Any]) -> list[Any]:  # noqa: F811
+            if r.get("relative_nll_increase_mean") is None:
+                return plain(r) + [None, None]
+            return plain(r) + [f"{100 * r['relative_nll_increase_mean']:+.2f}% [{100 * r['relative_nll_increase_lo']:+.2f}, {100 * r['relative_nll_increase_hi']:+.2f}]",
+                               f"{r['agreement_mean']:.3f} [{r['agreement_lo']:.3f}, {r['agreement_hi']:.3f}]"]
     if sweep:
         console.print(make_table("sweep (attention on held-out queries; model on the continuation)", cols, [cells(r) for r in sweep]))
     paper = [r for r in rows if r.get("comparison") is not None and not r.get("skipped")]
@@ -309,13 +354,14 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
         threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
+        texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         captures, specs = split_inputs(inputs, formats or [])
         use_paper = (not specs) if paper is None else paper
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
-        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers, threads=threads)
+        result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force, quiet=json_out, debug=debug_enabled(debug), layers=layers, threads=threads, texts=texts)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:
