@@ -71,7 +71,7 @@ def cut_map_figure(per_layer: list[dict[str, Any]]) -> Any:
     a1.set_ylabel("% needed")
     a1.set_ylim(0, 105)
     a1.grid(True, alpha=0.3)
-    a1.legend(fontsize=7, loc="lower right")
+    a1.legend(fontsize=7, loc="center right")
     a1.set_title("what attention needs, per layer (lower: more can be cut)", fontsize=9)
     width = 0.4
     a2.bar([l - width / 2 for l in layers], [r["k_outliers"] for r in per_layer], width, color="#009E73", label="key channels")
@@ -105,7 +105,7 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     labels = [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows]
     labels += [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
     place_labels(ax, labels)
-    ax.legend(fontsize=7, loc="upper right", framealpha=0.85)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -144,7 +144,7 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
     place_labels(ax, pts)
     handles = [h for h in ax.collections if h.get_label() and not h.get_label().startswith("_")]
     if handles:
-        ax.legend(handles=handles, fontsize=7, loc="upper right")
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -173,24 +173,33 @@ def plan_mix_figure(budgets: list[dict[str, Any]], num_kv_heads: int) -> Any:
 
 
 def bench_figure(records: list[dict[str, Any]]) -> Any:
-    """Median µs per case (batch x tokens x sparsity) by provider, grouped bars, log y."""
-    cases = sorted({(r.get("batch"), r.get("seq"), r.get("sparsity")) for r in records}, key=lambda c: tuple(-1 if v is None else v for v in c))
-    providers = sorted({r["provider"] for r in records})
+    """Median µs per case (batch x tokens) by series (provider, and sparsity for sparse kernels),
+    grouped bars, log y; kvtool's kernels in reds, baselines in blues/greys."""
+    def series(r: dict[str, Any]) -> str:
+        return r["provider"] + (f" {r['sparsity']:.0%}" if r.get("sparsity") is not None else "")
+
+    cases = sorted({(r.get("batch") or 0, r.get("seq") or 0) for r in records})
+    names = sorted({series(r) for r in records}, key=lambda n: (not n.split()[0].endswith("_triton"), n))
     fig, ax = _figure(9.0, 4.6)
-    width = 0.8 / max(1, len(providers))
-    palette = ["#C00000", "#0072B2", "#E69F00", "#009E73", "#56B4E9", "#CC79A7", "#999999", "#7F3C8D"]
-    for j, prov in enumerate(providers):
+    width = 0.84 / max(1, len(names))
+    ours = ["#C00000", "#E06666", "#F4A6A6", "#8B0000"]
+    base = ["#0072B2", "#56B4E9", "#009E73", "#E69F00", "#CC79A7", "#999999", "#7F3C8D"]
+    n_ours = n_base = 0
+    for j, name in enumerate(names):
+        if name.split()[0].endswith("_triton"):
+            colour, n_ours = ours[n_ours % len(ours)], n_ours + 1
+        else:
+            colour, n_base = base[n_base % len(base)], n_base + 1
         ys = []
         for case in cases:
-            rec = [r for r in records if r["provider"] == prov and (r.get("batch"), r.get("seq"), r.get("sparsity")) == case and r.get("median_us")]
+            rec = [r for r in records if series(r) == name and (r.get("batch") or 0, r.get("seq") or 0) == case]
             ys.append(rec[0]["median_us"] if rec else 0)
-        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=prov, color=palette[j % len(palette)])
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
-                  [f"b{c[0]} {c[1] // 1024 if c[1] else '?'}k" + (f"\n{c[2]:.0%}" if c[2] is not None else "") for c in cases], fontsize=7)
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=name, color=colour)
+    ax.set_xticks([i + 0.42 - width / 2 for i in range(len(cases))], [f"batch {b}, {t // 1024}k tokens" for b, t in cases], fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylabel("median µs (lower is better)")
+    ax.set_ylabel("median µs per decode step (lower is better)")
     ax.grid(True, axis="y", alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncols=4, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
