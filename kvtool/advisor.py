@@ -161,7 +161,8 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError(f"{capture} has {cache.num_tokens} tokens, too few for --heldout {heldout} (capture a longer prompt or lower --heldout)")
     parsed = [dict(budget=b, **parse_budget(b, cache.facts, batch, context)) for b in budgets]
     specs = menu(cache.num_tokens - heldout, families)
-    _note(progress, f"sensitivity: {len(specs)} candidates x {len(cache.layers)} layers on {heldout} held-out queries")
+    which = "the prompt's last" if calibrate == "prefix" else "the held-out"
+    _note(progress, f"sensitivity: {len(specs)} candidates x {len(cache.layers)} layers on {which} {heldout} queries")
     sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate)
     result: dict[str, Any] = {
         "capture": str(capture), "model_facts": cache.facts.to_dict(), "heldout": heldout, "per_head": per_head,

@@ -296,7 +296,7 @@ def reading_cut(cut: dict[str, Any]) -> str:
 
 def reading_frontier(rec: dict[str, Any]) -> str:
     uni = [r for r in rec["sensitivity"]["uniform"] if r["loss"] > 0]
-    n = len(rec["model_facts"] and rec["sensitivity"]["uniform"])
+    n = len(rec["menu"])
     text = [f"{n} candidate settings were scored on every layer's held-out queries."]
     for b in rec["budgets"]:
         fit = [r for r in uni if r["ratio"] <= b["fraction"]]
@@ -432,7 +432,8 @@ def build_report(
 
         fig, ax = _figure(8.5, 5.2)
         metric = "agreement" if any(r.get("agreement") is not None for r in eval_rows) else "rel_l2"
-        plot_frontier(eval_rows, Path("unused.png"), metric, title=f"kvtool eval: {len(eval_rows)} points", ax=ax)
+        caps = sorted({Path(r.get("capture", "?")).name for r in eval_rows})
+        plot_frontier(eval_rows, Path("unused.png"), metric, title=f"kvtool eval of {', '.join(caps)}: {len(eval_rows)} points", ax=ax)
         body += _img(fig_png(fig), "eval frontier"); figures += 1
     sections.append(_section("frontier", "Frontier of every format", reading_frontier(rec), body))
     body = _img(fig_png(plan_mix_figure(rec["budgets"], facts.num_kv_heads)), "plan composition"); figures += 1

@@ -36,6 +36,7 @@ DEFAULT_SWEEPS: dict[str, list[str]] = {
         "pipeline:evict=snapkv:budget=256,prune=none,format=quant:bits=4",
         "pipeline:evict=snapkv:budget=256,prune=per-token:k=0.5;v=0.7,format=quant:bits=4",
     ],
+    "mixed": [],  # plans come from `kvtool recommend`; a fixed head list fits one model shape only
 }
 
 # The papers' comparisons, as rows: (comparison, label, spec). A row whose format or parameter is

@@ -111,3 +111,27 @@ def test_compress_plan_cli_verify_and_export(sample_capture, tmp_path):
     assert res.exit_code == 2 and "--plan sets every layer" in res.output
     res = CliRunner().invoke(app, ["info", str(out), "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["compression"]["format"] == "mixed"
+
+
+def test_plan_file_exports_and_generates(tiny_capture, tiny_llama_dir, tmp_path):
+    """A mixed file of the tiny Llama (both layers planned, per-head in layer 1) goes through
+    export --to hf and generate (attention mode, since groups may select)."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    plan = {"schema": "kvtool.plan", "version": 1, "layers": {"0": "quant:bits=4", "1": ["quant:bits=8", "bitmap:sparsity=0.5"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "tiny.plan.safetensors"
+    r = CliRunner()
+    res = r.invoke(app, ["compress", str(tiny_capture), "--plan", str(tmp_path / "plan.json"), "--heldout", "16", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["generate", str(out), "--prompt", " hi", "-n", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    assert len(json.loads(res.output)["new_tokens"][0]) == 3
+    res = r.invoke(app, ["export", str(out), "--to", "hf", "-o", str(tmp_path / "hf.safetensors")])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(app, ["verify", str(out), "--json", "--generate", "2", "--model", str(tiny_llama_dir)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["model"]["layers_compressed"] == [0, 1] and rep["attention"]["format"] == "mixed"
