@@ -117,7 +117,8 @@ def register(app: typer.Typer) -> None:
         "recommend",
         help="Choose a compression plan per layer and KV head for a byte budget: every candidate setting of every "
         "format (KIVI bits, bitmap sparsities, bitmapq, sign-VQ, page selection, SnapKV eviction, eviction + "
-        "quantisation) is scored on each layer's held-out queries, a knapsack picks the least loss that fits the "
+        "quantisation) is scored on each layer and KV head with queries it never saw (the prompt's last tokens), each "
+        "layer weighted by its measured cost on the model; a knapsack picks the least loss that fits the "
         "budget, and the plan is checked on the model (NLL, top-1 agreement, KL) against the best uniform setting "
         "that fits, on the capture's continuation and the shipped held-out texts (mean and 95% interval). Writes "
         "plan.json for `kvtool compress --plan`.",
