@@ -128,3 +128,19 @@ def test_recommend_with_model_beats_uniform(sample_capture, tmp_path):
     assert plan["stored_ratio"] <= 0.2 and best["stored_ratio"] <= 0.2
     assert plan["kl"] <= best["kl"]
     assert set(res["layer_weights"]) == {0, 7, 15, 23}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_eval_texts_give_intervals(sample_capture, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    res = CliRunner().invoke(app, ["eval", str(sample_capture), "--formats", "quant:bits=4", "--no-paper", "--texts", "shipped",
+                                   "--heldout", "32", "-o", str(tmp_path / "ev"), "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.output)["points"][0]
+    assert [c["case"] for c in row["cases"]] == ["capture", "prose", "code", "dialogue"]
+    assert row["relative_nll_increase_lo"] <= row["relative_nll_increase_mean"] <= row["relative_nll_increase_hi"]
+    assert 0.5 < row["agreement_mean"] <= 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -158,7 +159,8 @@ def register(app: typer.Typer) -> None:
         if limit is not None and no_model:
             raise UsageError("--max-nll-increase needs the model check; drop --no-model")
         families = [f.strip() for f in menu_opt.split(",") if f.strip()] if menu_opt else None
-        progress = None if json_out else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        started = time.perf_counter()
+        progress = None if json_out else (lambda msg: print(f"[{time.perf_counter() - started:5.0f} s] {msg}", file=sys.stderr, flush=True))
         if not capture.exists():
             raise UsageError(f"capture {capture}: no such file")
         if len(budget) == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -50,7 +51,8 @@ def register(app: typer.Typer) -> None:
         chosen = [b.strip() for b in budgets.split(",") if b.strip()]
         if not chosen:
             raise UsageError("--budgets is empty; write e.g. 10%,15%,25%,40%")
-        progress = None if json_out else (lambda msg: print(msg, file=sys.stderr, flush=True))
+        started = time.perf_counter()
+        progress = None if json_out else (lambda msg: print(f"[{time.perf_counter() - started:5.0f} s] {msg}", file=sys.stderr, flush=True))
         text, summary = build_report(capture, chosen, eval_dir, bench, not no_model, not no_texts, model, heldout, progress=progress)
         io.atomic_write_text(output, text, force=True)
         summary["output"] = str(output)
