@@ -179,7 +179,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         return result
     from . import models, texts as shipped_texts
     from .fidelity import check_model_facts
-    from .modelcheck import interval, score_plans
+    from .modelcheck import metric_interval, score_plans
 
     mdl, tok, source = models.load(spec)
     name = source.name if spec in ("embedded", "smollm2") else str(spec)
@@ -219,7 +219,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         check = {}
         for label, scores in first.items():
             rows = scores["cases"] + (rest[label]["cases"] if label in rest else [])
-            check[label] = {"cases": rows, **{m: interval([r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
+            check[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
         b["check"] = check
         b["best_uniform"] = best
         b["plan_label"] = f"plan @ {pct}"

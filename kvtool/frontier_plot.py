@@ -92,7 +92,7 @@ def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: floa
     axes; labels that fit nowhere are skipped. Returns the number placed."""
     trans = ax.transData
     bbox = ax.get_window_extent()
-    char_w, height = fontsize * 0.62 * ax.figure.dpi / 72, fontsize * 1.25 * ax.figure.dpi / 72
+    char_w, height = fontsize * 0.68 * ax.figure.dpi / 72, fontsize * 1.25 * ax.figure.dpi / 72
     placed: list[tuple[float, float, float, float]] = []
     for x, y, _ in points:  # markers are obstacles too
         px, py = trans.transform((x, y))

@@ -32,6 +32,22 @@ _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
          12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042}
 
 
+# metrics that cannot leave a range: their intervals are clipped to it (agreement is a share)
+METRIC_BOUNDS: dict[str, tuple[float | None, float | None]] = {"agreement": (0.0, 1.0), "kl": (0.0, None)}
+
+
+def metric_interval(metric: str, values: list[float]) -> dict[str, Any]:
+    """:func:`interval` clipped to the metric's range (:data:`METRIC_BOUNDS`)."""
+    iv = interval(values)
+    lo, hi = METRIC_BOUNDS.get(metric, (None, None))
+    if iv["mean"] is not None:
+        if lo is not None:
+            iv["lo"] = max(iv["lo"], lo)
+        if hi is not None:
+            iv["hi"] = min(iv["hi"], hi)
+    return iv
+
+
 def interval(values: list[float]) -> dict[str, Any]:
     """``{"mean", "lo", "hi", "n"}``: the mean and a 95% Student-t interval (lo = hi = mean for one value)."""
     vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
@@ -133,7 +149,7 @@ def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress:
             if progress is not None:
                 r = rows[-1]
                 progress(f"model check: {label} on {case.name}: NLL {100 * r['relative_nll_increase']:+.2f}%, top-1 {r['agreement']:.3f}")
-        out[label] = {"cases": rows, **{m: interval([r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
+        out[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
     return out
 
 

@@ -111,12 +111,16 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
 
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
     """Relative NLL increase (%) vs % of dense bytes of every setting checked on the model: the
-    capture's continuation as the marker, the 95% interval over all cases as the error bar."""
+    capture's continuation as the marker, the 95% interval of the mean over all cases as the bar
+    (settings checked on the capture alone have no bar). Symmetric-log y axis in percent."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
     from .frontier_plot import place_labels
 
     fig, ax = _figure(8.5, 4.8)
     seen: set[str] = set()
-    pts = []
+    pts, ys, fmts = [], [], set()
     for b in budgets:
         for label, sc in (b.get("check") or {}).items():
             is_plan = label == b.get("plan_label")
@@ -127,24 +131,31 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
             c0 = sc["cases"][0]
             x, y = 100 * c0["stored_ratio"], 100 * c0["relative_nll_increase"]
             iv = sc["relative_nll_increase"]
-            colour = format_color("mixed" if is_plan else spec_format(label))
+            fmt = "mixed" if is_plan else spec_format(label)
+            fmts.add(fmt)
+            colour = format_color(fmt)
+            ys.append(y)
             if iv["n"] > 1:
                 ax.errorbar([x], [100 * iv["mean"]], yerr=[[100 * (iv["mean"] - iv["lo"])], [100 * (iv["hi"] - iv["mean"])]],
                             fmt="none", ecolor=colour, alpha=0.5, capsize=3, zorder=2)
+                ys += [100 * iv["lo"], 100 * iv["hi"]]
             ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
-                       edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3,
-                       label="recommended plan" if is_plan and "plan" not in {l.get_label() for l in ax.collections} else None)
+                       edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3)
             pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("% of dense bytes (stored)")
-    ax.set_ylabel("NLL increase, % of the dense NLL\n(marker: capture; bar: 95% over texts)")
+    ax.set_ylabel("NLL increase over dense\n(marker: capture; bar: 95% of the mean over texts)")
     ax.set_yscale("symlog", linthresh=1.0)
+    if ys:
+        lo, hi = min(ys + [0.0]), max(ys + [0.0])
+        ax.set_ylim(lo - 0.3 * max(1.0, abs(lo)), hi + 0.3 * max(1.0, abs(hi)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}%" if v else "0"))
     ax.grid(True, alpha=0.3)
     fig.canvas.draw()
     place_labels(ax, pts)
-    handles = [h for h in ax.collections if h.get_label() and not h.get_label().startswith("_")]
-    if handles:
-        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    handles = [Line2D([], [], marker="*", color=format_color("mixed"), markeredgecolor="black", markersize=11, ls="", label="recommended plan")]
+    handles += [Line2D([], [], marker="o", color=format_color(f), ls="", label=f"uniform {f}") for f in sorted(fmts - {"mixed"})]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 

@@ -233,14 +233,14 @@ def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, ref
         return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
     row = summarize(att, mod)
     if mod is not None and cases:
-        from ..modelcheck import interval, score_format_on_cases
+        from ..modelcheck import metric_interval, score_format_on_cases
 
         extra = score_format_on_cases(model_pair[0], list(cases), fmt, make_params(fmt, p.values))
         own = {"case": "capture", "nll_increase": mod["nll_increase"], "relative_nll_increase": mod["nll_increase"] / mod["nll_dense"],
                "agreement": mod["agreement"], "kl": mod["kl"]}
         row["cases"] = [own] + extra
         for m in ("nll_increase", "relative_nll_increase", "agreement", "kl"):
-            iv = interval([c[m] for c in row["cases"]])
+            iv = metric_interval(m, [c[m] for c in row["cases"]])
             row[f"{m}_mean"], row[f"{m}_lo"], row[f"{m}_hi"] = iv["mean"], iv["lo"], iv["hi"]
     row["backend"] = att["backend"]
     row["seconds"] = round(time.perf_counter() - start, 3)
