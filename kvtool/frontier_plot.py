@@ -69,10 +69,12 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path, metric: str, x_key: st
     if omitted:
         note = f"\nnot drawn (no error on a log axis): {', '.join(sorted({r['format'] for r in omitted}))}"
     ax.set_title((title or "compression vs fidelity") + note, fontsize=9)
-    fig.canvas.draw()
-    place_labels(ax, [(100 * r[x_key], r[metric], point_label(r)) for r in usable])
     if usable:
         ax.legend(fontsize=7, loc="best", framealpha=0.85)
+    if own_fig:
+        fig.tight_layout()
+    fig.canvas.draw()  # final layout first: labels are placed in pixels
+    place_labels(ax, [(100 * r[x_key], r[metric], point_label(r)) for r in usable])
     if not own_fig:
         return None
     fig.tight_layout()
@@ -110,7 +112,8 @@ def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: floa
             inside = box[0] >= bbox.x0 and box[2] <= bbox.x1 and box[1] >= bbox.y0 and box[3] <= bbox.y1
             if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
                 placed.append(box)
-                ax.annotate(text, (x, y), xytext=(box[0] - px, box[1] - py), textcoords="offset pixels", fontsize=fontsize, alpha=0.85)
+                ax.annotate(text, (x, y), xytext=(dx, box[1] - py), textcoords="offset pixels", fontsize=fontsize, alpha=0.85,
+                            ha="left" if dx > 0 else "right")
                 count += 1
                 break
     return count

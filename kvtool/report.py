@@ -101,11 +101,11 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     ax.set_xlabel("% of dense bytes (stored)")
     ax.set_ylabel("attention-output error\n(RMS over layers, lower is better)")
     ax.grid(True, alpha=0.3, which="both")
-    fig.canvas.draw()
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.canvas.draw()  # final layout first: labels are placed in pixels
     labels = [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows]
     labels += [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
     place_labels(ax, labels)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -151,11 +151,11 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
         ax.set_ylim(lo - 0.3 * max(1.0, abs(lo)), hi + 0.3 * max(1.0, abs(hi)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}%" if v else "0"))
     ax.grid(True, alpha=0.3)
-    fig.canvas.draw()
-    place_labels(ax, pts)
     handles = [Line2D([], [], marker="*", color=format_color("mixed"), markeredgecolor="black", markersize=11, ls="", label="recommended plan")]
     handles += [Line2D([], [], marker="o", color=format_color(f), ls="", label=f"uniform {f}") for f in sorted(fmts - {"mixed"})]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.canvas.draw()  # final layout first: labels are placed in pixels
+    place_labels(ax, pts)
     return fig
 
 
