@@ -4,10 +4,11 @@
    KIVI bits and group sizes, bitmap sparsities, bitmapq, sign-VQ, page selection, SnapKV +
    StreamingLLM eviction at several budgets, eviction + quantisation pipelines). Token budgets are
    fractions of the capture's prefix, so the menu fits any capture length.
-2. **Sensitivity** (:func:`measure_sensitivity`): every layer's prefix (the first ``P = T - W``
-   tokens) is encoded with every candidate; the last ``W`` captured queries, which no candidate saw,
-   attend to it as a decode step would (encoded prefix + their dense causal window of the tail,
-   :func:`kvtool.fidelity.heldout_output`). The loss of candidate c on KV head h of layer l is that
+2. **Sensitivity** (:func:`measure_sensitivity`): every layer's prefix is encoded with every
+   candidate and ``W`` queries no candidate saw attend to it as a decode step would (encoded prefix +
+   their dense causal window, :func:`kvtool.fidelity.heldout_output`): by default the prompt's last
+   ``W`` queries over the ``P - W`` tokens before them (``calibrate="prefix"``, so the capture's
+   held-out continuation stays out of the choice), or the held-out queries over the whole prefix. The loss of candidate c on KV head h of layer l is that
    head's squared attention-output error over the layer's squared reference norm
    (``sum over its query heads of ||out - ref||^2 / ||ref_layer||^2``), so a layer's loss is its
    squared relative L2 error and losses add over heads and layers. Bytes are the candidate's
