@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded model, end to end: capture a real KV cache, look at it, compress it
 # with every format, check what each costs, and continue generation from a compressed cache.
-# Everything lands in out/demo/ (overwritten on each run). About 5 minutes on 2 CPU cores.
+# Everything lands in out/demo/ (overwritten on each run). About 10 minutes on 2 CPU cores.
 set -euo pipefail
 OUT=${OUT_DIR:-out/demo}
 CAP="$OUT/capture.safetensors"
@@ -38,6 +38,13 @@ kvtool verify "$OUT/cap.pipeline.safetensors" --no-model
 
 step "eval: every format, the papers' comparisons and the bytes-vs-fidelity frontier (sample capture)"
 kvtool eval samples/smollm2-sample.safetensors --no-model --paper -o "$OUT/eval" --force | tail -n 25
+
+step "recommend: a plan per layer / KV head at 15% of the bytes, checked against the best uniform setting"
+kvtool recommend "$CAP" --budget 15% --no-texts -o "$OUT/plan.json" --force
+kvtool compress "$CAP" --plan "$OUT/plan.json" -o "$OUT/cap.plan.safetensors" --force
+
+step "report: one HTML page (cache, frontier, plans at 10/15/25/40%) -> $OUT/report.html"
+kvtool report "$CAP" --no-texts --budgets 10%,15%,25%,40% -o "$OUT/report.html" --force
 
 step "heads: Polar Sparsity's head selection on the sample (it carries hidden states for the routers)"
 kvtool heads samples/smollm2-sample.safetensors --plot "$OUT/heads.png" --router-out "$OUT/routers.safetensors" --force

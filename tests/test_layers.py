@@ -1,7 +1,7 @@
 """The package's layers point down only, and nothing imports a kvtool module inside a function
 unless the line says why (``# deferred: ...``, for start-up time or a heavy optional dependency).
 
-Layers, bottom to top: core -> kernels -> methods -> formats -> hf -> analysis / export / bench ->
+Layers, bottom to top: core -> kernels (and the data package texts) -> methods -> formats -> hf -> analysis / export / bench ->
 cli (``kvtool.cli`` and ``kvtool.commands``). A module may import its own package and the layers
 below; the three packages of one layer do not import each other.
 """
@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvtool"
 
-RANK = {"core": 0, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "cli": 6, "commands": 6}
+RANK = {"core": 0, "texts": 1, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "cli": 6, "commands": 6}
 # modules at the top of the package: what they may import
 TOP = {"_version": -1, "__init__": 7, "__main__": 7}
 
@@ -60,7 +60,8 @@ def imports_of(path: Path, root: Path) -> list[tuple[str, int, bool, str]]:
                     mod = ".".join(base + ([child.module] if child.module else []))
                 else:
                     mod = child.module or ""
-                names = [mod]
+                # ``from kvtool import texts``: the import is of the submodule
+                names = [f"{mod}.{a.name}" for a in child.names] if mod == "kvtool" else [mod]
             for name in names:
                 if name == "kvtool" or name.startswith("kvtool."):
                     out.append((name, child.lineno, in_function, lines[child.lineno - 1]))

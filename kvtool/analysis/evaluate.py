@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import csv
 import io as _io
+import json
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvtool.analysis.fidelity import (
     attention_fidelity,
@@ -15,7 +18,9 @@ from kvtool.analysis.fidelity import (
     dense_reference,
     model_fidelity,
 )
+from kvtool import texts as shipped_texts
 from kvtool.analysis.frontier import plot_frontier
+from kvtool.analysis.modelcheck import metric_interval, score_format_on_cases, text_cases
 from kvtool.analysis.sweep import METRICS, Point, load_results, point_key, resolve_points, summarize
 from kvtool.analysis.verify import load_model
 from kvtool.core import io
@@ -26,10 +31,13 @@ from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
 from kvtool.formats.base import FORMATS, compress_cache, make_params
+from kvtool.hf import models
 
 CSV_FIELDS = [
     "capture", "comparison", "label", "format", "params_text", "storage_ratio", "traffic_ratio", "rel_l2", "cosine",
-    "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence", "seconds", "skipped",
+    "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence",
+    "relative_nll_increase_mean", "relative_nll_increase_lo", "relative_nll_increase_hi", "agreement_mean", "agreement_lo", "agreement_hi",
+    "seconds", "skipped",
 ]
 
 
@@ -50,11 +58,37 @@ def run_eval(
     debug: bool = False,
     layers: str | None = None,
     device: str | None = None,
+    threads: int | None = 1,
+    texts: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
     ``out_dir``; return ``{"rows", "files", "resumed"}``. Each point reads the capture's layers one at
-    a time onto ``device`` (default: CUDA when present), where formats encode and are scored."""
-    dev = resolve_device(device)
+    a time onto ``device`` (default: CUDA when present), where formats encode and are scored.
+    ``texts`` (file paths, or ``shipped`` for kvtool's held-out texts) adds their continuations to the
+    model-level metrics: each point's row then holds ``<metric>_mean``/``_lo``/``_hi`` (95% interval)
+    over the capture and the texts. ``progress`` gets a note per point. ``threads``: torch CPU threads
+    while it runs (1: the work is many small operations, which a second thread slows down on a
+    shared machine)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force,
+                         or_silent(progress), debug, layers, resolve_device(device), texts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _text_list(texts: list[str] | None) -> list[tuple[str, str]]:
+    if not texts:
+        return []
+    if texts == ["shipped"]:
+        return shipped_texts.shipped()
+    return shipped_texts.read_files([Path(t) for t in texts])
+
+
+def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force,
+              progress: Progress, debug, layers, dev, texts=None) -> dict[str, Any]:
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -74,7 +108,11 @@ def run_eval(
     rows: list[dict[str, Any]] = []
     models_loaded: dict[str, tuple[Any, str]] = {}
     total = len(captures) * len(points)
-    progress = or_silent(progress)
+    n_paper = sum(1 for p in points if p.comparison)
+    progress.note(f"eval: {len(points) - n_paper} sweep points" + (f" + {n_paper} paper comparison rows (--paper)" if n_paper else "")
+                  + f" x {len(captures)} capture(s) = {total} runs; results go to {out_dir}")
+    started = time.perf_counter()
+    done_count = 0
     progress.stage("eval", total)
     for cap_path in captures:
         cache = _load_capture(cap_path, layers, dev)
@@ -87,8 +125,9 @@ def run_eval(
         sha = io.sha256_file(cap_path)
         spec = default_model_spec(cache.facts, model) if use_model else None
         reference = None
+        cases: list = []
         for p in points:
-            key = point_key(sha, p, heldout, spec, generate, cache.layer_indices)
+            key = point_key(sha, p, heldout, (spec or "") + (f"|texts={','.join(texts)}" if texts else ""), generate, cache.layer_indices)
             row: dict[str, Any] = {"key": key, "capture": str(cap_path), "comparison": p.comparison, "label": p.label,
                                    "format": p.format, "params": p.params, "params_text": params_text(p), "spec": p.spec}
             if p.skipped:
@@ -103,23 +142,34 @@ def run_eval(
                 if spec is not None and reference is None:
                     if spec not in models_loaded:
                         models_loaded[spec] = load_model(spec, cache.facts, dev)
+                        if texts:
+                            models_loaded[spec + ":tok"] = models.load(spec if spec != "embedded" else None)[1]
                     mdl, name = models_loaded[spec]
                     check_model_facts(mdl, cache.facts, name)
+                    progress.note(f"eval: dense reference of {cap_path.name} on {name} ({time.perf_counter() - started:.0f} s)")
                     reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
-                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev))
+                    if texts:
+                        cases = text_cases(mdl, models_loaded[spec + ":tok"], _text_list(texts), cache.num_tokens, heldout, cache.layer_indices)
+                        progress.note(f"eval: {len(cases)} held-out texts prefilled ({time.perf_counter() - started:.0f} s)")
+                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev, cases))
                 if not row.get("skipped"):
                     finished[key] = row
             rows.append(row)
             _write_json(json_path, rows, done)
             progress.advance()
+            done_count += 1
+            progress.note(f"eval [{done_count}/{total}] {(p.label + ': ') if p.label else ''}{p.spec}: " + _brief(row) + f" ({time.perf_counter() - started:.0f} s)")
     files = {"json": str(json_path), "csv": str(out_dir / "eval.csv")}
     io.atomic_write_text(out_dir / "eval.csv", to_csv(rows), force=True)
     have_model = any(r.get("agreement") is not None for r in rows)
     metric = metric or ("agreement" if have_model else "rel_l2")
     x_key = "storage_ratio" if x_axis == "storage" else "traffic_ratio"
     for cap_path in captures:
-        own = [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped") and r.get("comparison") is None]
-        own = own or [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped")]
+        own = [r for r in rows if r["capture"] == str(cap_path) and not r.get("skipped")]
+        # a paper row that repeats a sweep point (same format and parameters) is drawn once
+        seen: set[str] = set()
+        own = [r for r in sorted(own, key=lambda r: r.get("comparison") is not None)
+               if not (json.dumps([r["format"], r["params"]], sort_keys=True) in seen or seen.add(json.dumps([r["format"], r["params"]], sort_keys=True)))]
         name = "frontier.png" if len(captures) == 1 else f"frontier-{cap_path.stem}.png"
         plot_frontier(own, out_dir / name, metric, x_key, title=f"{cap_path.name}: {METRICS[metric][0]} vs bytes, {heldout} held-out queries")
         files[f"plot:{cap_path.name}"] = str(out_dir / name)
@@ -138,7 +188,7 @@ def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
     return open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
 
 
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None) -> dict[str, Any]:
+def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None, cases=()) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
     try:
@@ -156,12 +206,30 @@ def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, ref
             raise
         return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
     row = summarize(att, mod)
+    if mod is not None and cases:
+        extra = score_format_on_cases(model_pair[0], list(cases), fmt, make_params(fmt, p.values))
+        own = {"case": "capture", "nll_increase": mod["nll_increase"], "relative_nll_increase": mod["nll_increase"] / mod["nll_dense"],
+               "agreement": mod["agreement"], "kl": mod["kl"]}
+        row["cases"] = [own] + extra
+        for m in ("nll_increase", "relative_nll_increase", "agreement", "kl"):
+            iv = metric_interval(m, [c[m] for c in row["cases"]])
+            row[f"{m}_mean"], row[f"{m}_lo"], row[f"{m}_hi"] = iv["mean"], iv["lo"], iv["hi"]
     row["backend"] = att["backend"]
     row["seconds"] = round(time.perf_counter() - start, 3)
     row["per_layer_rel_l2"] = {str(i): r["errors"]["rel_l2"] for i, r in att["layers"].items()}
     if mod is not None:
         row["layers_compressed"] = f"{len(mod['layers_compressed'])}/{mod['model_layers']}"
     return row
+
+
+def _brief(row: dict[str, Any]) -> str:
+    """One point's result in a few words, for the progress notes."""
+    if row.get("skipped"):
+        return f"skipped ({row['skipped'][:80]})"
+    parts = [f"{100 * row['storage_ratio']:.1f}% stored", f"rel L2 {row['rel_l2']:.3g}"]
+    if row.get("nll_increase") is not None:
+        parts.append(f"NLL {row['nll_increase']:+.4f}, top-1 {row['agreement']:.3f}")
+    return ", ".join(parts)
 
 
 def params_text(p: Point) -> str:

@@ -76,7 +76,7 @@ def resolve_points(specs: list[str], paper: bool = False) -> list[Point]:
     load_all()
     explicit = bool(specs)
     if not specs:
-        specs = [s for name in sorted(FORMATS) for s in FORMATS[name].sweep_specs()]
+        specs = [s for name in sorted(FORMATS) if FORMATS[name].swept_by_default for s in FORMATS[name].sweep_specs()]
     points: list[Point] = []
     for spec in specs:
         for name, values in expand_spec(spec):

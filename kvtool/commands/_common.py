@@ -147,6 +147,10 @@ class BarProgress(LibraryProgress):
         if self.task is not None:
             self.bar.advance(self.task, units)
 
+    def note(self, text: str) -> None:
+        if not self.bar.disable:
+            self.bar.console.print(text, markup=False, highlight=False)
+
     def close(self) -> None:
         if self.started:
             self.bar.stop()

@@ -68,6 +68,7 @@ def register(app: typer.Typer) -> None:
             "kvtool compress cap.safetensors --format bitmap --sparsity 0.7 -o cap.bitmap.safetensors",
             "kvtool compress cap.safetensors --format quant:bits=4 --json",
             "kvtool compress cap.safetensors --evict snapkv:budget=256 --prune per-token:k=0.5,v=0.7 --format quant:bits=4",
+            "kvtool compress cap.safetensors --plan plan.json -o cap.plan.safetensors   # plan from kvtool recommend",
         ),
     )
     @kvtool_command
@@ -98,6 +99,7 @@ def register(app: typer.Typer) -> None:
         prune: Annotated[str | None, typer.Option(help="Pruning step after eviction: METHOD:k=KEY_SPARSITY,v=VALUE_SPARSITY[,window=N]; with --format quant it stores as bitmapq.")] = None,
         param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
+        plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
         layers: LayersOpt = None,
         device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         force: ForceOpt = False,
@@ -105,6 +107,8 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         local = dict(locals())
+        if plan is not None and (format != "dense" or any(local.get(k) is not None for k in FLOAT_OPTS + INT_OPTS + STR_OPTS) or param):
+            raise UsageError("--plan sets every layer's format; drop --format and the format options")
         options: dict[str, Any] = {k: local[k] for k in FLOAT_OPTS + INT_OPTS + STR_OPTS if local.get(k) is not None}
         for item in param or []:
             key, eq, value = item.partition("=")
@@ -112,7 +116,7 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--param {item!r}: write key=value")
             options[key.strip()] = value.strip()
         with library_progress(json_out) as progress:
-            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress, device=device)
+            _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress, device=device, plan=plan)
         if json_out:
             emit_json(report)
         else:

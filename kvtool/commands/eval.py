@@ -67,6 +67,16 @@ def print_results(result: dict[str, Any]) -> None:
         ]
 
     sweep = [r for r in rows if r.get("comparison") is None and not r.get("skipped")]
+    if any(r.get("relative_nll_increase_mean") is not None for r in rows):
+        n = max(len(r.get("cases", [])) for r in rows)
+        cols = cols + [f"NLL + mean [95%], {n} texts", "top-1 mean [95%]"]
+        plain = cells
+
+        def cells(r: dict[str, Any]) -> list[Any]:  # noqa: F811
+            if r.get("relative_nll_increase_mean") is None:
+                return plain(r) + [None, None]
+            return plain(r) + [f"{100 * r['relative_nll_increase_mean']:+.2f}% [{100 * r['relative_nll_increase_lo']:+.2f}, {100 * r['relative_nll_increase_hi']:+.2f}]",
+                               f"{r['agreement_mean']:.3f} [{r['agreement_lo']:.3f}, {r['agreement_hi']:.3f}]"]
     if sweep:
         console.print(make_table("sweep (attention on held-out queries; model on the continuation)", cols, [cells(r) for r in sweep]))
     paper = [r for r in rows if r.get("comparison") is not None and not r.get("skipped")]
@@ -117,6 +127,8 @@ def register(app: typer.Typer) -> None:
         layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
         force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
         device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+        threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
+        texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
@@ -125,7 +137,7 @@ def register(app: typer.Typer) -> None:
         out_dir = out or captures[0].with_name(f"{captures[0].stem}.eval")
         with library_progress(json_out) as progress:
             result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force,
-                              progress=progress, debug=debug_enabled(debug), layers=layers, device=device)
+                              progress=progress, debug=debug_enabled(debug), layers=layers, device=device, threads=threads, texts=texts)
         if json_out:
             emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]})
         else:

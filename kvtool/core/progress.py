@@ -18,6 +18,9 @@ class Progress:
     def advance(self, units: int = 1) -> None:
         """``units`` more units of the current stage are done."""
 
+    def note(self, text: str) -> None:
+        """A one-line account of a finished unit or step, for a person following the work."""
+
 
 SILENT = Progress()
 

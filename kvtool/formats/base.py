@@ -79,7 +79,9 @@ class Format(ABC):
     - ``needs_queries``: encoding reads the captured queries;
     - ``prunes_itself``: the format prunes (a ``--prune`` step cannot precede it);
     - ``evicts``: the format drops tokens itself (an ``--evict`` step cannot precede it);
-    - ``default_sweep``: the ``kvtool eval`` specs swept when the format is named without parameters;
+    - ``default_sweep``: the ``kvtool eval`` specs swept when the format is named without parameters
+      (an empty tuple: the format with its defaults; ``swept_by_default = False`` leaves the format
+      out of the sweep of every format);
     - ``paper_rows``: (comparison, label, spec) rows of the papers' tables for ``eval --paper``;
     - ``has_kernel``: :meth:`attend_kernel` runs a Triton kernel;
     - ``appends_tokens``: :meth:`append_token` adds a decoded token to the stored layer;
@@ -94,6 +96,7 @@ class Format(ABC):
     prunes_itself: ClassVar[bool] = False
     evicts: ClassVar[bool] = False
     default_sweep: ClassVar[tuple[str, ...]] = ()
+    swept_by_default: ClassVar[bool] = True
     paper_rows: ClassVar[tuple[tuple[str, str, str], ...]] = ()
     appends_tokens: ClassVar[bool] = False
 

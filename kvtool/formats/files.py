@@ -16,6 +16,7 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
+from kvtool.formats.plan import compress_plan, load_plan
 
 
 def default_output(capture: Path, fmt: str) -> Path:
@@ -32,15 +33,21 @@ def compress_file(
     force: bool = False,
     progress: Progress | None = None,
     device: str | None = None,
+    plan: Path | None = None,
 ) -> tuple[CompressedCache, Path, dict[str, Any]]:
     """Compress a capture file and write the result; returns (container, path, report).
 
     ``spec``: ``NAME[:key=value,...]`` or an eviction + pruning + format chain; ``options``: format
     parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: one stage,
     a unit per layer. Layers are read one at a time onto ``device`` (default: CUDA when present)
-    and encoded there."""
+    and encoded there. With ``plan`` (a plan file, :mod:`kvtool.formats.plan`) each layer gets the
+    plan's format(s) instead of ``spec``."""
     dev = resolve_device(device)
-    fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
+    if plan is not None:
+        plan_obj = load_plan(plan)
+        fmt, params, name = resolve("mixed")
+    else:
+        fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
     io.check_output(output, force)
     meta, _ = io.read_header(capture)
@@ -55,7 +62,10 @@ def compress_file(
     start = time.perf_counter()
     progress = or_silent(progress)
     progress.stage(f"compress {name}", len(cache.layers))
-    cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+    if plan is not None:
+        cc = compress_plan(cache, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
+    else:
+        cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)

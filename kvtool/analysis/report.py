@@ -1,0 +1,500 @@
+"""``kvtool report``: one self-contained HTML file that answers "what should I use at my budget, and
+what does it cost?" for a capture.
+
+Sections (each with figures inlined as base64 PNG and a short generated reading):
+
+- ``model``: the capture's model facts and the dense KV bytes per token;
+- ``cut``: where the cache can be cut: outlier channels (keys/values), attention concentration
+  (keys needed for 90% of the mass) and head importance (heads needed for 90% of the output norm),
+  per layer, with the outlier map and one layer's concentration and head-importance pictures;
+- ``frontier``: every candidate setting of every format as a uniform setting (attention level, the
+  recommend sensitivity) with the recommended plans, and the model-level cost of the settings that
+  were checked on the model; the ``kvtool eval`` frontier when ``--eval DIR`` is given;
+- ``recommend``: the plan per budget (default 10/15/25/40%), what it holds, and its model-level cost
+  (capture continuation and mean with 95% interval over the held-out texts) beside the best uniform;
+- ``kernels``: kernel timings against cuBLAS / FlashInfer from ``kvtool bench --json`` files.
+
+No network: no scripts, fonts or images from elsewhere. One colour per format in every figure
+(:mod:`kvtool.analysis.palette`).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import html
+import io as _io
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from kvtool.core.errors import UsageError
+from kvtool.analysis.palette import format_color, spec_format
+from kvtool.analysis.frontier import place_labels
+from kvtool.analysis.stats import (
+    StatsSettings,
+attention_summary,
+channel_mean_abs,
+head_rows,
+layer_attention,
+outlier_channels,
+outlier_ratios,
+token_mask,
+)
+from kvtool.core import io
+from kvtool.analysis.advisor import recommend_capture
+from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
+from kvtool.analysis.frontier import plot_frontier
+
+SECTIONS = ("model", "cut", "frontier", "recommend", "kernels")
+DEFAULT_BUDGETS = ("10%", "15%", "25%", "40%")
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def fig_png(fig: Any) -> str:
+    """A matplotlib figure as a base64 PNG string (the figure is closed)."""
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    try:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    except Exception:  # figures made without pyplot need no closing
+        pass
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(w: float = 8.0, h: float = 4.6, nrows: int = 1, ncols: int = 1, **kw):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=True, **kw)
+
+
+def cut_map_figure(per_layer: list[dict[str, Any]]) -> Any:
+    """Per layer: share of visible keys needed for 90% of the attention mass, share of query heads
+    needed for 90% of the output norm, and the number of outlier key / value channels."""
+    fig, (a1, a2) = _figure(8.5, 4.6, 2, 1, sharex=True)
+    layers = [r["layer"] for r in per_layer]
+    a1.plot(layers, [100 * r["keys90_frac"] for r in per_layer], marker="o", ms=3, color="#0072B2", label="keys for 90% of attention mass")
+    a1.plot(layers, [100 * r["heads90_frac"] for r in per_layer], marker="s", ms=3, color="#D55E00", label="query heads for 90% of output norm")
+    a1.set_ylabel("% needed")
+    a1.set_ylim(0, 105)
+    a1.grid(True, alpha=0.3)
+    a1.legend(fontsize=7, loc="center right")
+    a1.set_title("what attention needs, per layer (lower: more can be cut)", fontsize=9)
+    width = 0.4
+    a2.bar([l - width / 2 for l in layers], [r["k_outliers"] for r in per_layer], width, color="#009E73", label="key channels")
+    a2.bar([l + width / 2 for l in layers], [r["v_outliers"] for r in per_layer], width, color="#CC79A7", label="value channels")
+    a2.set_ylabel("outlier channels\n(all KV heads)")
+    a2.set_xlabel("layer")
+    a2.grid(True, axis="y", alpha=0.3)
+    a2.legend(fontsize=7)
+    return fig
+
+
+def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[str, Any]], n_layers: int) -> Any:
+    """x: % of dense bytes; y: RMS over layers of the attention-output relative error (weighted by the
+    layers' model cost when weights were measured), log scale; every candidate as a uniform setting
+    (one colour per format), the plans as red stars. Settings with no error (dense) are left out."""
+    fig, ax = _figure(8.5, 5.0)
+    rows = [r for r in uniform if r["loss"] > 1e-10]
+    for fmt in sorted({spec_format(r["spec"]) for r in rows}):
+        mine = [r for r in rows if spec_format(r["spec"]) == fmt]
+        ax.scatter([100 * r["ratio"] for r in mine], [math.sqrt(r["loss"] / n_layers) for r in mine], color=format_color(fmt), s=36, label=fmt, zorder=3)
+    if plans:
+        ax.scatter([100 * p["ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
+                   color=format_color("mixed"), edgecolors="black", linewidths=0.6, label="recommended plan", zorder=4)
+    ax.set_yscale("log")
+    ax.set_xlabel("% of dense bytes (stored)")
+    ax.set_ylabel("attention-output error\n(RMS over layers, lower is better)")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.canvas.draw()  # final layout first: labels are placed in pixels
+    labels = [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows]
+    labels += [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
+    place_labels(ax, labels)
+    return fig
+
+
+def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
+    """Relative NLL increase (%) vs % of dense bytes of every setting checked on the model: the
+    capture's continuation as the marker, the 95% interval of the mean over all cases as the bar
+    (settings checked on the capture alone have no bar). Symmetric-log y axis in percent."""
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter
+
+    fig, ax = _figure(8.5, 4.8)
+    seen: set[str] = set()
+    pts, ys, fmts = [], [], set()
+    for b in budgets:
+        for label, sc in (b.get("check") or {}).items():
+            is_plan = label == b.get("plan_label")
+            key = label if not is_plan else f"plan{b['budget']}"
+            if key in seen:
+                continue
+            seen.add(key)
+            c0 = sc["cases"][0]
+            x, y = 100 * c0["stored_ratio"], 100 * c0["relative_nll_increase"]
+            iv = sc["relative_nll_increase"]
+            fmt = "mixed" if is_plan else spec_format(label)
+            fmts.add(fmt)
+            colour = format_color(fmt)
+            ys.append(y)
+            if iv["n"] > 1:
+                ax.errorbar([x], [100 * iv["mean"]], yerr=[[100 * (iv["mean"] - iv["lo"])], [100 * (iv["hi"] - iv["mean"])]],
+                            fmt="none", ecolor=colour, alpha=0.5, capsize=3, zorder=2)
+                ys += [100 * iv["lo"], 100 * iv["hi"]]
+            ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
+                       edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3)
+            pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("% of dense bytes (stored)")
+    ax.set_ylabel("NLL increase over dense\n(marker: capture; bar: 95% of the mean over texts)")
+    ax.set_yscale("symlog", linthresh=1.0)
+    if ys:
+        lo, hi = min(ys + [0.0]), max(ys + [0.0])
+        ax.set_ylim(lo - 0.3 * max(1.0, abs(lo)), hi + 0.3 * max(1.0, abs(hi)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}%" if v else "0"))
+    ax.grid(True, alpha=0.3)
+    handles = [Line2D([], [], marker="*", color=format_color("mixed"), markeredgecolor="black", markersize=11, ls="", label="recommended plan")]
+    handles += [Line2D([], [], marker="o", color=format_color(f), ls="", label=f"uniform {f}") for f in sorted(fmts - {"mixed"})]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.canvas.draw()  # final layout first: labels are placed in pixels
+    place_labels(ax, pts)
+    return fig
+
+
+def plan_mix_figure(budgets: list[dict[str, Any]], num_kv_heads: int) -> Any:
+    """Stacked bars: what share of the KV heads each format holds in each budget's plan."""
+    fig, ax = _figure(8.5, 3.4)
+    fmts = sorted({spec_format(s) for b in budgets for specs in b["plan"].layers.values() for s in specs})
+    labels = [b["budget"] for b in budgets]
+    bottom = [0.0] * len(budgets)
+    for fmt in fmts:
+        shares = []
+        for b in budgets:
+            total = n = 0
+            for specs in b["plan"].layers.values():
+                heads = specs * (num_kv_heads if len(specs) == 1 else 1)
+                total += len(heads)
+                n += sum(1 for s in heads if spec_format(s) == fmt)
+            shares.append(100 * n / total if total else 0)
+        ax.barh(labels, shares, left=bottom, color=format_color(fmt), label=fmt)
+        bottom = [a + s for a, s in zip(bottom, shares)]
+    ax.set_xlabel("% of KV heads (all layers)")
+    ax.set_ylabel("budget")
+    ax.set_xlim(0, 100)
+    ax.legend(fontsize=7, ncols=min(4, len(fmts)), loc="upper center", bbox_to_anchor=(0.5, -0.28))
+    return fig
+
+
+def bench_figure(records: list[dict[str, Any]]) -> Any:
+    """Median µs per case (batch x tokens) by series (provider, and sparsity for sparse kernels),
+    grouped bars, log y; kvtool's kernels in reds, baselines in blues/greys."""
+    def series(r: dict[str, Any]) -> str:
+        return r["provider"] + (f" {r['sparsity']:.0%}" if r.get("sparsity") is not None else "")
+
+    cases = sorted({(r.get("batch") or 0, r.get("seq") or 0) for r in records})
+    names = sorted({series(r) for r in records}, key=lambda n: (not n.split()[0].endswith("_triton"), n))
+    fig, ax = _figure(9.0, 4.6)
+    width = 0.84 / max(1, len(names))
+    ours = ["#C00000", "#E06666", "#F4A6A6", "#8B0000"]
+    base = ["#0072B2", "#56B4E9", "#009E73", "#E69F00", "#CC79A7", "#999999", "#7F3C8D"]
+    n_ours = n_base = 0
+    for j, name in enumerate(names):
+        if name.split()[0].endswith("_triton"):
+            colour, n_ours = ours[n_ours % len(ours)], n_ours + 1
+        else:
+            colour, n_base = base[n_base % len(base)], n_base + 1
+        ys = []
+        for case in cases:
+            rec = [r for r in records if series(r) == name and (r.get("batch") or 0, r.get("seq") or 0) == case]
+            ys.append(rec[0]["median_us"] if rec else 0)
+        ax.bar([i + j * width for i in range(len(cases))], ys, width, label=name, color=colour)
+    ax.set_xticks([i + 0.42 - width / 2 for i in range(len(cases))], [f"batch {b}, {t // 1024}k tokens" for b, t in cases], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("median µs per decode step (lower is better)")
+    ax.grid(True, axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+def _short_spec(spec: str, limit: int = 30) -> str:
+    s = spec.replace(",group=128,residual=0", ",g128").replace("+quant:bits=4,g128", "+q4").replace("snapstream:", "snap:")
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def cut_summary(cache: Any, max_queries: int = 32) -> dict[str, Any]:
+    """Per layer: keys needed for 90% of the attention mass and heads for 90% of the output norm
+    (shares), outlier channels of keys/values; and the outlier ratios for the outlier map."""
+    settings = StatsSettings(max_queries=max_queries)
+    mask = token_mask(cache)
+    per_layer, ratios, atts = [], {"keys": {}, "values": {}}, {}
+    for i in cache.layer_indices:
+        layer = cache.layers[i]
+        row: dict[str, Any] = {"layer": i}
+        for part, tag in (("keys", "k"), ("values", "v")):
+            rows = head_rows(getattr(layer, part), mask)
+            n = 0
+            for h in range(rows.shape[0]):
+                means = channel_mean_abs(rows[h])
+                ratios[part][(i, h)] = outlier_ratios(means)
+                n += len(outlier_channels(means, settings.outlier_factor))
+            row[f"{tag}_outliers"] = n
+        if cache.has_queries:
+            att = layer_attention(layer, cache.facts, settings, cache.attention_mask)
+            atts[i] = att
+            summ = attention_summary(att, settings)["layer"]
+            row["keys90_frac"], row["heads90_frac"] = summ["keys90_frac"], summ["heads90_frac"]
+        per_layer.append(row)
+    return {"layers": per_layer, "ratios": ratios, "attention": atts, "factor": settings.outlier_factor}
+
+
+def read_eval(folder: Path) -> list[dict[str, Any]]:
+    path = Path(folder) / "eval.json"
+    if not path.exists():
+        raise UsageError(f"--eval {folder}: no eval.json there (run kvtool eval CAPTURE -o {folder} first)")
+    try:
+        return [p for p in json.loads(path.read_text()).get("points", []) if not p.get("skipped")]
+    except (json.JSONDecodeError, AttributeError):
+        raise UsageError(f"--eval {folder}: eval.json is not a kvtool eval result") from None
+
+
+def read_bench(paths: list[Path]) -> list[dict[str, Any]]:
+    docs = []
+    for p in paths:
+        if not Path(p).is_file():
+            raise UsageError(f"--bench {p}: no such file")
+        try:
+            doc = json.loads(Path(p).read_text())
+        except json.JSONDecodeError:
+            raise UsageError(f"--bench {p}: not JSON (write it with kvtool bench ... --json FILE)") from None
+        if not isinstance(doc, dict) or "records" not in doc:
+            raise UsageError(f"--bench {p}: not a kvtool bench result (no records)")
+        doc["_path"] = str(p)
+        docs.append(doc)
+    return docs
+
+
+# ----------------------------------------------------------------------------- readings
+
+
+def pct(v: float | None, signed: bool = False, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:+.{digits}f}%" if signed else f"{100 * v:.{digits}f}%"
+
+
+def reading_cut(cut: dict[str, Any]) -> str:
+    rows = cut["layers"]
+    k_out = sum(r["k_outliers"] for r in rows)
+    v_out = sum(r["v_outliers"] for r in rows)
+    text = [f"{k_out} key channels and {v_out} value channels (over all {len(rows)} layers and their KV heads) are outliers "
+            f"(mean |x| at least {cut['factor']:g}x the median channel): {'keys need per-channel care (KIVI quantises keys per channel for this reason)' if k_out > 2 * max(1, v_out) else 'keys and values are similarly spread'}."]
+    with_att = [r for r in rows if "keys90_frac" in r]
+    if with_att:
+        sharp = min(with_att, key=lambda r: r["keys90_frac"])
+        flat = max(with_att, key=lambda r: r["keys90_frac"])
+        mean = sum(r["keys90_frac"] for r in with_att) / len(with_att)
+        heads = sum(r["heads90_frac"] for r in with_att) / len(with_att)
+        text.append(f"On average a query needs {pct(mean, digits=0)} of the keys it sees for 90% of its attention mass, from "
+                    f"{pct(sharp['keys90_frac'], digits=0)} in layer {sharp['layer']} (eviction and page selection are safest there) to "
+                    f"{pct(flat['keys90_frac'], digits=0)} in layer {flat['layer']} (keep that layer's tokens; quantise instead).")
+        text.append(f"{pct(heads, digits=0)} of the query heads carry 90% of the output norm on average: "
+                    + ("few heads matter per query, so head selection has room." if heads < 0.6 else "most heads matter, so head selection saves little."))
+    return " ".join(text)
+
+
+def reading_frontier(rec: dict[str, Any]) -> str:
+    uni = [r for r in rec["sensitivity"]["uniform"] if r["loss"] > 0]
+    n = len(rec["menu"])
+    text = [f"{n} candidate settings were scored on every layer's held-out queries."]
+    for b in rec["budgets"]:
+        fit = [r for r in uni if r["ratio"] <= b["fraction"]]
+        if fit:
+            best = min(fit, key=lambda r: r["loss"])
+            ratio = best["loss"] / b["predicted"]["loss"] if b["predicted"]["loss"] > 0 else math.inf
+            text.append(f"At {b['budget']}, the plan's predicted attention loss is {ratio:.1f}x lower than the best single setting that fits ({best['spec']}).")
+    return " ".join(text)
+
+
+def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
+    check = b.get("check")
+    if not check:
+        return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_ratio'])}; it was not checked on the model "
+                "(no model for this capture, or --no-model).")
+    plan = check[b["plan_label"]]
+    p0 = plan["cases"][0]
+    text = f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement with NLL {pct(p0['relative_nll_increase'], True, 2)} on the capture's continuation"
+    if plan["agreement"]["n"] > 1:
+        a, r = plan["agreement"], plan["relative_nll_increase"]
+        text += f" ({a['mean']:.0%} [{a['lo']:.0%}, {a['hi']:.0%}] and {pct(r['mean'], True, 2)} [{pct(r['lo'], True, 2)}, {pct(r['hi'], True, 2)}] over {a['n']} texts)"
+    best = b.get("best_uniform")
+    if best and best in check:
+        u0 = check[best]["cases"][0]
+        text += f"; the best single setting that fits, {best} ({pct(u0['stored_ratio'])}), keeps {u0['agreement']:.0%} with NLL {pct(u0['relative_nll_increase'], True, 2)}."
+    else:
+        text += "; no single setting fits this budget."
+    return text
+
+
+def reading_bench(docs: list[dict[str, Any]]) -> str:
+    parts = []
+    for doc in docs:
+        recs = [r for r in doc["records"] if r.get("status", "ok") == "ok" and r.get("median_us")]
+        ours = [r for r in recs if r["provider"].endswith("_triton") or r["provider"].startswith("kvtool")]
+        base = set(doc.get("primary_baselines") or [])
+        for r in ours[:4]:
+            peers = [p for p in recs if p["provider"] in base and (p.get("batch"), p.get("seq")) == (r.get("batch"), r.get("seq"))]
+            if peers:
+                fastest = min(peers, key=lambda p: p["median_us"])
+                parts.append(f"{r['kernel']} ({r['provider']}, batch {r.get('batch')}, {r.get('seq')} tokens"
+                             + (f", {r['sparsity']:.0%} sparse" if r.get("sparsity") is not None else "")
+                             + f"): {r['median_us']:.1f} µs vs {fastest['provider']} {fastest['median_us']:.1f} µs ({fastest['median_us'] / r['median_us']:.2f}x)")
+        dev = (doc.get("env") or {}).get("device", "?")
+        parts = [f"On {dev}: " + "; ".join(parts)] if parts else [f"{doc['_path']}: no kvtool kernel records next to a baseline."]
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------- HTML
+
+
+CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
+       "h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}"
+       "table{border-collapse:collapse;margin:.6em 0;font-size:.88em}td,th{border:1px solid #ddd;padding:.25em .5em;text-align:right}"
+       "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}"
+       "p.reading{background:#f6f8fa;border-left:4px solid #0072B2;padding:.5em .8em}"
+       "img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{font-size:.9em;background:#f4f4f4;padding:0 .2em}"
+       "nav a{margin-right:1em}.muted{color:#666;font-size:.9em}")
+
+
+def _table(cols: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _img(b64: str, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _section(sid: str, title: str, reading: str, body: str) -> str:
+    return f'<section id="{sid}"><h2>{html.escape(title)}</h2><p class="reading">{html.escape(reading)}</p>{body}</section>'
+
+
+def build_report(
+    capture: Path,
+    budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS,
+    eval_dir: Path | None = None,
+    bench: list[Path] | None = None,
+    use_model: bool = True,
+    use_texts: bool = True,
+    model: str | None = None,
+    heldout: int = 64,
+    uniform_checks: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The report's HTML text and a summary dict (sections, figure count, per-budget numbers)."""
+    eval_rows = read_eval(eval_dir) if eval_dir else None
+    bench_docs = read_bench(bench or [])
+    cache = io.load(capture, parts=("keys", "values", "queries"))
+    facts = cache.facts
+    if progress:
+        progress("report: cache statistics")
+    cut = cut_summary(cache)
+    rec = recommend_capture(capture, list(budgets), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
+                            uniform_checks=uniform_checks, progress=progress)
+    if progress:
+        progress("report: figures")
+    figures = 0
+    sections = []
+    elt = 2 if facts.dtype in ("float16", "bfloat16") else 4
+    per_token = 2 * facts.num_layers * facts.num_kv_heads * facts.head_dim * elt
+    facts_rows = [["model", facts.name], ["architecture", facts.architecture], ["layers", facts.num_layers],
+                  ["query heads / KV heads", f"{facts.num_heads} / {facts.num_kv_heads}"], ["head dim", facts.head_dim],
+                  ["dtype (capture)", facts.dtype], ["tokens captured", cache.num_tokens], ["layers captured", len(cache.layers)],
+                  ["dense KV bytes per token", f"{per_token:,}"], ["dense KV at batch 16 x 32k tokens", f"{per_token * 16 * 32768 / 1024**3:.2f} GiB"]]
+    sections.append(_section("model", "Model and capture",
+                             f"{facts.name}: {facts.num_layers} layers with {facts.num_kv_heads} KV heads of {facts.head_dim} dims "
+                             f"({facts.num_heads // max(1, facts.num_kv_heads)} query heads per KV head), so each token costs {per_token:,} bytes of "
+                             f"{facts.dtype} keys and values; this capture holds {cache.num_tokens} tokens of {len(cache.layers)} layers.",
+                             _table(["fact", "value"], facts_rows)))
+    body = _img(fig_png(cut_map_figure(cut["layers"])), "per-layer cut map"); figures += 1
+    body += _img(fig_png(outlier_map_figure(cut["ratios"], facts, cut["factor"])), "outlier channel map"); figures += 1
+    if cut["attention"]:
+        mid = sorted(cut["attention"])[len(cut["attention"]) // 2]
+        body += _img(fig_png(concentration_figure(cut["attention"][mid], facts, mid)), f"attention concentration, layer {mid}"); figures += 1
+        body += _img(fig_png(head_importance_figure(cut["attention"][mid], facts, mid)), f"head importance, layer {mid}"); figures += 1
+    sections.append(_section("cut", "Where the cache can be cut", reading_cut(cut), body))
+    n_layers = len(cache.layers)
+    plans_pts = [{"ratio": b["predicted"]["exact_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
+    body = _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers)), "attention-level frontier"); figures += 1
+    body += '<p class="muted">Every candidate applied to every layer (dots, one colour per format) and the recommended plans (stars). ' \
+            "Error: RMS over layers of the held-out queries' attention-output relative error" + \
+            (", each layer weighted by its measured cost on the model." if rec.get("layer_weights") else ".") + " Dense (no error) is not drawn on the log axis.</p>"
+    if any(b.get("check") for b in rec["budgets"]):
+        body += _img(fig_png(model_cost_figure(rec["budgets"])), "model-level cost"); figures += 1
+    if eval_rows:
+        fig, ax = _figure(8.5, 5.2)
+        metric = "agreement" if any(r.get("agreement") is not None for r in eval_rows) else "rel_l2"
+        caps = sorted({Path(r.get("capture", "?")).name for r in eval_rows})
+        plot_frontier(eval_rows, Path("unused.png"), metric, title=f"kvtool eval of {', '.join(caps)}: {len(eval_rows)} points", ax=ax)
+        body += _img(fig_png(fig), "eval frontier"); figures += 1
+    sections.append(_section("frontier", "Frontier of every format", reading_frontier(rec), body))
+    body = _img(fig_png(plan_mix_figure(rec["budgets"], facts.num_kv_heads)), "plan composition"); figures += 1
+    readings = []
+    for b in rec["budgets"]:
+        readings.append(reading_budget(b, rec["cases"]))
+        rows = []
+        for label, sc in (b.get("check") or {}).items():
+            c0 = sc["cases"][0]
+            rows.append([label if label == b["plan_label"] else f"uniform {label}" + (" (best that fits)" if label == b["best_uniform"] else ""),
+                         pct(c0["stored_ratio"]), pct(c0["relative_nll_increase"], True, 2), f"{c0['agreement']:.3f}", f"{c0['kl']:.4f}",
+                         _ci_text(sc["relative_nll_increase"], True), _ci_text(sc["agreement"], False)])
+        body += f"<h3>budget {html.escape(b['budget'])}</h3><p>{html.escape(readings[-1])}</p>"
+        if rows:
+            body += _table(["setting", "stored", "NLL + (capture)", "top-1 (capture)", "KL (capture)", f"NLL + mean [95%] ({len(rec['cases'])} cases)", "top-1 mean [95%]"], rows)
+        counts: dict[str, int] = {}
+        for specs in b["plan"].layers.values():
+            for s in specs * (facts.num_kv_heads if len(specs) == 1 else 1):
+                counts[s] = counts.get(s, 0) + 1
+        body += _table(["format in the plan", "KV heads"], sorted(([s, n] for s, n in counts.items()), key=lambda r: -r[1]))
+    cmd = f"kvtool recommend {capture} --budget 15% -o plan.json && kvtool compress {capture} --plan plan.json -o out.safetensors"
+    body += f"<p class=\"muted\">Reproduce a plan: <code>{html.escape(cmd)}</code>. Cases: {html.escape(', '.join(rec['cases']) or 'none (no model check)')}.</p>"
+    sections.append(_section("recommend", "Recommendation per budget", " ".join(readings[:2]) if readings else "No budgets.", body))
+    if bench_docs:
+        body = ""
+        for doc in bench_docs:
+            recs = [r for r in doc["records"] if r.get("median_us")]
+            if recs:
+                body += _img(fig_png(bench_figure(recs)), f"bench {doc.get('subcommand')}"); figures += 1
+            env = doc.get("env") or {}
+            body += f"<p class=\"muted\">{html.escape(doc['_path'])}: {html.escape(str(doc.get('command', '')))} on {html.escape(str(env.get('device', '?')))}, {html.escape(str(doc.get('date', '')))}</p>"
+        sections.append(_section("kernels", "Kernel timings", reading_bench(bench_docs), body))
+    else:
+        sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench attention --json att.json on a GPU and pass --bench att.json.", ""))
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    nav = "".join(f'<a href="#{s}">{s}</a>' for s in SECTIONS)
+    doc = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>kvtool report: {html.escape(capture.name)}</title>"
+           f"<style>{CSS}</style></head><body><h1>KV-cache report: {html.escape(capture.name)}</h1>"
+           f"<p class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s.</p><nav>{nav}</nav>"
+           + "".join(sections) + "</body></html>\n")
+    summary = {"sections": list(SECTIONS), "figures": figures, "seconds": rec["seconds"], "cases": rec["cases"],
+               "budgets": [{"budget": b["budget"], "stored_ratio": b["predicted"]["exact_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)]}
+    return doc, summary
+
+
+def _ci_text(iv: dict[str, Any], as_pct: bool) -> str:
+    if not iv or iv.get("mean") is None:
+        return "-"
+    f = (lambda v: pct(v, True, 2)) if as_pct else (lambda v: f"{v:.3f}")
+    return f(iv["mean"]) if iv["n"] < 2 else f"{f(iv['mean'])} [{f(iv['lo'])}, {f(iv['hi'])}]"

@@ -1,0 +1,197 @@
+"""``kvtool recommend``: a compression plan per layer / KV head for a byte budget, checked on the model."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kvtool.core.errors import UsageError
+from kvtool.formats.plan import save_plan
+from kvtool.commands._common import (
+    CaptureArg,
+    DebugOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+)
+from kvtool.commands.verify import THRESHOLD_HELP
+
+ORDER = 52
+SHORT_HELP = "A compression plan per layer / KV head for a byte budget"
+
+
+def parse_nll_gate(text: str | None) -> tuple[float, bool] | None:
+    """``1%`` -> (0.01, relative); ``0.05`` -> (0.05, nats/token)."""
+    if text is None:
+        return None
+    t = text.strip()
+    rel = t.endswith("%")
+    try:
+        value = float(t[:-1] if rel else t)
+    except ValueError:
+        raise UsageError(f"--max-nll-increase must be a number (nats/token) or a share like 1%, got {text!r}") from None
+    return (value / 100 if rel else value), rel
+
+
+def plan_paths(output: Path, budgets: list[dict[str, Any]]) -> list[Path]:
+    if len(budgets) == 1:
+        return [output]
+    return [output.with_name(f"{output.stem}-{100 * b['fraction']:.0f}{output.suffix or '.json'}") for b in budgets]
+
+
+def _pct(v: float | None, signed: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:+.2f}%" if signed else f"{100 * v:.1f}%"
+
+
+def _ci(iv: dict[str, Any], pct: bool = True, signed: bool = True) -> str:
+    if not iv or iv.get("mean") is None:
+        return "-"
+    f = (lambda v: _pct(v, signed)) if pct else (lambda v: f"{v:.3f}")
+    if iv["n"] < 2:
+        return f(iv["mean"])
+    return f"{f(iv['mean'])} [{f(iv['lo'])}, {f(iv['hi'])}]"
+
+
+def gate(result: dict[str, Any], limit: tuple[float, bool] | None) -> list[str]:
+    """Lines for each budget whose plan misses ``--max-nll-increase`` (mean over the cases)."""
+    if limit is None:
+        return []
+    value, rel = limit
+    missed = []
+    for b in result["budgets"]:
+        check = (b.get("check") or {}).get(b.get("plan_label"))
+        if check is None:
+            continue
+        got = check["relative_nll_increase" if rel else "nll_increase"]["mean"]
+        if not got <= value:
+            unit = f"{100 * got:.2f}% > {100 * value:g}%" if rel else f"{got:.4g} > {value:g} nats/token"
+            missed.append(f"budget {b['budget']}: plan's NLL increase {unit} (--max-nll-increase)")
+    return missed
+
+
+def print_result(result: dict[str, Any], paths: list[Path]) -> None:
+    s = result["sensitivity"]
+    console.print(
+        f"[bold]{Path(result['capture']).name}[/bold]: {result['model_facts']['name']}, {len(result['menu'])} candidates x "
+        f"{s['groups']} {'KV heads' if result['per_head'] else 'layers'}, sensitivity on {result['heldout']} held-out queries "
+        f"over {s['prefix_tokens']} prefix tokens, calibrated on the {'prompt' if result['calibrate'] == 'prefix' else 'held-out'} queries ({s['seconds']} s)"
+    )
+    for b, path in zip(result["budgets"], paths):
+        console.print(f"\n[bold]budget {b['budget']}[/bold] = {100 * b['fraction']:.2f}% of the dense bytes ({b['how']})")
+        plan = b["plan"]
+        counts: dict[str, int] = {}
+        for i, specs in plan.layers.items():
+            for sp in specs * (result["model_facts"]["num_kv_heads"] if len(specs) == 1 else 1):
+                counts[sp] = counts.get(sp, 0) + 1
+        rows = [(sp, n, ", ".join(str(i) for i, specs in sorted(plan.layers.items()) if sp in specs)) for sp, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        console.print(make_table(f"plan: {100 * b['predicted']['exact_ratio']:.2f}% of the dense bytes, predicted loss {b['predicted']['loss']:.4g}",
+                                 ["format", "KV heads", "layers"], rows))
+        check = b.get("check")
+        if check:
+            cases = result["cases"]
+            cols = ["format", "stored %", f"NLL + ({cases[0]})", f"top-1 ({cases[0]})", f"KL ({cases[0]})"]
+            if len(cases) > 1:
+                cols += [f"NLL + mean [95%] ({len(cases)} texts)", "top-1 mean [95%]"]
+            table_rows = []
+            for label, sc in check.items():
+                c0 = sc["cases"][0]
+                name = label if label == b["plan_label"] else f"uniform {label}" + (" (best within budget)" if label == b["best_uniform"] else (" (cheapest with >= the plan's bytes)" if label == b.get("uniform_above") else ""))
+                row = [name, f"{100 * c0['stored_ratio']:.2f}", _pct(c0["relative_nll_increase"], True), f"{c0['agreement']:.3f}", f"{c0['kl']:.4f}"]
+                if len(cases) > 1:
+                    row += [_ci(sc["relative_nll_increase"]), _ci(sc["agreement"], pct=False)] if len(sc["cases"]) > 1 else ["-", "-"]
+                table_rows.append(row)
+            console.print(make_table(f"model check on {result['model']} (continuation of {result['heldout']} tokens)", cols, table_rows))
+        else:
+            fit = sorted(b["uniform"], key=lambda r: r["loss"])[:3]
+            if fit:
+                console.print(make_table("best uniform settings that fit (predicted)", ["setting", "stored %", "loss"],
+                                         [(r["spec"], f"{100 * r['ratio']:.2f}", r["loss"]) for r in fit]))
+        console.print(f"wrote {path}   (apply: kvtool compress {result['capture']} --plan {path} -o out.safetensors)")
+    if result.get("model_skipped"):
+        console.print(f"model check skipped: {result['model_skipped']}")
+    if result.get("dropped"):
+        console.print("candidates dropped: " + "; ".join(f"{k} ({v})" for k, v in result["dropped"].items()))
+    console.print(f"{result['seconds']} s in all")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(
+        "recommend",
+        help="Choose a compression plan per layer and KV head for a byte budget: every candidate setting of every "
+        "format (KIVI bits, bitmap sparsities, bitmapq, sign-VQ, page selection, SnapKV eviction, eviction + "
+        "quantisation) is scored on each layer and KV head with queries it never saw (the prompt's last tokens), each "
+        "layer weighted by its measured cost on the model; a knapsack picks the least loss that fits the "
+        "budget, and the plan is checked on the model (NLL, top-1 agreement, KL) against the best uniform setting "
+        "that fits, on the capture's continuation and the shipped held-out texts (mean and 95% interval). Writes "
+        "plan.json for `kvtool compress --plan`.",
+        epilog=example_epilog(
+            "kvtool recommend cap.safetensors --budget 15%",
+            "kvtool recommend cap.safetensors --budget 2GiB --batch 16 --context 32k -o plan.json",
+            "kvtool recommend cap.safetensors --budget 15% --budget 25% --max-nll-increase 1% --json   # CI gate",
+        ),
+    )
+    @kvtool_command
+    def recommend(
+        capture: CaptureArg,
+        budget: Annotated[list[str], typer.Option("--budget", "-b", help="Share of the dense KV bytes (15%, 0.15) or a size (2GiB) with --batch/--context; repeatable.")],
+        batch: Annotated[int | None, typer.Option(help="Sequences served at once (for a size budget).", min=1)] = None,
+        context: Annotated[str | None, typer.Option(help="Tokens per sequence, e.g. 32k (for a size budget).")] = None,
+        output: Annotated[Path, typer.Option("--output", "-o", help="Plan file (several budgets: NAME-15.json, ...).", dir_okay=False)] = Path("plan.json"),
+        heldout: Annotated[int, typer.Option(help="Last tokens kept dense; their queries score the candidates and the model scores their continuation.")] = 64,
+        per_head: Annotated[bool, typer.Option("--per-head/--per-layer", help="Choose per KV head (default) or one setting per layer.")] = True,
+        menu_opt: Annotated[str | None, typer.Option("--menu", help="Candidate families, comma-separated: dense,quant,bitmap,bitmapq,signvq,pagestat,evict,pipeline (default: all).")] = None,
+        model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the check (default: the embedded one when the capture came from it).")] = None,
+        no_model: Annotated[bool, typer.Option("--no-model", help="Skip the model check (predicted costs only).")] = False,
+        texts: Annotated[list[Path] | None, typer.Option("--texts", help="Your own held-out text files for the model check (default: kvtool's shipped prose, code and dialogue).")] = None,
+        no_texts: Annotated[bool, typer.Option("--no-texts", help="Check on the capture's own continuation only.")] = False,
+        calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
+        no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
+        threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
+        uniform_checks: Annotated[int, typer.Option(help="Uniform settings that fit the budget checked on the model (lowest predicted loss first).")] = 3,
+        max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
+        force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
+        json_out: JsonOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        from kvtool.analysis.advisor import recommend_capture  # deferred: start-up time
+        from kvtool.core import io  # deferred: start-up time
+
+        limit = parse_nll_gate(max_nll_increase)
+        if limit is not None and no_model:
+            raise UsageError("--max-nll-increase needs the model check; drop --no-model")
+        families = [f.strip() for f in menu_opt.split(",") if f.strip()] if menu_opt else None
+        started = time.perf_counter()
+        progress = None if json_out else (lambda msg: print(f"[{time.perf_counter() - started:5.0f} s] {msg}", file=sys.stderr, flush=True))
+        if not capture.exists():
+            raise UsageError(f"capture {capture}: no such file")
+        if len(budget) == 1:
+            io.check_output(output, force)
+        result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, not no_model,
+                                   texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads)
+        if limit is not None and result["model"] is None:
+            raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
+        paths = plan_paths(output, result["budgets"])
+        for b, path in zip(result["budgets"], paths):
+            if len(paths) > 1:
+                io.check_output(path, force)
+            save_plan(b["plan"], path, force=True)
+        missed = gate(result, limit)
+        if json_out:
+            out = {**result, "budgets": [{**{k: v for k, v in b.items() if k != "plan"}, "plan": b["plan"].to_dict(), "plan_file": str(p)}
+                                        for b, p in zip(result["budgets"], paths)], "gate": {"missed": missed, "passed": not missed}}
+            emit_json(out)
+        else:
+            print_result(result, paths)
+            for line in missed:
+                console.print(f"[red]missed:[/red] {line}")
+        if missed:
+            raise typer.Exit(1)
