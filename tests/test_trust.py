@@ -76,3 +76,71 @@ def test_model_path_from_metadata_must_be_plain_local_folder(tmp_path):
         else:
             with pytest.raises(UsageError):
                 model_spec(cache, tmp_path / "x")
+
+
+# ----------------------------------------------------------------------------- inputs are never outputs
+
+
+@pytest.fixture()
+def capture_and_compressed(tmp_path):
+    cap = tmp_path / "cap.safetensors"
+    io.save(synthetic_cache(tokens=96), cap)
+    comp = tmp_path / "cap.bitmap.safetensors"
+    assert runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--heldout", "16", "-o", str(comp)]).exit_code == 0
+    return cap, comp
+
+
+def _commands(cap: Path, comp: Path, out: Path) -> list[list[str]]:
+    return [
+        ["compress", str(cap), "--format", "bitmap", "--heldout", "16", "-o", str(out), "--force"],
+        ["prune", str(cap), "--sparsity", "0.5", "-o", str(out), "--force"],
+        ["decompress", str(comp), "-o", str(out), "--force"],
+        ["export", str(comp), "--to", "paged", "-o", str(out), "--force"],
+    ]
+
+
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_output_that_is_an_input_is_refused_even_with_force(tmp_path, capture_and_compressed, how):
+    cap, comp = capture_and_compressed
+    for args in _commands(cap, comp, tmp_path / "placeholder"):
+        source = Path(args[1])
+        before = source.read_bytes()
+        out = source if how == "same" else tmp_path / f"alias-{how}"
+        if how == "symlink":
+            out.symlink_to(source)
+        elif how == "hardlink":
+            os.link(source, out)
+        args = [a if a != str(tmp_path / "placeholder") else str(out) for a in args]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "is the input" in res.output
+        assert source.read_bytes() == before, args
+        if how != "same":
+            out.unlink()
+
+
+def test_library_functions_refuse_their_input(capture_and_compressed):
+    from kvtool.core.errors import UsageError
+    from kvtool.formats.files import compress_file, decompress_file
+    from kvtool.methods.prune import prune_file
+
+    cap, comp = capture_and_compressed
+    with pytest.raises(UsageError):
+        compress_file(cap, "bitmap", output=cap, heldout=16, force=True)
+    with pytest.raises(UsageError):
+        decompress_file(comp, comp, force=True)
+    with pytest.raises(UsageError):
+        prune_file(cap, output=cap, sparsity=0.5, force=True)
+
+
+def test_non_regular_destination_is_refused(tmp_path, capture_and_compressed):
+    cap, comp = capture_and_compressed
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for args in _commands(cap, comp, fifo):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "not a regular file" in res.output
+        assert fifo.is_fifo()
+    res = runner.invoke(app, ["decompress", str(comp), "-o", "/dev/null", "--force"])
+    assert res.exit_code == 2

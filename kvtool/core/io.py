@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,13 +44,38 @@ LAYER_PARTS = ("keys", "values", "queries", "hidden")
 # ----------------------------------------------------------------------------- atomic writes
 
 
-def check_output(path: str | Path, force: bool) -> Path:
-    """Refuse to overwrite an existing file unless ``force``; check the folder exists."""
+def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None, ...] | list = ()) -> Path:
+    """Check that ``path`` may be written; return it as a Path.
+
+    Refused with UsageError (exit 2), ``force`` or not: an output that is one of ``inputs`` (the same
+    file by device and inode, so a symlink or hard link to an input counts), an existing destination
+    that is not a regular file (a folder, FIFO, device, socket), a missing or read-only folder. An
+    existing regular file is refused (OutputExistsError) unless ``force``."""
     path = Path(path)
-    if path.exists() and not force:
-        raise OutputExistsError(path)
-    if path.exists() and path.is_dir():
-        raise UsageError(f"{path} is a folder, not a file")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise UsageError(f"cannot check the output {path} ({exc.strerror or exc})") from None
+    if st is not None:
+        for source in inputs:
+            if source is None:
+                continue
+            try:
+                other = os.stat(source)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino):
+                raise UsageError(f"the output {path} is the input {source} (the same file); choose another output")
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{path} is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{path} exists and is not a regular file (a FIFO, device or socket); choose another output")
+        if not force:
+            raise OutputExistsError(path)
+    elif path.is_symlink():
+        raise UsageError(f"{path} is a symlink to a missing file; choose another output")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise UsageError(f"the folder {parent} does not exist")

@@ -203,7 +203,7 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
     output = Path(output) if output is not None else default_output(source, target)
     if output.resolve() == source.resolve():
         raise UsageError(f"the output {output} is the input; choose another -o")
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(source,))
     if target == "paged":
         layout = check_layout(page_size, layout)
     if target in TABLE_TARGETS:

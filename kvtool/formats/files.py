@@ -37,7 +37,7 @@ def compress_file(
     a unit per layer."""
     fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(capture,))
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
@@ -102,6 +102,18 @@ def decompress_cache(cc: CompressedCache) -> KVCache:
         dtype = cc.facts.torch_dtype
         layers[i] = LayerKV(keys=keys.to(dtype).contiguous(), values=values.to(dtype).contiguous())
     return KVCache(cc.facts, layers, cc.token_ids, {})
+
+
+def decompress_file(compressed: Path, output: Path | None = None, force: bool = False) -> tuple[KVCache, Path]:
+    """Decode a compressed file and write the dense capture (default ``NAME.dense.safetensors``);
+    returns (capture, path). The output may not be the input, ``force`` or not."""
+    output = output or compressed.with_name(f"{compressed.stem}.dense.safetensors")
+    io.check_output(output, force, inputs=(compressed,))
+    cc = load_compressed(compressed)
+    cache = decompress_cache(cc)
+    cache.info = {"decompressed_from": str(compressed), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
+    path = io.save(cache, output, force=force)
+    return cache, path
 
 
 def read_kv_file(path: Path) -> KVCache | CompressedCache:
