@@ -144,3 +144,123 @@ def test_non_regular_destination_is_refused(tmp_path, capture_and_compressed):
         assert fifo.is_fifo()
     res = runner.invoke(app, ["decompress", str(comp), "-o", "/dev/null", "--force"])
     assert res.exit_code == 2
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def flip_bit(path: Path, name: str, bit: int = 0) -> None:
+    """Flip one bit of tensor ``name``'s payload (``bit`` counts from its first byte)."""
+    meta, _ = io.read_header(path)
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8:8 + n])
+    start = 8 + n + header[name]["data_offsets"][0]
+    data = bytearray(path.read_bytes())
+    data[start + bit // 8] ^= 1 << (bit % 8)
+    path.write_bytes(bytes(data))
+
+
+def test_every_written_file_carries_checksums(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    paged = tmp_path / "p.safetensors"
+    assert runner.invoke(app, ["export", str(comp), "--to", "paged", "-o", str(paged)]).exit_code == 0
+    for path in (cap, comp, paged):
+        meta, entries = io.read_header(path)
+        table = json.loads(meta[io.CHECKSUM_KEY])
+        assert table["algorithm"] == "crc32" and set(table["tensors"]) == set(entries)
+
+
+def test_flipped_bit_in_any_payload_is_caught_naming_the_tensor(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    _, entries = io.read_header(comp)
+    for name in sorted(entries):
+        bad = tmp_path / "bad.safetensors"
+        bad.write_bytes(comp.read_bytes())
+        flip_bit(bad, name, bit=3)
+        for args in (["decompress", str(bad), "-o", str(tmp_path / "o.safetensors"), "--force"],
+                     ["export", str(bad), "--to", "paged", "-o", str(tmp_path / "o.safetensors"), "--force"],
+                     ["verify", str(bad), "--capture", str(cap), "--no-model"],
+                     ["info", str(bad)]):
+            res = runner.invoke(app, args)
+            assert res.exit_code == 1, (name, args, res.output)
+            assert f"'{name}' fails its checksum" in res.output, (name, args, res.output)
+            assert "Traceback" not in res.output
+    bad = tmp_path / "badcap.safetensors"
+    bad.write_bytes(cap.read_bytes())
+    flip_bit(bad, "layers.1.values", bit=77)
+    for args in (["info", str(bad)], ["compress", str(bad), "--format", "quant", "-o", str(tmp_path / "q.safetensors"), "--force"], ["stats", str(bad)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1 and "'layers.1.values' fails its checksum" in res.output, (args, res.output)
+
+
+def test_no_verify_checksums_and_old_files(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(cap.read_bytes())
+    flip_bit(bad, "layers.0.keys", bit=1)  # a low mantissa bit: still a valid capture, just wrong
+    assert runner.invoke(app, ["info", str(bad)]).exit_code == 1
+    assert runner.invoke(app, ["--no-verify-checksums", "info", str(bad)]).exit_code == 0
+    # files from before checksums (no kvtool.checksums key) still load
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(cap), "pt") as fh:
+        meta = {k: v for k, v in fh.metadata().items() if k != io.CHECKSUM_KEY}
+        tensors = {n: fh.get_tensor(n) for n in fh.keys()}
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata=meta)
+    assert runner.invoke(app, ["info", str(old)]).exit_code == 0
+    assert io.load(old).num_tokens == 96
+
+
+def test_flipped_metadata_is_caught(capture_and_compressed, tmp_path):
+    _, comp = capture_and_compressed
+    data = comp.read_bytes()
+    old = b'prefix_tokens\\": 80'
+    at = data.index(old)
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(data[:at] + old.replace(b"80", b"81") + data[at + len(old):])
+    res = runner.invoke(app, ["info", str(bad)])
+    assert res.exit_code == 1 and "metadata fails its checksum" in res.output
+
+
+def test_bitmap_popcount_change_hidden_by_padding_is_caught(tmp_path):
+    """One bitmap bit flipped with the file's checksums recomputed: the per-element check sees it."""
+    from kvtool.core.errors import BadDataError
+    from kvtool.formats.base import load_compressed
+
+    cap = tmp_path / "cap.safetensors"
+    io.save(synthetic_cache(tokens=150, head_dim=64), cap)
+    comp = tmp_path / "c.safetensors"
+    assert runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--heldout", "16", "-o", str(comp)]).exit_code == 0
+    meta, _ = io.read_header(comp)
+    tensors = io.read_tensors(comp)
+    bm = tensors["layers.0.keys.bitmaps"]
+    caught = 0
+    for word in range(0, 64, 7):
+        t = dict(tensors)
+        flat = bm.clone().reshape(-1)
+        flat[word] ^= 1 << 5
+        t["layers.0.keys.bitmaps"] = flat.reshape(bm.shape)
+        out = tmp_path / f"flip{word}.safetensors"
+        io.write_safetensors(out, t, {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY})
+        with pytest.raises(BadDataError, match="keys"):
+            load_compressed(out)
+        caught += 1
+    assert caught == 10
+
+
+def test_quant_negative_scale_is_refused(tmp_path):
+    from kvtool.core.errors import BadDataError
+    from kvtool.formats.base import load_compressed
+
+    cap = tmp_path / "cap.safetensors"
+    io.save(synthetic_cache(tokens=96), cap)
+    comp = tmp_path / "q.safetensors"
+    assert runner.invoke(app, ["compress", str(cap), "--format", "quant", "--heldout", "16", "-o", str(comp)]).exit_code == 0
+    meta, _ = io.read_header(comp)
+    tensors = io.read_tensors(comp)
+    tensors["layers.0.scales.keys"] = -tensors["layers.0.scales.keys"].abs() - 0.5
+    io.write_safetensors(comp, tensors, {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY}, force=True)
+    with pytest.raises(BadDataError, match="negative scales"):
+        load_compressed(comp)

@@ -8,7 +8,12 @@ A capture file holds tensors ``layers.{i}.keys`` / ``.values`` ``[B, Hkv, T, D]`
 - ``kvtool.version``: the writer's version;
 - ``kvtool.model``: JSON of :class:`~kvtool.core.cache.ModelFacts`;
 - ``kvtool.layers``: JSON list of the captured layer indices;
-- ``kvtool.info``: JSON of the capture settings.
+- ``kvtool.info``: JSON of the capture settings;
+- ``kvtool.checksums``: JSON ``{"algorithm": "crc32", "metadata": HEX, "tensors": {name: HEX}}``, the
+  CRC-32 of every tensor's bytes and of the other metadata, written by every kvtool writer
+  (:func:`write_safetensors`) and checked by every reader (:func:`read_header`, :func:`read_tensors`)
+  unless :func:`set_verify_checksums` turned it off (``--no-verify-checksums``,
+  ``KVTOOL_NO_VERIFY_CHECKSUMS=1``). Files without the key (older kvtool) load unchecked.
 
 docs/formats.md is the byte-level specification.
 """
@@ -21,6 +26,7 @@ import json
 import os
 import stat
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -126,11 +132,82 @@ def atomic_write_text(path: str | Path, text: str, force: bool = False) -> Path:
     return atomic_write_bytes(path, text.encode(), force=force)
 
 
+CHECKSUM_KEY = "kvtool.checksums"
+CHECKSUM_ALGORITHM = "crc32"
+_verify_checksums = True
+
+
+def set_verify_checksums(on: bool) -> None:
+    """Turn checking of ``kvtool.checksums`` on load on or off (the CLI's ``--no-verify-checksums``)."""
+    global _verify_checksums
+    _verify_checksums = on
+
+
+def verifying_checksums() -> bool:
+    return _verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
+
+
+def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes as stored (any dtype), continuing from ``crc``."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return crc
+    return zlib.crc32(flat.view(torch.uint8).numpy(), crc)
+
+
+def metadata_crc32(metadata: dict[str, str]) -> int:
+    """CRC-32 of every metadata entry except the checksums themselves (keys sorted, JSON text)."""
+    rest = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
+
+
+def checksum_metadata(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """The ``kvtool.checksums`` value for ``tensors`` (contiguous, CPU) and ``metadata``."""
+    return json.dumps({
+        "algorithm": CHECKSUM_ALGORITHM,
+        "metadata": f"{metadata_crc32(metadata):08x}",
+        "tensors": {name: f"{tensor_crc32(t):08x}" for name, t in tensors.items()},
+    })
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False) -> Path:
-    """Save ``tensors`` with string ``metadata`` atomically. Tensors are made contiguous on the CPU."""
+    """Save ``tensors`` with string ``metadata`` atomically, with ``kvtool.checksums`` added.
+    Tensors are made contiguous on the CPU."""
     clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    metadata = {**metadata, CHECKSUM_KEY: checksum_metadata(clean, metadata)}
     data = st_save_bytes(clean, metadata=metadata)
     return atomic_write_bytes(path, data, force=force)
+
+
+def read_checksums(path: Path, meta: dict[str, str]) -> dict[str, str] | None:
+    """``{tensor name: hex}`` from the file's ``kvtool.checksums`` (after checking the metadata's own
+    checksum), or None when the file has none or checking is off. BadDataError if malformed or wrong."""
+    if CHECKSUM_KEY not in meta or not verifying_checksums():
+        return None
+    try:
+        data = json.loads(meta[CHECKSUM_KEY])
+    except (json.JSONDecodeError, RecursionError):
+        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not valid JSON (the header is corrupted)") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("algorithm") != CHECKSUM_ALGORITHM
+        or not isinstance(data.get("tensors"), dict)
+        or not all(isinstance(v, str) for v in data["tensors"].values())
+    ):
+        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not a {CHECKSUM_ALGORITHM} checksum table (the header is corrupted)")
+    if data.get("metadata") != f"{metadata_crc32(meta):08x}":
+        raise BadDataError(f"{path}: the metadata fails its checksum (the header is corrupted); --no-verify-checksums skips the check")
+    return data["tensors"]
+
+
+def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | None, crc: int) -> None:
+    if checksums is None:
+        return
+    want = checksums.get(name)
+    if want is None:
+        raise BadDataError(f"{path}: tensor {name!r} has no checksum in {CHECKSUM_KEY} (the header is corrupted)")
+    if want != f"{crc:08x}":
+        raise BadDataError(f"{path}: tensor {name!r} fails its checksum (its bytes are corrupted); --no-verify-checksums skips the check")
 
 
 def sha256_file(path: str | Path) -> str:
@@ -167,9 +244,17 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
         raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadDataError(f"{path}: not a safetensors file (header is not JSON)") from None
+    except RecursionError:
+        raise BadDataError(f"{path}: not a safetensors file (header nests too deeply)") from None
     if not isinstance(header, dict):
         raise BadDataError(f"{path}: not a safetensors file (header is not an object)")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BadDataError(f"{path}: not a safetensors file (its metadata is not a table of strings)")
+    checksums = read_checksums(path, meta)
+    if checksums is not None and set(checksums) != set(header):
+        odd = sorted(set(checksums) ^ set(header))[0]
+        raise BadDataError(f"{path}: tensor {odd!r} is missing from the file or from {CHECKSUM_KEY} (the header is corrupted)")
     entries: dict[str, tuple[str, list[int]]] = {}
     end = 0
     for name, spec in header.items():
@@ -184,14 +269,26 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
 
 
 def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Load tensors (all, or ``names``) from a safetensors file, CPU."""
+    """Load tensors (all, or ``names``) from a safetensors file, CPU, each checked against its
+    ``kvtool.checksums`` entry (BadDataError naming the tensor on a mismatch)."""
+    path = Path(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
-            return {name: fh.get_tensor(name) for name in (names if names is not None else fh.keys())}
+            meta = fh.metadata() or {}
+            checksums = read_checksums(path, meta)
+            out = {}
+            for name in names if names is not None else fh.keys():
+                out[name] = fh.get_tensor(name)
+                if checksums is not None:
+                    check_tensor_checksum(path, name, checksums, tensor_crc32(out[name]))
+            if checksums is not None and set(checksums) - set(fh.keys()):
+                extra = sorted(set(checksums) - set(fh.keys()))[0]
+                raise BadDataError(f"{path}: {CHECKSUM_KEY} names tensor {extra!r}, which the file lacks (the header is corrupted)")
+            return out
     except BadDataError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt data
-        raise BadDataError(f"{path}: cannot read tensors ({exc})") from exc
+        raise BadDataError(f"{path}: cannot read tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
 
 
 def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = ...) -> Any:

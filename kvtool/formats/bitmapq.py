@@ -222,6 +222,8 @@ class BitmapQFormat(Format):
                     raise BadDataError(f"{part}.{kind} should be {m['scale_dtype']} [{groups}] (groups the bitmap implies)")
                 if not bool(torch.isfinite(ts[part].float()).all()):
                     raise BadDataError(f"{part}.{kind} holds non-finite numbers")
+            if bool((ts["scales"].float() < 0).any()):
+                raise BadDataError(f"scales.{kind} holds negative scales")
 
     def report(self, cc, source=None) -> dict[str, Any]:
         encs = list(cc.layers.values())

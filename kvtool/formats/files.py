@@ -163,6 +163,10 @@ def check_all_layers(layer_indices: list[int], num_layers: int, path: Path) -> N
 def file_info(path: Path) -> dict[str, Any]:
     """Schema, model facts, tensors and totals; for compressed files also bytes by part and ratio."""
     data = io.describe(path)
+    if data["schema"] == io.CAPTURE_SCHEMA:
+        io.load(path)  # validated like every other command reads it: shapes, checksums, finite data
+    elif data["schema"] == io.PAGED_SCHEMA:
+        io.read_tensors(path)  # checksums
     if data["schema"] == io.COMPRESSED_SCHEMA:
         cc = load_compressed(path)
         data["compression"] = build_report(cc)
