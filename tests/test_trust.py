@@ -264,3 +264,33 @@ def test_quant_negative_scale_is_refused(tmp_path):
     io.write_safetensors(comp, tensors, {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY}, force=True)
     with pytest.raises(BadDataError, match="negative scales"):
         load_compressed(comp)
+
+
+# ----------------------------------------------------------------------------- finite data
+
+
+@pytest.mark.parametrize("fmt", ["bitmap", "quant", "signvq", "pagestat"])
+def test_nonfinite_capture_is_refused_unless_allowed(tmp_path, fmt):
+    cache = synthetic_cache(tokens=96, head_dim=16)
+    cache.layers[1].keys[0, 0, 5, :3] = float("nan")
+    cache.layers[1].keys[0, 1, 7, 0] = float("inf")
+    cap = tmp_path / "nan.safetensors"
+    io.save(cache, cap)
+    out = tmp_path / "out.safetensors"
+    res = runner.invoke(app, ["compress", str(cap), "--format", fmt, "--heldout", "16", "-o", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "'layers.1.keys' holds 4 NaN or infinite values" in res.output
+    assert not out.exists()
+    assert runner.invoke(app, ["info", str(cap)]).exit_code == 1
+    assert runner.invoke(app, ["--allow-nonfinite", "info", str(cap)]).exit_code == 0
+    assert io.load(cap, allow_nonfinite=True).num_tokens == 96
+
+
+def test_nonfinite_compressed_file_is_refused(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    meta, _ = io.read_header(comp)
+    tensors = io.read_tensors(comp)
+    tensors["tails.0.values"][0, 0, 0, 0] = float("nan")
+    io.write_safetensors(comp, tensors, {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY}, force=True)
+    res = runner.invoke(app, ["verify", str(comp), "--capture", str(cap), "--no-model"])
+    assert res.exit_code == 1 and "'tails.0.values' holds 1 NaN" in res.output, res.output

@@ -147,6 +147,29 @@ def verifying_checksums() -> bool:
     return _verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
 
 
+_allow_nonfinite = False
+
+
+def set_allow_nonfinite(on: bool) -> None:
+    """Let loads accept NaN/infinite tensor values (the CLI's ``--allow-nonfinite``)."""
+    global _allow_nonfinite
+    _allow_nonfinite = on
+
+
+def check_finite(path: Path | str, tensors: dict[str, torch.Tensor], allow: bool | None = None) -> None:
+    """BadDataError naming the first floating tensor that holds NaN or infinite values, and how
+    many, unless ``allow`` (default: :func:`set_allow_nonfinite`'s setting) or KVTOOL_ALLOW_NONFINITE=1."""
+    if allow is None:
+        allow = _allow_nonfinite or os.environ.get("KVTOOL_ALLOW_NONFINITE", "") not in ("", "0")
+    if allow:
+        return
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise BadDataError(f"{path}: tensor {name!r} holds {bad} NaN or infinite values of {t.numel()}; kvtool --allow-nonfinite accepts them")
+
+
 def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes as stored (any dtype), continuing from ``crc``."""
     flat = tensor.detach().reshape(-1)
@@ -395,12 +418,13 @@ def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
                 raise BadDataError(f"{path}: layers.{i}.{part} is {tensor.dtype}, the metadata says {f.dtype}")
 
 
-def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS) -> KVCache:
+def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS, allow_nonfinite: bool | None = None) -> KVCache:
     """Load and validate a capture file.
 
     ``layers`` restricts loading to those model layer indices; ``parts`` to some of keys, values,
     queries, hidden (keys and values are always loaded). Raises BadDataError naming the file and the
-    problem for anything that is not a valid capture."""
+    problem for anything that is not a valid capture, NaN/infinite values included unless
+    ``allow_nonfinite`` (default: the CLI's ``--allow-nonfinite``)."""
     path = Path(path)
     meta, entries = read_header(path)
     check_schema(path, meta, CAPTURE_SCHEMA)
@@ -430,6 +454,7 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     wanted = ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else [])
     wanted += [f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS if (p in parts or p in ("keys", "values")) and f"layers.{i}.{p}" in entries]
     tensors = read_tensors(path, wanted)
+    check_finite(path, tensors, allow_nonfinite)
     cache = KVCache(
         facts=facts,
         layers={

@@ -37,6 +37,7 @@ from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
+    check_finite,
     check_schema,
     facts_from_meta,
     parse_json_meta,
@@ -348,9 +349,10 @@ def save_compressed(cc: CompressedCache, path: str | Path, force: bool = False) 
     return write_safetensors(path, compressed_tensors(cc), meta, force=force)
 
 
-def load_compressed(path: str | Path) -> CompressedCache:
-    """Load and validate a compressed file: schema, model facts, tensor names, and the format's own
-    ``validate`` on every layer before any kernel or decoder touches the data."""
+def load_compressed(path: str | Path, allow_nonfinite: bool | None = None) -> CompressedCache:
+    """Load and validate a compressed file: schema, model facts, tensor names, checksums, finite
+    floating tensors (unless ``allow_nonfinite``), and the format's own ``validate`` on every layer
+    before any kernel or decoder touches the data."""
     path = Path(path)
     meta, entries = read_header(path)
     check_schema(path, meta, COMPRESSED_SCHEMA)
@@ -371,6 +373,7 @@ def load_compressed(path: str | Path) -> CompressedCache:
     if not isinstance(info, dict) or "prefix_tokens" not in info:
         raise BadDataError(f"{path}: kvtool.info lacks prefix_tokens")
     tensors = read_tensors(path)
+    check_finite(path, tensors, allow_nonfinite)
     layers: dict[int, Encoded] = {}
     tails: dict[int, LayerKV] = {}
     for i in indices:
