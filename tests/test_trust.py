@@ -294,3 +294,33 @@ def test_nonfinite_compressed_file_is_refused(capture_and_compressed, tmp_path):
     io.write_safetensors(comp, tensors, {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY}, force=True)
     res = runner.invoke(app, ["verify", str(comp), "--capture", str(cap), "--no-model"])
     assert res.exit_code == 1 and "'tails.0.values' holds 1 NaN" in res.output, res.output
+
+
+# ----------------------------------------------------------------------------- bounded work
+
+
+def test_source_path_naming_a_device_is_not_read(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    meta, _ = io.read_header(comp)
+    tensors = io.read_tensors(comp)
+    info = json.loads(meta["kvtool.info"])
+    info["source_path"] = "/dev/zero"
+    meta = {**meta, "kvtool.info": json.dumps(info)}
+    meta.pop(io.CHECKSUM_KEY)
+    io.write_safetensors(comp, tensors, meta, force=True)
+    res = run_kvtool("verify", str(comp), "--no-model")  # a subprocess: a hang would time out
+    assert res.returncode == 1 and "--capture" in res.stderr, res.stderr
+    res = runner.invoke(app, ["verify", str(comp), "--capture", "/dev/zero", "--no-model"])
+    assert res.exit_code == 1 and "not a regular file" in res.output, res.output
+
+
+def test_snapstream_budget_above_tokens_is_clamped(tmp_path):
+    cap = tmp_path / "cap.safetensors"
+    io.save(synthetic_cache(tokens=96), cap)
+    out = tmp_path / "s.safetensors"
+    res = runner.invoke(app, ["compress", str(cap), "--format", "snapstream", "--budget", "100000", "--heldout", "16", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    details = json.loads(res.stdout)["details"]
+    assert details["budget"] == 80 and details["budget_clamped_from"] == 100000
+    assert out.stat().st_size < 2 * cap.stat().st_size
+    assert runner.invoke(app, ["verify", str(out), "--capture", str(cap), "--no-model"]).exit_code == 0

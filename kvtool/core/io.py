@@ -234,11 +234,24 @@ def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | Non
 
 
 def sha256_file(path: str | Path) -> str:
+    """sha256 of a regular file (BadDataError for a FIFO, device or folder: no unbounded reads)."""
+    check_regular_file(path)
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def check_regular_file(path: str | Path) -> int:
+    """The size of ``path``; BadDataError unless it is an existing regular file (after symlinks)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadDataError(f"{path}: not a regular file")
+    return st.st_size
 
 
 # ----------------------------------------------------------------------------- reading
@@ -253,6 +266,7 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
         raise BadDataError(f"{path}: no such file")
     if path.is_dir():
         raise BadDataError(f"{path}: is a folder, not a kvtool file")
+    check_regular_file(path)
     try:
         with open(path, "rb") as fh:
             head = fh.read(8)
