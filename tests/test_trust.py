@@ -324,3 +324,99 @@ def test_snapstream_budget_above_tokens_is_clamped(tmp_path):
     assert details["budget"] == 80 and details["budget_clamped_from"] == 100000
     assert out.stat().st_size < 2 * cap.stat().st_size
     assert runner.invoke(app, ["verify", str(out), "--capture", str(cap), "--no-model"]).exit_code == 0
+
+
+# ----------------------------------------------------------------------------- bad data, one line
+
+
+PY_ERRORS = ("Traceback", "TypeError", "AttributeError", "RecursionError", "KeyError", "ValueError", "IndexError", "RuntimeError")
+
+
+def assert_one_line(res, code: int) -> None:
+    assert res.exit_code == code, res.output
+    lines = [l for l in res.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.output
+    assert not any(e in res.output for e in PY_ERRORS), res.output
+
+
+def rewrite(src: Path, dst: Path, meta_edit=None, tensor_edit=None) -> Path:
+    meta, _ = io.read_header(src)
+    meta = {k: v for k, v in meta.items() if k != io.CHECKSUM_KEY}
+    tensors = io.read_tensors(src)
+    if meta_edit:
+        meta_edit(meta)
+    if tensor_edit:
+        tensor_edit(tensors)
+    io.write_safetensors(dst, tensors, meta, force=True)
+    return dst
+
+
+def raw_header_edit(src: Path, dst: Path, edit) -> Path:
+    data = src.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    dst.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    return dst
+
+
+def test_wrong_typed_metadata_is_one_line(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+    cases = {
+        "model-string": lambda m: m.__setitem__("kvtool.model", json.dumps("llama")),
+        "model-list": lambda m: m.__setitem__("kvtool.model", json.dumps([1, 2])),
+        "heads-string": lambda m: m.__setitem__("kvtool.model", json.dumps({**json.loads(m["kvtool.model"]), "num_heads": "4"})),
+        "deep-info": lambda m: m.__setitem__("kvtool.info", "[" * 100_000 + "]" * 100_000),
+        "layers-string": lambda m: m.__setitem__("kvtool.layers", json.dumps("0,1")),
+    }
+    for label, edit in cases.items():
+        for src in (cap, comp):
+            bad = rewrite(src, tmp_path / f"{label}.safetensors", meta_edit=edit)
+            for args in (["info", str(bad)], ["decompress", str(bad), "-o", str(tmp_path / "o.safetensors"), "--force"] if src == comp else ["stats", str(bad)]):
+                assert_one_line(runner.invoke(app, args), 1)
+    deep = tmp_path / "deep.safetensors"
+    body = b"[" * 100_000 + b"]" * 100_000
+    deep.write_bytes(len(body).to_bytes(8, "little") + body)
+    assert_one_line(runner.invoke(app, ["info", str(deep)]), 1)
+
+
+def test_inconsistent_compressed_files_are_one_line(capture_and_compressed, tmp_path):
+    cap, comp = capture_and_compressed
+
+    def info_edit(key, value):
+        def edit(m):
+            info = json.loads(m["kvtool.info"])
+            info[key] = value
+            m["kvtool.info"] = json.dumps(info)
+        return edit
+
+    bad = [
+        rewrite(comp, tmp_path / "prefix.safetensors", meta_edit=info_edit("prefix_tokens", 70)),
+        rewrite(comp, tmp_path / "heldout.safetensors", meta_edit=info_edit("heldout", "16")),
+        rewrite(comp, tmp_path / "tail.safetensors", tensor_edit=lambda t: t.__setitem__("tails.0.keys", t["tails.0.keys"][:, :, :5].contiguous())),
+        rewrite(comp, tmp_path / "notail.safetensors", tensor_edit=lambda t: t.pop("tails.1.values")),
+        rewrite(comp, tmp_path / "lmeta.safetensors", meta_edit=lambda m: m.__setitem__("kvtool.layer_meta", json.dumps({"0": "x", "1": []}))),
+    ]
+    for path in bad:
+        for args in (["info", str(path)], ["verify", str(path), "--capture", str(cap), "--no-model"]):
+            assert_one_line(runner.invoke(app, args), 1)
+
+
+def test_bad_captures_are_one_line(tmp_path):
+    cap = tmp_path / "cap.safetensors"
+    io.save(synthetic_cache(tokens=32), cap)
+    int8 = rewrite(cap, tmp_path / "int8.safetensors", tensor_edit=lambda t: t.__setitem__("layers.0.keys", t["layers.0.keys"].to(torch.int8)))
+    novalues = rewrite(cap, tmp_path / "nov.safetensors", tensor_edit=lambda t: t.pop("layers.1.values"))
+
+    def empty(t):
+        for name in list(t):
+            t[name] = t[name][..., :0, :].contiguous() if name.startswith("layers.") else t[name][:, :0].contiguous()
+
+    zero = rewrite(cap, tmp_path / "zero.safetensors", tensor_edit=empty)
+    huge = raw_header_edit(cap, tmp_path / "huge.safetensors", lambda h: h["layers.0.keys"].__setitem__("shape", [1, 2, 1 << 40, 16]))
+    for path in (int8, novalues, zero, huge):
+        for cmd in ("info", "stats"):
+            assert_one_line(runner.invoke(app, [cmd, str(path)]), 1)
+    assert_one_line(runner.invoke(app, ["stats", str(cap), "--layers", "-1"]), 2)
+    assert_one_line(runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--layers", "-1", "-o", str(tmp_path / "x.safetensors")]), 2)

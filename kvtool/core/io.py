@@ -296,10 +296,18 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
     end = 0
     for name, spec in header.items():
         try:
-            entries[name] = (spec["dtype"], list(spec["shape"]))
-            end = max(end, int(spec["data_offsets"][1]))
+            dt, shape, (begin, stop) = spec["dtype"], list(spec["shape"]), spec["data_offsets"]
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, begin, stop]) or dt not in ITEMSIZE:
+                raise ValueError
         except (KeyError, TypeError, IndexError, ValueError):
             raise BadDataError(f"{path}: not a safetensors file (bad entry for {name!r})") from None
+        count = 1
+        for n_ in shape:
+            count *= n_
+        if stop - begin != count * ITEMSIZE[dt]:
+            raise BadDataError(f"{path}: tensor {name!r} of shape {shape} {ST_DTYPES.get(dt, dt)} needs {count * ITEMSIZE[dt]} bytes, the header gives it {stop - begin}")
+        entries[name] = (dt, shape)
+        end = max(end, stop)
     if 8 + n + end > size:
         raise BadDataError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
     return meta, entries
@@ -335,8 +343,10 @@ def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = .
         raise BadDataError(f"{path}: metadata key {key!r} is missing")
     try:
         return json.loads(meta[key])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         raise BadDataError(f"{path}: metadata {key!r} is not valid JSON") from None
+    except RecursionError:
+        raise BadDataError(f"{path}: metadata {key!r} nests too deeply") from None
 
 
 def check_schema(path: Path, meta: dict[str, str], expected: str | tuple[str, ...] = KNOWN_SCHEMAS) -> str:
@@ -357,15 +367,20 @@ def facts_from_meta(path: Path, meta: dict[str, str]) -> ModelFacts:
     data = parse_json_meta(path, meta, "kvtool.model")
     try:
         facts = ModelFacts.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        raise BadDataError(f"{path}: kvtool.model lacks {exc}") from None
+    except KeyError as exc:
+        raise BadDataError(f"{path}: kvtool.model lacks {exc.args[0]}") from None
+    except TypeError as exc:
+        raise BadDataError(f"{path}: kvtool.model {exc}") from None
     if facts.dtype not in DTYPES:
         raise BadDataError(f"{path}: kvtool.model dtype {facts.dtype!r} is not one of {', '.join(DTYPES)}")
+    if max(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers, facts.hidden_size) > 1 << 20:
+        raise BadDataError(f"{path}: kvtool.model sizes are implausible ({facts.num_layers} layers, {facts.num_heads} heads, head_dim {facts.head_dim})")
     if min(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers) <= 0 or facts.num_heads % facts.num_kv_heads:
         raise BadDataError(f"{path}: kvtool.model head counts are inconsistent ({facts.num_heads} heads, {facts.num_kv_heads} KV heads)")
     return facts
 
 
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F64": 8}
 ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
 
 
@@ -407,6 +422,10 @@ def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
     if cache.token_ids.ndim != 2:
         raise BadDataError(f"{path}: token_ids should be [batch, tokens], got shape {list(cache.token_ids.shape)}")
     b, t = cache.token_ids.shape
+    if b < 1 or t < 1:
+        raise BadDataError(f"{path}: the capture holds no tokens (token_ids has shape {[b, t]})")
+    if cache.token_ids.dtype != torch.int64:
+        raise BadDataError(f"{path}: token_ids is {cache.token_ids.dtype}, expected int64")
     if cache.attention_mask is not None and list(cache.attention_mask.shape) != [b, t]:
         raise BadDataError(f"{path}: attention_mask should be {[b, t]}, got {list(cache.attention_mask.shape)}")
     if not cache.layers:
@@ -495,7 +514,9 @@ def describe(path: str | Path) -> dict[str, Any]:
             decoded[key] = json.loads(value)
         except json.JSONDecodeError:
             decoded[key] = value
-    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "BOOL": 1, "F64": 8}
+        except RecursionError:
+            raise BadDataError(f"{path}: metadata {key!r} nests too deeply") from None
+    itemsize = ITEMSIZE
     tensors = []
     total = 0
     for name, (dt, shape) in sorted(entries.items(), key=lambda kv: _natural_key(kv[0])):

@@ -176,6 +176,8 @@ def export_table(source: Path, target: str, output: Path, force: bool = False) -
             raise BadDataError(f"{source}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadDataError(f"{source}: not a JSON file ({exc})") from None
+        except RecursionError:
+            raise BadDataError(f"{source}: the JSON nests too deeply") from None
         try:
             where, records = result_records(data)
         except BadDataError as exc:
