@@ -420,3 +420,62 @@ def test_bad_captures_are_one_line(tmp_path):
             assert_one_line(runner.invoke(app, [cmd, str(path)]), 1)
     assert_one_line(runner.invoke(app, ["stats", str(cap), "--layers", "-1"]), 2)
     assert_one_line(runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--layers", "-1", "-o", str(tmp_path / "x.safetensors")]), 2)
+
+
+# ----------------------------------------------------------------------------- clean up
+
+
+def test_sigterm_mid_write_leaves_no_temp_file(tmp_path):
+    import signal
+    import time
+
+    dest = tmp_path / "out.safetensors"
+    script = (
+        "import sys, time\nfrom kvtool.core import io\n"
+        f"with io.atomic_path({str(dest)!r}) as tmp:\n"
+        "    tmp.write_bytes(b'x' * 1000)\n    print('writing', flush=True)\n    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline().strip() == "writing"
+    assert list(tmp_path.glob(".out.safetensors.*.tmp"))
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    assert not list(tmp_path.glob(".out.safetensors.*.tmp"))
+    assert not dest.exists()
+
+
+def test_stale_temp_files_are_removed_on_the_next_write(tmp_path):
+    import time
+
+    dest = tmp_path / "out.safetensors"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    stale_pid = tmp_path / f".out.safetensors.{dead}.abc123.tmp"
+    stale_old = tmp_path / ".out.safetensors.k2j3h4.tmp"
+    live = tmp_path / f".out.safetensors.{os.getppid()}.zzz999.tmp"  # a writer that is still running
+    other = tmp_path / ".other.safetensors.k2j3h4.tmp"
+    for p in (stale_pid, stale_old, live, other):
+        p.write_bytes(b"junk")
+    past = time.time() - 3600
+    for p in (stale_old, other):
+        os.utime(p, (past, past))
+    io.atomic_write_bytes(dest, b"data")
+    assert dest.read_bytes() == b"data"
+    assert not stale_pid.exists() and not stale_old.exists()
+    assert live.exists() and other.exists()
+
+
+def test_full_disk_error_names_the_path(tmp_path, monkeypatch):
+    import errno
+
+    from kvtool.core.errors import BadDataError
+
+    dest = tmp_path / "out.safetensors"
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    with pytest.raises(BadDataError, match=f"cannot write {dest}: No space left on device"):
+        io.atomic_write_bytes(dest, b"data")
+    monkeypatch.undo()
+    assert not list(tmp_path.glob(".out.safetensors.*.tmp"))

@@ -21,11 +21,16 @@ docs/formats.md is the byte-level specification.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import json
 import os
+import signal
 import stat
 import tempfile
+import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -90,15 +95,80 @@ def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None,
     return path
 
 
+_PROCESS_START = time.time()
+_ACTIVE_TEMPS: set[Path] = set()
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _remove_temps_and_die(signum: int, frame: Any) -> None:
+    """SIGTERM while a temp file is open: remove every temp file, then die of the signal as usual."""
+    for tmp in list(_ACTIVE_TEMPS):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_cleanup() -> None:
+    """Clean up temp files on SIGTERM, unless the program set its own handler (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _remove_temps_and_die)
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove the temp files earlier writes to ``path`` left behind when they were killed
+    (SIGKILL, power loss): ``.NAME.PID.*.tmp`` whose process is gone, and older ``.NAME.*.tmp``
+    files without a PID that are older than this process. Returns what was removed."""
+    removed = []
+    folder = path.parent if str(path.parent) else Path(".")
+    with contextlib.suppress(OSError):
+        for tmp in folder.glob(f".{glob.escape(path.name)}.*.tmp"):
+            middle = tmp.name[len(path.name) + 2 : -len(".tmp")]
+            pid = middle.split(".", 1)[0]
+            try:
+                if pid.isdigit() and "." in middle:
+                    if int(pid) == os.getpid() or _process_alive(int(pid)):
+                        continue
+                elif tmp.stat().st_mtime >= _PROCESS_START:
+                    continue
+                if stat.S_ISREG(tmp.lstat().st_mode):
+                    tmp.unlink()
+                    removed.append(tmp)
+            except OSError:
+                continue
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path in the same folder; on success fsync it and rename it onto ``path``.
 
-    On any exception (Ctrl-C included) the temporary file is removed and ``path`` is untouched."""
+    The temp file is ``.NAME.PID.RANDOM.tmp``. On any exception (Ctrl-C included) and on SIGTERM it
+    is removed and ``path`` is untouched; temp files of killed earlier writes are removed first. A
+    full disk (or quota, read-only file system, I/O error) is a BadDataError naming ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    remove_stale_temps(path)
+    _install_sigterm_cleanup()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as exc:
+        raise BadDataError(f"cannot write {path} ({exc.strerror or exc})") from None
     os.close(fd)
     tmp_path = Path(tmp)
+    _ACTIVE_TEMPS.add(tmp_path)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
@@ -114,10 +184,18 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        if exc.errno in _WRITE_ERRNOS:
+            raise BadDataError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+    finally:
+        _ACTIVE_TEMPS.discard(tmp_path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, force: bool = False) -> Path:
