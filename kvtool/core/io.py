@@ -37,7 +37,6 @@ from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as st_save_bytes
 
 from kvtool._version import __version__
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
@@ -262,22 +261,40 @@ def metadata_crc32(metadata: dict[str, str]) -> int:
     return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
 
 
-def checksum_metadata(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
-    """The ``kvtool.checksums`` value for ``tensors`` (contiguous, CPU) and ``metadata``."""
-    return json.dumps({
-        "algorithm": CHECKSUM_ALGORITHM,
-        "metadata": f"{metadata_crc32(metadata):08x}",
-        "tensors": {name: f"{tensor_crc32(t):08x}" for name, t in tensors.items()},
-    })
+_ST_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+             torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False) -> Path:
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False, inputs: tuple = ()) -> Path:
     """Save ``tensors`` with string ``metadata`` atomically, with ``kvtool.checksums`` added.
-    Tensors are made contiguous on the CPU."""
-    clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    metadata = {**metadata, CHECKSUM_KEY: checksum_metadata(clean, metadata)}
-    data = st_save_bytes(clean, metadata=metadata)
-    return atomic_write_bytes(path, data, force=force)
+
+    The file is streamed: the header first, then each tensor's bytes straight from the tensor, so
+    no second copy of the payload is built in memory. Tensors are made contiguous on the CPU one at a
+    time."""
+    path = check_output(path, force, inputs)
+    clean = {name: tensors[name].detach() for name in sorted(tensors)}
+    crcs: dict[str, str] = {}
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, t in clean.items():
+        if t.dtype not in _ST_CODES:
+            raise UsageError(f"cannot store tensor {name!r} of dtype {t.dtype} in a safetensors file")
+        cpu = t.to("cpu").contiguous()
+        crcs[name] = f"{tensor_crc32(cpu):08x}"
+        nbytes = cpu.numel() * cpu.element_size()
+        entries[name] = {"dtype": _ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    checks = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "metadata": f"{metadata_crc32(metadata):08x}", "tensors": crcs})
+    header = json.dumps({"__metadata__": {**metadata, CHECKSUM_KEY: checks}, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(len(header).to_bytes(8, "little"))
+        fh.write(header)
+        for name, t in clean.items():
+            cpu = t.to("cpu").contiguous()
+            if cpu.numel():
+                fh.write(memoryview(cpu.reshape(-1).view(torch.uint8).numpy()))
+    return path
 
 
 def read_checksums(path: Path, meta: dict[str, str]) -> dict[str, str] | None:
@@ -412,6 +429,43 @@ def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, 
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt data
         raise BadDataError(f"{path}: cannot read tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+
+
+def read_tail(path: str | Path, name: str, tokens: int, axis: int = 2) -> torch.Tensor:
+    """The last ``tokens`` entries along ``axis`` of tensor ``name`` (e.g. the held-out queries
+    ``[B, H, tokens, D]`` of ``layers.{i}.queries``), read without loading the rest. The tensor's
+    checksum is still checked, by streaming its bytes from the file in 4 MiB chunks."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            meta = fh.metadata() or {}
+            sl = fh.get_slice(name)
+            shape = sl.get_shape()
+            index = tuple(slice(max(shape[axis] - tokens, 0), None) if d == axis else slice(None) for d in range(len(shape)))
+            tensor = sl[index]
+    except Exception as exc:  # safetensors raises its own error types for corrupt data
+        raise BadDataError(f"{path}: cannot read tensor {name!r} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    checksums = read_checksums(path, meta)
+    if checksums is not None:
+        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
+    return tensor
+
+
+def file_range_crc32(path: Path, name: str) -> int:
+    """CRC-32 of tensor ``name``'s bytes as they lie in the file, read in chunks."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        begin, stop = header[name]["data_offsets"]
+        fh.seek(8 + n + begin)
+        crc, left = 0, stop - begin
+        while left > 0:
+            chunk = fh.read(min(left, 4 << 20))
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            left -= len(chunk)
+    return crc
 
 
 def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = ...) -> Any:
