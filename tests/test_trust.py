@@ -479,3 +479,56 @@ def test_full_disk_error_names_the_path(tmp_path, monkeypatch):
         io.atomic_write_bytes(dest, b"data")
     monkeypatch.undo()
     assert not list(tmp_path.glob(".out.safetensors.*.tmp"))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _spy_reads(monkeypatch):
+    """Record every tensor name read in full (read_tensors) and every tail read (read_tail)."""
+    full: list[list[str]] = []
+    tails: list[str] = []
+    real_full, real_tail = io.read_tensors, io.read_tail
+
+    def spy_full(path, names=None):
+        out = real_full(path, names)
+        full.append(sorted(out))
+        return out
+
+    def spy_tail(path, name, tokens, axis=2):
+        tails.append(name)
+        return real_tail(path, name, tokens, axis)
+
+    monkeypatch.setattr(io, "read_tensors", spy_full)
+    monkeypatch.setattr(io, "read_tail", spy_tail)
+    return full, tails
+
+
+def test_compress_reads_only_what_the_format_uses_one_layer_at_a_time(tmp_path, monkeypatch):
+    cache = synthetic_cache(tokens=96, layers=(0, 1, 2))
+    cache.layers[0].hidden = torch.zeros(1, 96, 64, dtype=torch.float16)
+    cache.layers[1].hidden = torch.zeros(1, 96, 64, dtype=torch.float16)
+    cache.layers[2].hidden = torch.zeros(1, 96, 64, dtype=torch.float16)
+    cap = tmp_path / "cap.safetensors"
+    io.save(cache, cap)
+    full, _ = _spy_reads(monkeypatch)
+    for fmt in ("bitmap", "quant"):
+        full.clear()
+        res = runner.invoke(app, ["compress", str(cap), "--format", fmt, "--heldout", "16", "-o", str(tmp_path / f"{fmt}.safetensors")])
+        assert res.exit_code == 0, res.output
+        capture_reads = [names for names in full if "token_ids" in names and any(n.startswith("layers.") for n in names)]
+        assert len(capture_reads) == 3
+        for names in capture_reads:
+            layer_names = [n for n in names if n.startswith("layers.")]
+            assert len({n.split(".")[1] for n in layer_names}) == 1  # one layer per read
+            assert not any(n.endswith((".queries", ".hidden")) for n in layer_names)
+
+
+def test_verify_reads_only_the_scored_queries(capture_and_compressed, monkeypatch):
+    cap, comp = capture_and_compressed
+    full, tails = _spy_reads(monkeypatch)
+    res = runner.invoke(app, ["verify", str(comp), "--capture", str(cap), "--no-model", "--heldout", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert not any(n.endswith((".queries", ".hidden")) for names in full for n in names)
+    assert sorted(tails) == ["layers.0.queries", "layers.1.queries"]
+    assert json.loads(res.stdout)["attention"]["heldout"] == 8

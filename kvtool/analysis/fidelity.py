@@ -155,13 +155,13 @@ class HeldoutData:
 
 def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int) -> HeldoutData:
     src = source.layers[layer]
-    t = source.num_tokens
     tail = cc.tails.get(layer)
     if tail is None:
         tail_k, tail_v = src.keys[:, :, cc.prefix_tokens:], src.values[:, :, cc.prefix_tokens:]
     else:
         tail_k, tail_v = tail.keys, tail.values
-    return HeldoutData(src.queries[:, :, t - m:], src.keys, src.values, tail_k, tail_v)
+    # the source may hold every query or (kvtool verify) only the last ones: take the last m
+    return HeldoutData(src.queries[:, :, src.queries.shape[2] - m:], src.keys, src.values, tail_k, tail_v)
 
 
 def heldout_output(fmt: Format, enc: Encoded, d: HeldoutData, kernel: bool = False, device: torch.device | None = None) -> torch.Tensor:

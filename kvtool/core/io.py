@@ -583,6 +583,14 @@ def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
                 raise BadDataError(f"{path}: layers.{i}.{part} is {tensor.dtype}, the metadata says {f.dtype}")
 
 
+def load_header_layers(path: Path, meta: dict[str, str]) -> list[int]:
+    """The layer indices a capture's ``kvtool.layers`` lists (BadDataError if malformed)."""
+    indices = parse_json_meta(path, meta, "kvtool.layers")
+    if not isinstance(indices, list) or not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
+    return sorted(set(indices))
+
+
 def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS, allow_nonfinite: bool | None = None) -> KVCache:
     """Load and validate a capture file.
 
@@ -596,7 +604,7 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     facts = facts_from_meta(path, meta)
     indices = parse_json_meta(path, meta, "kvtool.layers")
     info = parse_json_meta(path, meta, "kvtool.info", default={})
-    if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
         raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
     allowed = {"token_ids", "attention_mask"} | {f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS}
     unknown = sorted(set(entries) - allowed)

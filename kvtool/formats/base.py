@@ -84,7 +84,11 @@ class Format(ABC):
     - ``paper_rows``: (comparison, label, spec) rows of the papers' tables for ``eval --paper``;
     - ``has_kernel``: :meth:`attend_kernel` runs a Triton kernel;
     - ``appends_tokens``: :meth:`append_token` adds a decoded token to the stored layer;
-    - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step.
+    - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step;
+    - :meth:`reads_queries`: whether encoding (or the report) reads the captured queries.
+
+    Formats that neither select nor evict are compressed one layer at a time (their ``report`` is
+    given no source capture), so ``kvtool compress`` holds one source layer in memory.
     """
 
     name: ClassVar[str]
@@ -100,6 +104,11 @@ class Format(ABC):
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         """Raise UsageError/BadDataError if ``params`` cannot apply to ``layer`` (called before encode)."""
+
+    def reads_queries(self, params: FormatParams) -> bool:
+        """Whether encoding with ``params`` (or the format's report) reads the captured queries;
+        ``kvtool compress`` loads them only then."""
+        return self.needs_queries or self.selects or self.evicts
 
     @abstractmethod
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:

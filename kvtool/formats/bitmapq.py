@@ -156,6 +156,10 @@ class BitmapQFormat(Format):
         ('pruning with KIVI quantisation (Mustafar 4.2)', '50% per-token + KIVI 4-bit', 'bitmapq:sparsity=0.5,bits=4'),
     )
 
+    def reads_queries(self, params: FormatParams) -> bool:
+        """Only the output-aware pruning methods read queries."""
+        return method_needs_queries(params.method)
+
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         check_sparsity(params.key_sparsity, "--key-sparsity")
         check_sparsity(params.value_sparsity, "--value-sparsity")

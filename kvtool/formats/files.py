@@ -42,15 +42,26 @@ def compress_file(
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
-    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
-        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
-    if heldout >= cache.num_tokens:
-        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
+    indices = selected if selected is not None else io.load_header_layers(capture, meta)
+    # only the tensors the format reads: queries when it (or its report) uses them, never hidden
+    parts = ("queries",) if fmt.reads_queries(params) else ()
+    whole = fmt.selects or fmt.evicts or fmt.needs_queries  # their reports read the source capture
     start = time.perf_counter()
     progress = or_silent(progress)
-    progress.stage(f"compress {name}", len(cache.layers))
-    cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+    progress.stage(f"compress {name}", len(indices))
+    cache: KVCache | None = None
+    cc: CompressedCache | None = None
+    for group in ([indices] if whole else [[i] for i in indices]):
+        part = io.load(capture, layers=group, parts=parts)
+        check_compressible(capture, part, heldout)
+        done = compress_cache(part, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+        if cc is None:
+            cc = done
+        else:
+            cc.layers.update(done.layers)
+            cc.tails.update(done.tails)
+        cache = part if whole else None  # a streamed layer is dropped before the next is read
+    assert cc is not None
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
@@ -61,6 +72,14 @@ def compress_file(
     report["output"] = str(path)
     report["file_bytes"] = path.stat().st_size
     return cc, path, report
+
+
+def check_compressible(capture: Path, cache: KVCache, heldout: int) -> None:
+    """UsageError for a left-padded batch or a --heldout that leaves no tokens to compress."""
+    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
+        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
+    if heldout >= cache.num_tokens:
+        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
 
 
 def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
