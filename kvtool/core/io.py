@@ -451,6 +451,20 @@ def read_tail(path: str | Path, name: str, tokens: int, axis: int = 2) -> torch.
     return tensor
 
 
+def verify_checksums(path: str | Path) -> bool:
+    """Check every tensor of a kvtool file against ``kvtool.checksums`` by streaming the file (no
+    tensor is loaded). False when the file has no checksums or checking is off; BadDataError naming
+    the first tensor that fails."""
+    path = Path(path)
+    meta, entries = read_header(path)
+    checksums = read_checksums(path, meta)
+    if checksums is None:
+        return False
+    for name in entries:
+        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
+    return True
+
+
 def file_range_crc32(path: Path, name: str) -> int:
     """CRC-32 of tensor ``name``'s bytes as they lie in the file, read in chunks."""
     with open(path, "rb") as fh:

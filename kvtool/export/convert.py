@@ -184,6 +184,7 @@ def export_table(source: Path, target: str, output: Path, force: bool = False) -
             raise BadDataError(f"{source}: {exc}") from None
     else:
         desc = io.describe(source)
+        io.verify_checksums(source)  # a description of a corrupted file is not exported
         if target == "json":
             io.atomic_write_text(output, to_json_text(desc), force=force)
             return {"rows": len(desc["tensors"]), "table": "description"}

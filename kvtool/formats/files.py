@@ -185,7 +185,7 @@ def file_info(path: Path) -> dict[str, Any]:
     if data["schema"] == io.CAPTURE_SCHEMA:
         io.load(path)  # validated like every other command reads it: shapes, checksums, finite data
     elif data["schema"] == io.PAGED_SCHEMA:
-        io.read_tensors(path)  # checksums
+        io.verify_checksums(path)
     if data["schema"] == io.COMPRESSED_SCHEMA:
         cc = load_compressed(path)
         data["compression"] = build_report(cc)
