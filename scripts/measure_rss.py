@@ -43,7 +43,8 @@ def synth_capture(path: Path, tokens: int) -> None:
 
 def peak_rss_mb(root: str, args: list[str]) -> float:
     env = dict(os.environ, PYTHONPATH=root)
-    res = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "kvtool", *args], env=env, capture_output=True, text=True)
+    # cwd = root too: `python -m` puts the working folder ahead of PYTHONPATH
+    res = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "kvtool", *args], env=env, cwd=root, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"kvtool {' '.join(args)} failed: {res.stderr.strip().splitlines()[-2:]}")
     return int(res.stderr.strip().splitlines()[-1]) / 1024
