@@ -242,7 +242,9 @@ def check_finite(path: Path | str, tensors: dict[str, torch.Tensor], allow: bool
         return
     for name, t in tensors.items():
         if t.is_floating_point() and t.numel():
-            bad = int((~torch.isfinite(t)).sum())
+            flat = t.reshape(-1)
+            # in chunks: isfinite makes several temporaries the size of its input
+            bad = sum(int((~torch.isfinite(flat[i : i + (1 << 20)])).sum()) for i in range(0, flat.numel(), 1 << 20))
             if bad:
                 raise BadDataError(f"{path}: tensor {name!r} holds {bad} NaN or infinite values of {t.numel()}; kvtool --allow-nonfinite accepts them")
 
