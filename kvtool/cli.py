@@ -16,6 +16,7 @@ import typer
 from kvtool import commands
 from kvtool._version import __version__
 from kvtool.commands._common import set_global_debug
+from kvtool.core import io
 
 app = typer.Typer(
     name="kvtool",
@@ -40,8 +41,12 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for every command.")] = False,
+    no_verify_checksums: Annotated[bool, typer.Option("--no-verify-checksums", help="Skip the per-tensor checksums when reading files (faster; corruption then goes unnoticed). Same as KVTOOL_NO_VERIFY_CHECKSUMS=1.")] = False,
+    allow_nonfinite: Annotated[bool, typer.Option("--allow-nonfinite", help="Accept captures and compressed files holding NaN or infinite values (refused by default). Same as KVTOOL_ALLOW_NONFINITE=1.")] = False,
 ) -> None:
     set_global_debug(debug)
+    io.set_verify_checksums(not no_verify_checksums)
+    io.set_allow_nonfinite(allow_nonfinite)
 
 
 def _discover() -> None:

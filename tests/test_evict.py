@@ -158,12 +158,14 @@ def pack(layer_k, layer_v, positions):
 
 
 def test_layout_and_attend_mask_padding():
-    layer = rand_layer(t=9)  # a short prefix: 2 candidates for 5 top-K slots, 3 of them padding
+    layer = rand_layer(t=9)  # a short prefix: 2 candidates for 5 top-K slots
     fmt, enc = encode(layer, budget=12, sinks=2, recent=5, window=3, pool=1)
     pos = enc.tensors["positions"][0, 0].tolist()
     assert pos[:2] == [0, 1]
     assert sorted(pos[2:7]) == [4, 5, 6, 7, 8] and all(ring_slot(p, 2, 5) == 2 + j for j, p in enumerate(pos[2:7]))
-    assert pos[7:] == [2, 3, -1, -1, -1] and int(enc.tensors["topk_pad"][0]) == 3
+    # the budget is clamped to the 9 tokens: no top-K slot would ever be filled beyond the 2 candidates
+    assert pos[7:] == [2, 3] and int(enc.tensors["topk_pad"][0]) == 0
+    assert enc.meta["budget"] == 9 and enc.meta["budget_clamped_from"] == 12
     fmt.validate(enc)
     q = torch.randn(1, 4, 3, 8)
     out, lse = fmt.attend(q, enc)

@@ -121,7 +121,8 @@ def test_evicting_format_attends_only_to_kept_tokens(tiny, tiny_cap, tmp_path):
 def test_generate_cli_json(tiny_cap):
     res = runner.invoke(app, ["generate", str(tiny_cap), "--prompt", " hi", "-n", "4", "--json"])
     assert res.exit_code == 0, res.output
-    data = json.loads(res.output)
+    assert "loading model " in res.stderr  # the file chose the model: stderr names it
+    data = json.loads(res.stdout)
     assert len(data["new_tokens"][0]) == 4 and data["prompt_tokens"] == 3 and data["mode"] == "dense"
 
 

@@ -134,7 +134,8 @@ def test_parse_indices():
     from kvtool.core.cache import format_indices, parse_indices
 
     assert parse_indices("0,5,10-12", 30) == [0, 5, 10, 11, 12]
-    assert parse_indices("-1", 30) == [29]
+    with pytest.raises(UsageError, match="negative"):
+        parse_indices("-1", 30)
     assert format_indices([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     with pytest.raises(UsageError, match="out of range"):
         parse_indices("30", 30)

@@ -128,7 +128,7 @@ def test_plan_file_exports_and_generates(tiny_capture, tiny_llama_dir, tmp_path)
     assert res.exit_code == 0, res.output
     res = r.invoke(app, ["generate", str(out), "--prompt", " hi", "-n", "3", "--json"])
     assert res.exit_code == 0, res.output
-    assert len(json.loads(res.output)["new_tokens"][0]) == 3
+    assert len(json.loads(res.stdout)["new_tokens"][0]) == 3
     res = r.invoke(app, ["export", str(out), "--to", "hf", "-o", str(tmp_path / "hf.safetensors")])
     assert res.exit_code == 0, res.output
     res = r.invoke(app, ["verify", str(out), "--json", "--generate", "2", "--model", str(tiny_llama_dir)])

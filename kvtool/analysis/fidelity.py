@@ -59,6 +59,7 @@ def find_source(cc: CompressedCache, compressed_path: Path | None = None, captur
     if capture is not None:
         if not Path(capture).exists():
             raise BadDataError(f"--capture {capture}: no such file")
+        io.read_header(Path(capture))  # a regular kvtool file, before hashing it
         got = io.sha256_file(capture)
         if want and got != want:
             raise BadDataError(f"--capture {capture} is not the capture this file was compressed from (sha256 {got[:12]}…, the file records {want[:12]}…)")
@@ -70,10 +71,24 @@ def find_source(cc: CompressedCache, compressed_path: Path | None = None, captur
         if compressed_path is not None:
             candidates.append(Path(compressed_path).parent / Path(recorded).name)
     for cand in candidates:
-        if cand.exists() and (not want or io.sha256_file(cand) == want):
+        # only a regular file that reads as a capture of the right length is hashed: a recorded
+        # path may name anything (/dev/zero, a FIFO, a huge unrelated file)
+        if plausible_source(cand, cc) and (not want or io.sha256_file(cand) == want):
             return cand
     where = f" (it was {recorded}, sha256 {want[:12]}…)" if recorded else ""
     raise BadDataError(f"the source capture of this compressed file was not found{where}; pass it with --capture CAPTURE.safetensors")
+
+
+def plausible_source(path: Path, cc: CompressedCache) -> bool:
+    """True when ``path`` is a regular file whose header is a capture of ``cc``'s token count."""
+    try:
+        io.check_regular_file(path)
+        meta, entries = io.read_header(path)
+        io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+    except BadDataError:
+        return False
+    shape = entries.get("token_ids", ("", []))[1]
+    return len(shape) == 2 and shape[1] == cc.token_ids.shape[1]
 
 
 def check_source(cc: CompressedCache, source: KVCache, heldout: int | None = None) -> int:
@@ -144,14 +159,14 @@ class HeldoutData:
 def heldout_data(cc: CompressedCache, source: KVCache, layer: int, m: int, device: torch.device | None = None) -> HeldoutData:
     """Layer ``layer``'s held-out inputs, on ``device`` (default: where the source layer is)."""
     src = source.layers[layer]
-    t = source.num_tokens
     tail = cc.tails.get(layer)
     if tail is None:
         tail_k, tail_v = src.keys[:, :, cc.prefix_tokens:], src.values[:, :, cc.prefix_tokens:]
     else:
         tail_k, tail_v = tail.keys, tail.values
+    # the source may hold every query or (kvtool verify) only the last ones: take the last m
     device = device or src.keys.device
-    return HeldoutData(*(x.to(device) for x in (src.queries[:, :, t - m:], src.keys, src.values, tail_k, tail_v)))
+    return HeldoutData(*(x.to(device) for x in (src.queries[:, :, src.queries.shape[2] - m:], src.keys, src.values, tail_k, tail_v)))
 
 
 def heldout_output(fmt: Format, enc: Encoded, d: HeldoutData, kernel: bool = False, device: torch.device | None = None) -> torch.Tensor:

@@ -185,7 +185,7 @@ def heads_file(
     """Analyse a capture's heads, optionally save the routers and a plot; returns the report."""
     for out in (router_out, plot):
         if out is not None:
-            io.check_output(out, force)
+            io.check_output(out, force, inputs=(capture,))
     if router_out is not None and plot is not None and Path(router_out).resolve() == Path(plot).resolve():
         raise UsageError("--router-out and --plot name the same file")
     meta, _ = io.read_header(capture)

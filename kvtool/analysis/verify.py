@@ -15,10 +15,11 @@ from kvtool.analysis.fidelity import (
     find_source,
     model_fidelity,
 )
+from kvtool.core import io
+from kvtool.core.cache import KVCache
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
-from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, load_compressed
 from kvtool.hf import models
 
@@ -33,6 +34,20 @@ def load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
     name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
     check_model_facts(model, facts, name)
     return model, name
+
+
+def attach_query_tails(source: KVCache, path: Path, tokens: int) -> None:
+    """Give each layer of ``source`` the last ``tokens`` captured queries ``[B, H, tokens, D]``
+    (read alone from ``path``, checksum and finiteness checked); layers without queries keep None."""
+    if tokens <= 0:
+        return
+    _, entries = io.read_header(path)
+    for i, layer in source.layers.items():
+        name = f"layers.{i}.queries"
+        if name in entries:
+            tail = io.read_tail(path, name, min(tokens, source.num_tokens))
+            io.check_finite(path, {name: tail})
+            layer.queries = tail
 
 
 def verify_file(
@@ -55,7 +70,10 @@ def verify_file(
     dev = resolve_device(device)
     cc: CompressedCache = load_compressed(compressed)
     source_path = find_source(cc, compressed, capture)
-    source = open_capture(source_path, layers=cc.layer_indices, parts=("keys", "values", "queries"), device=dev)
+    # keys and values of the captured layers, and only the queries that are scored: the last
+    # M = --heldout (default: the file's held-out W) of each layer; hidden states are not read
+    source = io.load(source_path, layers=cc.layer_indices, parts=())
+    attach_query_tails(source, source_path, int(heldout if heldout is not None else cc.info.get("heldout", 0) or 0))
     report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
     progress = or_silent(progress)
     progress.stage("attention", len(cc.layer_indices))

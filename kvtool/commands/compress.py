@@ -7,12 +7,10 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.formats import load_all
 from kvtool.core.placement import DEVICE_HELP
-from kvtool.formats.base import load_compressed
-from kvtool.formats.files import compress_file, decompress_cache
+from kvtool.formats.files import compress_file, decompress_file
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
@@ -136,14 +134,10 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        cc = load_compressed(compressed)
-        output = output or compressed.with_name(f"{compressed.stem}.dense.safetensors")
-        io.check_output(output, force)
-        cache = decompress_cache(cc)
-        cache.info = {"decompressed_from": str(compressed), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
-        path = io.save(cache, output, force=force)
-        result = {"output": str(path), "format": cc.format, "tokens": cache.num_tokens, "layers": cache.layer_indices}
+        cache, path = decompress_file(compressed, output, force)
+        fmt_name = cache.info["format"]
+        result = {"output": str(path), "format": fmt_name, "tokens": cache.num_tokens, "layers": cache.layer_indices}
         if json_out:
             emit_json(result)
         else:
-            console.print(f"decoded {cc.format} -> {path} ({cache.num_tokens} tokens, {len(cache.layers)} layers)")
+            console.print(f"decoded {fmt_name} -> {path} ({cache.num_tokens} tokens, {len(cache.layers)} layers)")

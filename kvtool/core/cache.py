@@ -67,10 +67,24 @@ class ModelFacts:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelFacts":
+        """Facts from their JSON form. KeyError naming missing fields; TypeError naming a field of
+        the wrong type (a JSON object is required, ints must be ints, not bools)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"is a JSON {type(data).__name__}, not an object")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING} - set(data)
         if missing:
             raise KeyError(", ".join(sorted(missing)))
+        kinds = {"name": str, "architecture": str, "dtype": str, "source": str, "num_layers": int, "num_heads": int,
+                 "num_kv_heads": int, "head_dim": int, "hidden_size": int, "rope_applied": bool}
+        for key, kind in kinds.items():
+            value = data.get(key, True if kind is bool else "" if kind is str else 1)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"field {key} is {value!r}, not {'an integer' if kind is int else 'a ' + kind.__name__}")
+        for key in ("rope_theta", "vocab_size"):
+            value = data.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"field {key} is {value!r}, not a number")
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
@@ -177,29 +191,29 @@ def format_indices(indices: list[int]) -> str:
 
 
 def parse_indices(text: str, upper: int, what: str = "layer") -> list[int]:
-    """``"0,5,10-12"`` -> ``[0, 5, 10, 11, 12]``; negative indices count from ``upper``.
+    """``"0,5,10-12"`` -> ``[0, 5, 10, 11, 12]``.
 
-    Raises UsageError naming the bad part or the index out of ``0..upper-1``."""
+    Raises UsageError naming the bad part, a negative index, or an index out of ``0..upper-1``."""
     result: list[int] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
+        if part.startswith("-"):
+            raise UsageError(f"{what} {part} is negative: give {what}s as 0..{upper - 1} or ranges like 3-7")
         try:
-            if "-" in part[1:]:
-                a, b = part.split("-", 1) if not part.startswith("-") else ("-" + part[1:].split("-", 1)[0], part[1:].split("-", 1)[1])
-                lo, hi = int(a), int(b)
-                rng = list(range(lo, hi + 1))
+            if "-" in part:
+                a, b = part.split("-", 1)
+                rng = list(range(int(a), int(b) + 1))
             else:
                 rng = [int(part)]
         except ValueError:
             raise UsageError(f"cannot read {what} selection {text!r}: {part!r} is not a number or a range like 3-7") from None
         for i in rng:
-            j = i + upper if i < 0 else i
-            if not 0 <= j < upper:
+            if not 0 <= i < upper:
                 raise UsageError(f"{what} {i} is out of range: there are {upper} {what}s (0..{upper - 1})")
-            if j not in result:
-                result.append(j)
+            if i not in result:
+                result.append(i)
     if not result:
         raise UsageError(f"the {what} selection {text!r} is empty")
     return sorted(result)

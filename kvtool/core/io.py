@@ -8,7 +8,12 @@ A capture file holds tensors ``layers.{i}.keys`` / ``.values`` ``[B, Hkv, T, D]`
 - ``kvtool.version``: the writer's version;
 - ``kvtool.model``: JSON of :class:`~kvtool.core.cache.ModelFacts`;
 - ``kvtool.layers``: JSON list of the captured layer indices;
-- ``kvtool.info``: JSON of the capture settings.
+- ``kvtool.info``: JSON of the capture settings;
+- ``kvtool.checksums``: JSON ``{"algorithm": "crc32", "metadata": HEX, "tensors": {name: HEX}}``, the
+  CRC-32 of every tensor's bytes and of the other metadata, written by every kvtool writer
+  (:func:`write_safetensors`) and checked by every reader (:func:`read_header`, :func:`read_tensors`)
+  unless :func:`set_verify_checksums` turned it off (``--no-verify-checksums``,
+  ``KVTOOL_NO_VERIFY_CHECKSUMS=1``). Files without the key (older kvtool) load unchecked.
 
 docs/formats.md is the byte-level specification.
 """
@@ -16,16 +21,22 @@ docs/formats.md is the byte-level specification.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import json
 import os
+import signal
+import stat
 import tempfile
+import threading
+import time
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as st_save_bytes
 
 from kvtool._version import __version__
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
@@ -43,13 +54,38 @@ LAYER_PARTS = ("keys", "values", "queries", "hidden")
 # ----------------------------------------------------------------------------- atomic writes
 
 
-def check_output(path: str | Path, force: bool) -> Path:
-    """Refuse to overwrite an existing file unless ``force``; check the folder exists."""
+def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None, ...] | list = ()) -> Path:
+    """Check that ``path`` may be written; return it as a Path.
+
+    Refused with UsageError (exit 2), ``force`` or not: an output that is one of ``inputs`` (the same
+    file by device and inode, so a symlink or hard link to an input counts), an existing destination
+    that is not a regular file (a folder, FIFO, device, socket), a missing or read-only folder. An
+    existing regular file is refused (OutputExistsError) unless ``force``."""
     path = Path(path)
-    if path.exists() and not force:
-        raise OutputExistsError(path)
-    if path.exists() and path.is_dir():
-        raise UsageError(f"{path} is a folder, not a file")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise UsageError(f"cannot check the output {path} ({exc.strerror or exc})") from None
+    if st is not None:
+        for source in inputs:
+            if source is None:
+                continue
+            try:
+                other = os.stat(source)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino):
+                raise UsageError(f"the output {path} is the input {source} (the same file); choose another output")
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{path} is a folder, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{path} exists and is not a regular file (a FIFO, device or socket); choose another output")
+        if not force:
+            raise OutputExistsError(path)
+    elif path.is_symlink():
+        raise UsageError(f"{path} is a symlink to a missing file; choose another output")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise UsageError(f"the folder {parent} does not exist")
@@ -58,15 +94,80 @@ def check_output(path: str | Path, force: bool) -> Path:
     return path
 
 
+_PROCESS_START = time.time()
+_ACTIVE_TEMPS: set[Path] = set()
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def _remove_temps_and_die(signum: int, frame: Any) -> None:
+    """SIGTERM while a temp file is open: remove every temp file, then die of the signal as usual."""
+    for tmp in list(_ACTIVE_TEMPS):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_cleanup() -> None:
+    """Clean up temp files on SIGTERM, unless the program set its own handler (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _remove_temps_and_die)
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove the temp files earlier writes to ``path`` left behind when they were killed
+    (SIGKILL, power loss): ``.NAME.PID.*.tmp`` whose process is gone, and older ``.NAME.*.tmp``
+    files without a PID that are older than this process. Returns what was removed."""
+    removed = []
+    folder = path.parent if str(path.parent) else Path(".")
+    with contextlib.suppress(OSError):
+        for tmp in folder.glob(f".{glob.escape(path.name)}.*.tmp"):
+            middle = tmp.name[len(path.name) + 2 : -len(".tmp")]
+            pid = middle.split(".", 1)[0]
+            try:
+                if pid.isdigit() and "." in middle:
+                    if int(pid) == os.getpid() or _process_alive(int(pid)):
+                        continue
+                elif tmp.stat().st_mtime >= _PROCESS_START:
+                    continue
+                if stat.S_ISREG(tmp.lstat().st_mode):
+                    tmp.unlink()
+                    removed.append(tmp)
+            except OSError:
+                continue
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path in the same folder; on success fsync it and rename it onto ``path``.
 
-    On any exception (Ctrl-C included) the temporary file is removed and ``path`` is untouched."""
+    The temp file is ``.NAME.PID.RANDOM.tmp``. On any exception (Ctrl-C included) and on SIGTERM it
+    is removed and ``path`` is untouched; temp files of killed earlier writes are removed first. A
+    full disk (or quota, read-only file system, I/O error) is a BadDataError naming ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    remove_stale_temps(path)
+    _install_sigterm_cleanup()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as exc:
+        raise BadDataError(f"cannot write {path} ({exc.strerror or exc})") from None
     os.close(fd)
     tmp_path = Path(tmp)
+    _ACTIVE_TEMPS.add(tmp_path)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
@@ -82,10 +183,18 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+    except OSError as exc:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        if exc.errno in _WRITE_ERRNOS:
+            raise BadDataError(f"cannot write {path}: {exc.strerror or exc}") from exc
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
         raise
+    finally:
+        _ACTIVE_TEMPS.discard(tmp_path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, force: bool = False) -> Path:
@@ -100,19 +209,146 @@ def atomic_write_text(path: str | Path, text: str, force: bool = False) -> Path:
     return atomic_write_bytes(path, text.encode(), force=force)
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False) -> Path:
-    """Save ``tensors`` with string ``metadata`` atomically. Tensors are made contiguous on the CPU."""
-    clean = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    data = st_save_bytes(clean, metadata=metadata)
-    return atomic_write_bytes(path, data, force=force)
+CHECKSUM_KEY = "kvtool.checksums"
+CHECKSUM_ALGORITHM = "crc32"
+_verify_checksums = True
+
+
+def set_verify_checksums(on: bool) -> None:
+    """Turn checking of ``kvtool.checksums`` on load on or off (the CLI's ``--no-verify-checksums``)."""
+    global _verify_checksums
+    _verify_checksums = on
+
+
+def verifying_checksums() -> bool:
+    return _verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
+
+
+_allow_nonfinite = False
+
+
+def set_allow_nonfinite(on: bool) -> None:
+    """Let loads accept NaN/infinite tensor values (the CLI's ``--allow-nonfinite``)."""
+    global _allow_nonfinite
+    _allow_nonfinite = on
+
+
+def check_finite(path: Path | str, tensors: dict[str, torch.Tensor], allow: bool | None = None) -> None:
+    """BadDataError naming the first floating tensor that holds NaN or infinite values, and how
+    many, unless ``allow`` (default: :func:`set_allow_nonfinite`'s setting) or KVTOOL_ALLOW_NONFINITE=1."""
+    if allow is None:
+        allow = _allow_nonfinite or os.environ.get("KVTOOL_ALLOW_NONFINITE", "") not in ("", "0")
+    if allow:
+        return
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.numel():
+            flat = t.reshape(-1)
+            # in chunks: isfinite makes several temporaries the size of its input
+            bad = sum(int((~torch.isfinite(flat[i : i + (1 << 20)])).sum()) for i in range(0, flat.numel(), 1 << 20))
+            if bad:
+                raise BadDataError(f"{path}: tensor {name!r} holds {bad} NaN or infinite values of {t.numel()}; kvtool --allow-nonfinite accepts them")
+
+
+def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes as stored (any dtype), continuing from ``crc``."""
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return crc
+    return zlib.crc32(flat.view(torch.uint8).numpy(), crc)
+
+
+def metadata_crc32(metadata: dict[str, str]) -> int:
+    """CRC-32 of every metadata entry except the checksums themselves (keys sorted, JSON text)."""
+    rest = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
+    return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
+
+
+_ST_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+             torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False, inputs: tuple = ()) -> Path:
+    """Save ``tensors`` with string ``metadata`` atomically, with ``kvtool.checksums`` added.
+
+    The file is streamed: the header first, then each tensor's bytes straight from the tensor, so
+    no second copy of the payload is built in memory. Tensors are made contiguous on the CPU one at a
+    time."""
+    path = check_output(path, force, inputs)
+    clean = {name: tensors[name].detach() for name in sorted(tensors)}
+    crcs: dict[str, str] = {}
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, t in clean.items():
+        if t.dtype not in _ST_CODES:
+            raise UsageError(f"cannot store tensor {name!r} of dtype {t.dtype} in a safetensors file")
+        cpu = t.to("cpu").contiguous()
+        crcs[name] = f"{tensor_crc32(cpu):08x}"
+        nbytes = cpu.numel() * cpu.element_size()
+        entries[name] = {"dtype": _ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    checks = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "metadata": f"{metadata_crc32(metadata):08x}", "tensors": crcs})
+    header = json.dumps({"__metadata__": {**metadata, CHECKSUM_KEY: checks}, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+        fh.write(len(header).to_bytes(8, "little"))
+        fh.write(header)
+        for name, t in clean.items():
+            cpu = t.to("cpu").contiguous()
+            if cpu.numel():
+                fh.write(memoryview(cpu.reshape(-1).view(torch.uint8).numpy()))
+    return path
+
+
+def read_checksums(path: Path, meta: dict[str, str]) -> dict[str, str] | None:
+    """``{tensor name: hex}`` from the file's ``kvtool.checksums`` (after checking the metadata's own
+    checksum), or None when the file has none or checking is off. BadDataError if malformed or wrong."""
+    if CHECKSUM_KEY not in meta or not verifying_checksums():
+        return None
+    try:
+        data = json.loads(meta[CHECKSUM_KEY])
+    except (json.JSONDecodeError, RecursionError):
+        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not valid JSON (the header is corrupted)") from None
+    if (
+        not isinstance(data, dict)
+        or data.get("algorithm") != CHECKSUM_ALGORITHM
+        or not isinstance(data.get("tensors"), dict)
+        or not all(isinstance(v, str) for v in data["tensors"].values())
+    ):
+        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not a {CHECKSUM_ALGORITHM} checksum table (the header is corrupted)")
+    if data.get("metadata") != f"{metadata_crc32(meta):08x}":
+        raise BadDataError(f"{path}: the metadata fails its checksum (the header is corrupted); --no-verify-checksums skips the check")
+    return data["tensors"]
+
+
+def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | None, crc: int) -> None:
+    if checksums is None:
+        return
+    want = checksums.get(name)
+    if want is None:
+        raise BadDataError(f"{path}: tensor {name!r} has no checksum in {CHECKSUM_KEY} (the header is corrupted)")
+    if want != f"{crc:08x}":
+        raise BadDataError(f"{path}: tensor {name!r} fails its checksum (its bytes are corrupted); --no-verify-checksums skips the check")
 
 
 def sha256_file(path: str | Path) -> str:
+    """sha256 of a regular file (BadDataError for a FIFO, device or folder: no unbounded reads)."""
+    check_regular_file(path)
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def check_regular_file(path: str | Path) -> int:
+    """The size of ``path``; BadDataError unless it is an existing regular file (after symlinks)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise BadDataError(f"{path}: not a regular file")
+    return st.st_size
 
 
 # ----------------------------------------------------------------------------- reading
@@ -127,6 +363,7 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
         raise BadDataError(f"{path}: no such file")
     if path.is_dir():
         raise BadDataError(f"{path}: is a folder, not a kvtool file")
+    check_regular_file(path)
     try:
         with open(path, "rb") as fh:
             head = fh.read(8)
@@ -141,31 +378,110 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
         raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadDataError(f"{path}: not a safetensors file (header is not JSON)") from None
+    except RecursionError:
+        raise BadDataError(f"{path}: not a safetensors file (header nests too deeply)") from None
     if not isinstance(header, dict):
         raise BadDataError(f"{path}: not a safetensors file (header is not an object)")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BadDataError(f"{path}: not a safetensors file (its metadata is not a table of strings)")
+    checksums = read_checksums(path, meta)
+    if checksums is not None and set(checksums) != set(header):
+        odd = sorted(set(checksums) ^ set(header))[0]
+        raise BadDataError(f"{path}: tensor {odd!r} is missing from the file or from {CHECKSUM_KEY} (the header is corrupted)")
     entries: dict[str, tuple[str, list[int]]] = {}
     end = 0
     for name, spec in header.items():
         try:
-            entries[name] = (spec["dtype"], list(spec["shape"]))
-            end = max(end, int(spec["data_offsets"][1]))
+            dt, shape, (begin, stop) = spec["dtype"], list(spec["shape"]), spec["data_offsets"]
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, begin, stop]) or dt not in ITEMSIZE:
+                raise ValueError
         except (KeyError, TypeError, IndexError, ValueError):
             raise BadDataError(f"{path}: not a safetensors file (bad entry for {name!r})") from None
+        count = 1
+        for n_ in shape:
+            count *= n_
+        if stop - begin != count * ITEMSIZE[dt]:
+            raise BadDataError(f"{path}: tensor {name!r} of shape {shape} {ST_DTYPES.get(dt, dt)} needs {count * ITEMSIZE[dt]} bytes, the header gives it {stop - begin}")
+        entries[name] = (dt, shape)
+        end = max(end, stop)
     if 8 + n + end > size:
         raise BadDataError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
     return meta, entries
 
 
 def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Load tensors (all, or ``names``) from a safetensors file, CPU."""
+    """Load tensors (all, or ``names``) from a safetensors file, CPU, each checked against its
+    ``kvtool.checksums`` entry (BadDataError naming the tensor on a mismatch)."""
+    path = Path(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as fh:
-            return {name: fh.get_tensor(name) for name in (names if names is not None else fh.keys())}
+            meta = fh.metadata() or {}
+            checksums = read_checksums(path, meta)
+            out = {}
+            for name in names if names is not None else fh.keys():
+                out[name] = fh.get_tensor(name)
+                if checksums is not None:
+                    check_tensor_checksum(path, name, checksums, tensor_crc32(out[name]))
+            if checksums is not None and set(checksums) - set(fh.keys()):
+                extra = sorted(set(checksums) - set(fh.keys()))[0]
+                raise BadDataError(f"{path}: {CHECKSUM_KEY} names tensor {extra!r}, which the file lacks (the header is corrupted)")
+            return out
     except BadDataError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt data
-        raise BadDataError(f"{path}: cannot read tensors ({exc})") from exc
+        raise BadDataError(f"{path}: cannot read tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+
+
+def read_tail(path: str | Path, name: str, tokens: int, axis: int = 2) -> torch.Tensor:
+    """The last ``tokens`` entries along ``axis`` of tensor ``name`` (e.g. the held-out queries
+    ``[B, H, tokens, D]`` of ``layers.{i}.queries``), read without loading the rest. The tensor's
+    checksum is still checked, by streaming its bytes from the file in 4 MiB chunks."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            meta = fh.metadata() or {}
+            sl = fh.get_slice(name)
+            shape = sl.get_shape()
+            index = tuple(slice(max(shape[axis] - tokens, 0), None) if d == axis else slice(None) for d in range(len(shape)))
+            tensor = sl[index]
+    except Exception as exc:  # safetensors raises its own error types for corrupt data
+        raise BadDataError(f"{path}: cannot read tensor {name!r} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    checksums = read_checksums(path, meta)
+    if checksums is not None:
+        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
+    return tensor
+
+
+def verify_checksums(path: str | Path) -> bool:
+    """Check every tensor of a kvtool file against ``kvtool.checksums`` by streaming the file (no
+    tensor is loaded). False when the file has no checksums or checking is off; BadDataError naming
+    the first tensor that fails."""
+    path = Path(path)
+    meta, entries = read_header(path)
+    checksums = read_checksums(path, meta)
+    if checksums is None:
+        return False
+    for name in entries:
+        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
+    return True
+
+
+def file_range_crc32(path: Path, name: str) -> int:
+    """CRC-32 of tensor ``name``'s bytes as they lie in the file, read in chunks."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+        begin, stop = header[name]["data_offsets"]
+        fh.seek(8 + n + begin)
+        crc, left = 0, stop - begin
+        while left > 0:
+            chunk = fh.read(min(left, 4 << 20))
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            left -= len(chunk)
+    return crc
 
 
 def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = ...) -> Any:
@@ -175,8 +491,10 @@ def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = .
         raise BadDataError(f"{path}: metadata key {key!r} is missing")
     try:
         return json.loads(meta[key])
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, TypeError):
         raise BadDataError(f"{path}: metadata {key!r} is not valid JSON") from None
+    except RecursionError:
+        raise BadDataError(f"{path}: metadata {key!r} nests too deeply") from None
 
 
 def check_schema(path: Path, meta: dict[str, str], expected: str | tuple[str, ...] = KNOWN_SCHEMAS) -> str:
@@ -197,15 +515,20 @@ def facts_from_meta(path: Path, meta: dict[str, str]) -> ModelFacts:
     data = parse_json_meta(path, meta, "kvtool.model")
     try:
         facts = ModelFacts.from_dict(data)
-    except (KeyError, TypeError) as exc:
-        raise BadDataError(f"{path}: kvtool.model lacks {exc}") from None
+    except KeyError as exc:
+        raise BadDataError(f"{path}: kvtool.model lacks {exc.args[0]}") from None
+    except TypeError as exc:
+        raise BadDataError(f"{path}: kvtool.model {exc}") from None
     if facts.dtype not in DTYPES:
         raise BadDataError(f"{path}: kvtool.model dtype {facts.dtype!r} is not one of {', '.join(DTYPES)}")
+    if max(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers, facts.hidden_size) > 1 << 20:
+        raise BadDataError(f"{path}: kvtool.model sizes are implausible ({facts.num_layers} layers, {facts.num_heads} heads, head_dim {facts.head_dim})")
     if min(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers) <= 0 or facts.num_heads % facts.num_kv_heads:
         raise BadDataError(f"{path}: kvtool.model head counts are inconsistent ({facts.num_heads} heads, {facts.num_kv_heads} KV heads)")
     return facts
 
 
+ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F64": 8}
 ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
 
 
@@ -247,6 +570,10 @@ def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
     if cache.token_ids.ndim != 2:
         raise BadDataError(f"{path}: token_ids should be [batch, tokens], got shape {list(cache.token_ids.shape)}")
     b, t = cache.token_ids.shape
+    if b < 1 or t < 1:
+        raise BadDataError(f"{path}: the capture holds no tokens (token_ids has shape {[b, t]})")
+    if cache.token_ids.dtype != torch.int64:
+        raise BadDataError(f"{path}: token_ids is {cache.token_ids.dtype}, expected int64")
     if cache.attention_mask is not None and list(cache.attention_mask.shape) != [b, t]:
         raise BadDataError(f"{path}: attention_mask should be {[b, t]}, got {list(cache.attention_mask.shape)}")
     if not cache.layers:
@@ -289,19 +616,28 @@ def check_entries(path: Path, facts: ModelFacts, indices: list[int], entries: di
             raise BadDataError(f"{path}: {name} is {ST_DTYPES.get(dt, dt)}, the metadata says {facts.dtype}")
 
 
-def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS) -> KVCache:
+def load_header_layers(path: Path, meta: dict[str, str]) -> list[int]:
+    """The layer indices a capture's ``kvtool.layers`` lists (BadDataError if malformed)."""
+    indices = parse_json_meta(path, meta, "kvtool.layers")
+    if not isinstance(indices, list) or not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
+    return sorted(set(indices))
+
+
+def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS, allow_nonfinite: bool | None = None) -> KVCache:
     """Load and validate a capture file.
 
     ``layers`` restricts loading to those model layer indices; ``parts`` to some of keys, values,
     queries, hidden (keys and values are always loaded). Raises BadDataError naming the file and the
-    problem for anything that is not a valid capture."""
+    problem for anything that is not a valid capture, NaN/infinite values included unless
+    ``allow_nonfinite`` (default: the CLI's ``--allow-nonfinite``)."""
     path = Path(path)
     meta, entries = read_header(path)
     check_schema(path, meta, CAPTURE_SCHEMA)
     facts = facts_from_meta(path, meta)
     indices = parse_json_meta(path, meta, "kvtool.layers")
     info = parse_json_meta(path, meta, "kvtool.info", default={})
-    if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
         raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
     check_entries(path, facts, indices, entries)
     if layers is not None:
@@ -312,6 +648,7 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     wanted = ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else [])
     wanted += [f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS if (p in parts or p in ("keys", "values")) and f"layers.{i}.{p}" in entries]
     tensors = read_tensors(path, wanted)
+    check_finite(path, tensors, allow_nonfinite)
     cache = KVCache(
         facts=facts,
         layers={
@@ -338,7 +675,9 @@ def describe(path: str | Path) -> dict[str, Any]:
             decoded[key] = json.loads(value)
         except json.JSONDecodeError:
             decoded[key] = value
-    itemsize = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "BOOL": 1, "F64": 8}
+        except RecursionError:
+            raise BadDataError(f"{path}: metadata {key!r} nests too deeply") from None
+    itemsize = ITEMSIZE
     tensors = []
     total = 0
     for name, (dt, shape) in sorted(entries.items(), key=lambda kv: _natural_key(kv[0])):

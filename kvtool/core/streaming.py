@@ -151,14 +151,12 @@ class LazyCapture(KVCache):
         return [p for p in ("keys", "values", "queries", "hidden") if (p in self.parts or p in ("keys", "values")) and f"layers.{index}.{p}" in self.names]
 
     def read_layer(self, index: int) -> LayerKV:
-        from safetensors import safe_open
-
-        want = self.layer_parts(index)
-        try:
-            with safe_open(str(self.path), framework="pt", device="cpu") as fh:
-                got = {p: fh.get_tensor(f"layers.{index}.{p}") for p in want}
-        except Exception as exc:  # safetensors raises its own error types for corrupt data
-            raise BadDataError(f"{self.path}: cannot read layer {index} ({exc})") from exc
+        """Layer ``index``'s selected tensors, checked as :func:`kvtool.core.io.load` checks them
+        (checksums, finite values, shapes), on the capture's device."""
+        names = [f"layers.{index}.{p}" for p in self.layer_parts(index)]
+        tensors = io.read_tensors(self.path, names)
+        io.check_finite(self.path, tensors)
+        got = {n.rsplit(".", 1)[1]: t for n, t in tensors.items()}
         layer = LayerKV(**{p: got.get(p) for p in ("keys", "values", "queries", "hidden")})
         _check_layer(self, index, layer)
         return layer if self.device.type == "cpu" else layer.to(self.device)

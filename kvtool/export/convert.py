@@ -176,12 +176,15 @@ def export_table(source: Path, target: str, output: Path, force: bool = False) -
             raise BadDataError(f"{source}: no such file") from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BadDataError(f"{source}: not a JSON file ({exc})") from None
+        except RecursionError:
+            raise BadDataError(f"{source}: the JSON nests too deeply") from None
         try:
             where, records = result_records(data)
         except BadDataError as exc:
             raise BadDataError(f"{source}: {exc}") from None
     else:
         desc = io.describe(source)
+        io.verify_checksums(source)  # a description of a corrupted file is not exported
         if target == "json":
             io.atomic_write_text(output, to_json_text(desc), force=force)
             return {"rows": len(desc["tensors"]), "table": "description"}
@@ -203,7 +206,7 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
     output = Path(output) if output is not None else default_output(source, target)
     if output.resolve() == source.resolve():
         raise UsageError(f"the output {output} is the input; choose another -o")
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(source,))
     if target == "paged":
         layout = check_layout(page_size, layout)
     if target in TABLE_TARGETS:

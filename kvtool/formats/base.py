@@ -37,6 +37,7 @@ from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
+    check_finite,
     check_schema,
     facts_from_meta,
     parse_json_meta,
@@ -85,7 +86,11 @@ class Format(ABC):
     - ``paper_rows``: (comparison, label, spec) rows of the papers' tables for ``eval --paper``;
     - ``has_kernel``: :meth:`attend_kernel` runs a Triton kernel;
     - ``appends_tokens``: :meth:`append_token` adds a decoded token to the stored layer;
-    - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step.
+    - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step;
+    - :meth:`reads_queries`: whether encoding (or the report) reads the captured queries.
+
+    Formats that neither select nor evict are compressed one layer at a time (their ``report`` is
+    given no source capture), so ``kvtool compress`` holds one source layer in memory.
     """
 
     name: ClassVar[str]
@@ -102,6 +107,11 @@ class Format(ABC):
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         """Raise UsageError/BadDataError if ``params`` cannot apply to ``layer`` (called before encode)."""
+
+    def reads_queries(self, params: FormatParams) -> bool:
+        """Whether encoding with ``params`` (or the format's report) reads the captured queries;
+        ``kvtool compress`` loads them only then."""
+        return self.needs_queries or self.selects or self.evicts
 
     @abstractmethod
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
@@ -352,9 +362,47 @@ def save_compressed(cc: CompressedCache, path: str | Path, force: bool = False) 
     return write_safetensors(path, compressed_tensors(cc), meta, force=force)
 
 
-def load_compressed(path: str | Path) -> CompressedCache:
-    """Load and validate a compressed file: schema, model facts, tensor names, and the format's own
-    ``validate`` on every layer before any kernel or decoder touches the data."""
+def check_container_meta(path: Path, facts: ModelFacts, params: Any, indices: Any, layer_meta: Any, info: Any, entries: dict[str, tuple[str, list[int]]]) -> None:
+    """The compressed container's own metadata: types, layer indices within the model, and token
+    counts (``prefix_tokens`` + ``heldout`` = the tokens of ``token_ids``). BadDataError, one line."""
+    if not isinstance(params, dict):
+        raise BadDataError(f"{path}: kvtool.params is not a JSON object")
+    if not isinstance(indices, list) or not indices or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < facts.num_layers for i in indices) or len(set(indices)) != len(indices):
+        raise BadDataError(f"{path}: kvtool.layers is not a list of distinct layer indices of the model's {facts.num_layers}")
+    if not isinstance(layer_meta, dict):
+        raise BadDataError(f"{path}: kvtool.layer_meta is not a JSON object")
+    if not isinstance(info, dict):
+        raise BadDataError(f"{path}: kvtool.info is not a JSON object")
+    prefix, heldout = info.get("prefix_tokens"), info.get("heldout", 0)
+    info.setdefault("heldout", 0)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (prefix, heldout)) or prefix < 1 or heldout < 0:
+        raise BadDataError(f"{path}: kvtool.info prefix_tokens/heldout are not token counts ({prefix!r}, {heldout!r})")
+    dt, shape = entries["token_ids"]
+    if dt != "I64" or len(shape) != 2 or shape[0] < 1 or shape[1] != prefix + heldout:
+        raise BadDataError(f"{path}: token_ids is {dt} {shape}; the file says [batch, {prefix} + {heldout}] int64")
+
+
+def check_tail(path: Path, i: int, tensors: dict[str, torch.Tensor], facts: ModelFacts, heldout: int) -> LayerKV | None:
+    """Layer ``i``'s dense held-out tail: keys and values ``[B, Hkv, heldout, D]`` in the model dtype,
+    both present when ``heldout`` > 0, absent otherwise."""
+    keys, values = tensors.get(f"tails.{i}.keys"), tensors.get(f"tails.{i}.values")
+    if keys is None and values is None:
+        if heldout:
+            raise BadDataError(f"{path}: tails.{i}.keys/values are missing for the {heldout} held-out tokens")
+        return None
+    want = [tensors["token_ids"].shape[0], facts.num_kv_heads, heldout, facts.head_dim]
+    for name, t in (("keys", keys), ("values", values)):
+        if t is None:
+            raise BadDataError(f"{path}: tails.{i}.{name} is missing")
+        if list(t.shape) != want or t.dtype != facts.torch_dtype:
+            raise BadDataError(f"{path}: tails.{i}.{name} is {t.dtype} {list(t.shape)}, expected {facts.dtype} {want}")
+    return LayerKV(keys=keys, values=values)
+
+
+def load_compressed(path: str | Path, allow_nonfinite: bool | None = None) -> CompressedCache:
+    """Load and validate a compressed file: schema, model facts, tensor names, checksums, finite
+    floating tensors (unless ``allow_nonfinite``), and the format's own ``validate`` on every layer
+    before any kernel or decoder touches the data."""
     path = Path(path)
     meta, entries = read_header(path)
     check_schema(path, meta, COMPRESSED_SCHEMA)
@@ -372,9 +420,9 @@ def load_compressed(path: str | Path) -> CompressedCache:
     info = parse_json_meta(path, meta, "kvtool.info")
     if "token_ids" not in entries:
         raise BadDataError(f"{path}: tensor 'token_ids' is missing")
-    if not isinstance(info, dict) or "prefix_tokens" not in info:
-        raise BadDataError(f"{path}: kvtool.info lacks prefix_tokens")
+    check_container_meta(path, facts, params, indices, layer_meta, info, entries)
     tensors = read_tensors(path)
+    check_finite(path, tensors, allow_nonfinite)
     layers: dict[int, Encoded] = {}
     tails: dict[int, LayerKV] = {}
     for i in indices:
@@ -382,13 +430,21 @@ def load_compressed(path: str | Path) -> CompressedCache:
         own = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
         if not own:
             raise BadDataError(f"{path}: layer {i} has no tensors")
-        layers[i] = Encoded(own, layer_meta.get(str(i), {}))
+        enc_meta = layer_meta.get(str(i), {})
+        if not isinstance(enc_meta, dict):
+            raise BadDataError(f"{path}: kvtool.layer_meta for layer {i} is not a JSON object")
+        layers[i] = Encoded(own, enc_meta)
         try:
             fmt.validate(layers[i])
         except BadDataError as exc:
             raise BadDataError(f"{path}: layer {i}: {exc}") from None
-        if f"tails.{i}.keys" in tensors:
-            tails[i] = LayerKV(keys=tensors[f"tails.{i}.keys"], values=tensors[f"tails.{i}.values"])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as exc:
+            # metadata of the wrong type or tensors of an impossible shape that the format's checks
+            # did not foresee: still bad data, said in one line
+            raise BadDataError(f"{path}: layer {i}: malformed {fmt.name} metadata or tensors ({str(exc).splitlines()[0] if str(exc) else 'wrong type'})") from None
+        tail = check_tail(path, i, tensors, facts, int(info["heldout"]))
+        if tail is not None:
+            tails[i] = tail
     known = {n for n in tensors if n == "token_ids" or any(n.startswith(f"layers.{i}.") or n.startswith(f"tails.{i}.") for i in indices)}
     unknown = sorted(set(tensors) - known)
     if unknown:

@@ -149,6 +149,10 @@ class BitmapFormat(Format):
     )
     has_kernel = True
 
+    def reads_queries(self, params: FormatParams) -> bool:
+        """Only the output-aware pruning methods read queries."""
+        return any(m in QUERY_METHODS for m in parse_method(params.method))
+
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         assert isinstance(params, BitmapParams)
         k, v = parse_method(params.method)

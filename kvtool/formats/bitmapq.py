@@ -156,6 +156,10 @@ class BitmapQFormat(Format):
         ('pruning with KIVI quantisation (Mustafar 4.2)', '50% per-token + KIVI 4-bit', 'bitmapq:sparsity=0.5,bits=4'),
     )
 
+    def reads_queries(self, params: FormatParams) -> bool:
+        """Only the output-aware pruning methods read queries."""
+        return method_needs_queries(params.method)
+
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         check_sparsity(params.key_sparsity, "--key-sparsity")
         check_sparsity(params.value_sparsity, "--value-sparsity")
@@ -222,6 +226,8 @@ class BitmapQFormat(Format):
                     raise BadDataError(f"{part}.{kind} should be {m['scale_dtype']} [{groups}] (groups the bitmap implies)")
                 if not bool(torch.isfinite(ts[part].float()).all()):
                     raise BadDataError(f"{part}.{kind} holds non-finite numbers")
+            if bool((ts["scales"].float() < 0).any()):
+                raise BadDataError(f"scales.{kind} holds negative scales")
 
     def report(self, cc, source=None) -> dict[str, Any]:
         encs = list(cc.layers.values())

@@ -13,7 +13,6 @@ from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
-from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import compress_plan, load_plan
@@ -49,23 +48,35 @@ def compress_file(
     else:
         fmt, params, name = resolve(spec, options)  # --evict/--prune (or a + chain) make a pipeline
     output = output or default_output(capture, name)
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(capture,))
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = open_capture(capture, layers=selected, device=dev)
-    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
-        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
-    if heldout >= cache.num_tokens:
-        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
+    indices = selected if selected is not None else io.load_header_layers(capture, meta)
+    # only the tensors the format reads: queries when it (or its report) uses them, never hidden
+    parts = ("queries",) if plan is not None or fmt.reads_queries(params) else ()
+    whole = plan is not None or fmt.selects or fmt.evicts or fmt.needs_queries  # their reports read the source capture
     start = time.perf_counter()
     progress = or_silent(progress)
-    progress.stage(f"compress {name}", len(cache.layers))
-    if plan is not None:
-        cc = compress_plan(cache, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
-    else:
-        cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+    progress.stage(f"compress {name}", len(indices))
+    cache: KVCache | None = None
+    cc: CompressedCache | None = None
+    for group in ([indices] if whole else [[i] for i in indices]):
+        part = io.load(capture, layers=group, parts=parts)
+        check_compressible(capture, part, heldout)
+        part.layers = {i: layer.to(dev) for i, layer in part.layers.items()}  # encode where the data is best served
+        if plan is not None:
+            done = compress_plan(part, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
+        else:
+            done = compress_cache(part, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+        if cc is None:
+            cc = done
+        else:
+            cc.layers.update(done.layers)
+            cc.tails.update(done.tails)
+        cache = part if whole else None  # a streamed layer is dropped before the next is read
+    assert cc is not None
     cc.info["source_sha256"] = io.sha256_file(capture)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
@@ -76,6 +87,14 @@ def compress_file(
     report["output"] = str(path)
     report["file_bytes"] = path.stat().st_size
     return cc, path, report
+
+
+def check_compressible(capture: Path, cache: KVCache, heldout: int) -> None:
+    """UsageError for a left-padded batch or a --heldout that leaves no tokens to compress."""
+    if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
+        raise UsageError(f"{capture} holds a left-padded batch; compress needs equal-length prompts (recapture with --align truncate)")
+    if heldout >= cache.num_tokens:
+        raise UsageError(f"--heldout {heldout} leaves no tokens to compress: {capture} has {cache.num_tokens} tokens (lower --heldout)")
 
 
 def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
@@ -117,6 +136,18 @@ def decompress_cache(cc: CompressedCache) -> KVCache:
         dtype = cc.facts.torch_dtype
         layers[i] = LayerKV(keys=keys.to(dtype).contiguous(), values=values.to(dtype).contiguous())
     return KVCache(cc.facts, layers, cc.token_ids, {})
+
+
+def decompress_file(compressed: Path, output: Path | None = None, force: bool = False) -> tuple[KVCache, Path]:
+    """Decode a compressed file and write the dense capture (default ``NAME.dense.safetensors``);
+    returns (capture, path). The output may not be the input, ``force`` or not."""
+    output = output or compressed.with_name(f"{compressed.stem}.dense.safetensors")
+    io.check_output(output, force, inputs=(compressed,))
+    cc = load_compressed(compressed)
+    cache = decompress_cache(cc)
+    cache.info = {"decompressed_from": str(compressed), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
+    path = io.save(cache, output, force=force)
+    return cache, path
 
 
 def read_kv_file(path: Path) -> KVCache | CompressedCache:
@@ -166,6 +197,10 @@ def check_all_layers(layer_indices: list[int], num_layers: int, path: Path) -> N
 def file_info(path: Path) -> dict[str, Any]:
     """Schema, model facts, tensors and totals; for compressed files also bytes by part and ratio."""
     data = io.describe(path)
+    if data["schema"] == io.CAPTURE_SCHEMA:
+        io.load(path)  # validated like every other command reads it: shapes, checksums, finite data
+    elif data["schema"] == io.PAGED_SCHEMA:
+        io.verify_checksums(path)
     if data["schema"] == io.COMPRESSED_SCHEMA:
         cc = load_compressed(path)
         data["compression"] = build_report(cc)

@@ -250,6 +250,12 @@ class QuantFormat(Format):
         for name, (_, dt) in shapes.items():
             if name.startswith(("scales.", "zeros.", "residual.")) and not bool(torch.isfinite(enc.tensors[name].float()).all()):
                 raise BadDataError(f"{name} holds non-finite numbers")
+            if name.startswith("scales.") and bool((enc.tensors[name].float() < 0).any()):
+                raise BadDataError(f"{name} holds negative scales")
+        if m["scheme"] == "int8":
+            for kind in ("keys", "values"):
+                if bool((enc.tensors[f"codes.{kind}"] == -128).any()):
+                    raise BadDataError(f"codes.{kind} holds -128, outside the symmetric int8 range -127..127")
         if m["scheme"] == "fp8":
             for kind in ("keys", "values"):
                 c = enc.tensors[f"codes.{kind}"]

@@ -15,7 +15,9 @@ slice-and-concatenate reference it is tested against.
 Tensors per layer (``layers.{i}.`` in a compressed file):
 ``keys``/``values`` ``[B, Hkv, budget, D]`` capture dtype; ``positions`` int32 ``[B, Hkv, budget]``;
 ``topk_pad`` int32 ``[B]`` (padding slots in the top-K part). Meta: sinks, recent, topk, budget,
-prefix_tokens (the T tokens encoded), length (tokens seen so far = next position), policy.
+prefix_tokens (the T tokens encoded), length (tokens seen so far = next position), policy. A
+``--budget`` above S + R + the T - S - R candidates is clamped to that (the extra top-K slots would
+stay empty forever): meta ``budget`` is the clamped value, ``budget_clamped_from`` the request.
 """
 
 from __future__ import annotations
@@ -144,8 +146,11 @@ class SnapStreamFormat(Format):
         self.check(layer, params)
         t = layer.num_tokens
         s, r = params.sinks, params.recent
-        topk = params.budget - s - r
-        chosen = candidate_positions(layer, params.budget, s, r, params.window, params.pool, params.policy)
+        # a budget above the tokens would only add empty top-K slots (the ring buffer takes new
+        # tokens): clamp it to sinks + recent + the candidates there are, and record the request
+        topk = min(params.budget - s - r, max(t - s - r, 0))
+        budget = s + r + topk
+        chosen = candidate_positions(layer, budget, s, r, params.window, params.pool, params.policy)
         pos = layout_positions(t, chosen, s, r, topk)
         pad = topk - chosen.shape[-1]
         b = layer.keys.shape[0]
@@ -155,7 +160,9 @@ class SnapStreamFormat(Format):
             "positions": pos.to(torch.int32).contiguous(),
             "topk_pad": torch.full((b,), pad, dtype=torch.int32, device=layer.keys.device),
         }
-        meta = {"sinks": s, "recent": r, "topk": topk, "budget": params.budget, "prefix_tokens": t, "length": t, "policy": params.policy}
+        meta = {"sinks": s, "recent": r, "topk": topk, "budget": budget, "prefix_tokens": t, "length": t, "policy": params.policy}
+        if budget != params.budget:
+            meta["budget_clamped_from"] = params.budget
         return Encoded(tensors, meta)
 
     def decode(self, enc: Encoded) -> LayerKV:
@@ -239,6 +246,7 @@ class SnapStreamFormat(Format):
         kept = int((pos >= 0).sum())
         out: dict[str, Any] = {
             "budget": m["budget"],
+            "budget_clamped_from": m.get("budget_clamped_from"),
             "policy": m["policy"],
             "kept_sinks": int((pos[:s] >= 0).sum()),
             "kept_recent": int((pos[s:s + r] >= 0).sum()),

@@ -23,6 +23,7 @@ with the file's ``token_ids`` (:func:`continuation_ids` builds them), as with an
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,18 +248,32 @@ def continuation_ids(token_ids: torch.Tensor, new_ids: list[int] | torch.Tensor)
 
 def model_spec(obj: KVCache | CompressedCache, path: Path) -> str | None:
     """What :func:`kvtool.hf.models.load` should load for the file: the embedded model, the capture's
-    HF folder or GGUF file. UsageError for synthetic files (no model)."""
+    HF folder or GGUF file. A path named by the file's metadata is used only when it is a local,
+    plain (not symlinked) folder holding config.json or a plain ``.gguf`` file; nothing is fetched.
+    UsageError for synthetic files (no model) and for models not found here."""
     f = obj.facts
-    info = obj.info or {}
+    info = obj.info if isinstance(obj.info, dict) else {}
     source_info = info.get("source_info") if isinstance(info.get("source_info"), dict) else {}
     if f.source == "embedded":
         return None
     for candidate in (info.get("model_path"), source_info.get("model_path"), f.name):
-        if candidate and Path(candidate).exists():
-            return str(candidate)
+        if isinstance(candidate, str) and candidate and plain_model_path(Path(candidate)):
+            return candidate
     if f.source == "synthetic":
         raise UsageError(f"{path} holds synthetic tensors made without a model; pass --model")
-    raise UsageError(f"{path} was made by {f.name}, which is not found here; pass --model with a local copy")
+    raise UsageError(f"{path} was made by {f.name}, which is not found here as a local model folder or .gguf file; pass --model with a local copy")
+
+
+def plain_model_path(candidate: Path) -> bool:
+    """True for a local folder with config.json or a regular ``.gguf`` file, neither a symlink."""
+    try:
+        if candidate.is_symlink():
+            return False
+        if candidate.is_dir():
+            return (candidate / "config.json").is_file()
+        return candidate.is_file() and candidate.suffix.lower() == ".gguf"
+    except OSError:
+        return False
 
 
 def cache_mode(cache: Any) -> str:
@@ -282,7 +297,11 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
     if isinstance(obj, KVCache) and obj.attention_mask is not None and bool((obj.attention_mask == 0).any()):
         raise UsageError(f"{path} holds a left-padded batch; generate needs equal-length prompts (recapture with --align truncate)")
     if loaded is None:
-        mdl, tokenizer, source = models.load(model if model is not None else model_spec(obj, path), device=device)
+        spec = model if model is not None else model_spec(obj, path)
+        if model is None:
+            # the file chose the model: say which one is loaded, before anything of it is read
+            print(f"loading model {spec or models.EMBEDDED_NAME} (named by {path})", file=sys.stderr)
+        mdl, tokenizer, source = models.load(spec, device=device)
         model_name = source.name
     else:
         mdl, tokenizer = loaded

@@ -109,7 +109,9 @@ def load(
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    kwargs: dict[str, Any] = {"local_files_only": True}
+    # trust_remote_code=False: a folder's own Python (config "auto_map") never runs, whatever the
+    # folder or a capture's metadata says; transformers refuses such folders instead of asking
+    kwargs: dict[str, Any] = {"local_files_only": True, "trust_remote_code": False}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     if device_map:
@@ -118,17 +120,17 @@ def load(
         if source.kind == "hf-folder":
             folder = source.path
             model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         else:
             folder = converted_folder(source, cache_dir)
             if (folder / "config.json").exists():
                 model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
             else:
                 # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress
                 with contextlib.redirect_stderr(io.StringIO()):
                     model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, **kwargs)
-                    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True)
+                    tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True, trust_remote_code=False)
                 _save_converted(model, tokenizer, folder)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise BadDataError(f"model {source.name}: cannot load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc

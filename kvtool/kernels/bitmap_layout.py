@@ -197,6 +197,16 @@ def validate_bitmap_tensor(bt: BitmapTensor) -> None:
         raise BadDataError(
             f"{name} block {bad}: the bitmaps' popcount is {int(counts[bad])} elements (padded {int(need[bad])}) but the offsets give it {int(stored[bad])}"
         )
+    # element by element: the first popcount slots of each block's run hold stored (non-zero bit
+    # pattern) elements and the alignment padding after them is zero, so a tile whose bitmap gained
+    # or lost a bit is caught even when the block's padded size does not change
+    if bt.nz.numel():
+        pos = torch.arange(bt.nz.numel(), device=off.device)
+        block = torch.searchsorted(off, pos, right=True) - 1
+        stored_slot = (pos - off[block]) < counts[block]
+        if bool((nonzero_bits(bt.nz) != stored_slot).any()):
+            bad = int(block[torch.nonzero(nonzero_bits(bt.nz) != stored_slot)[0, 0]])
+            raise BadDataError(f"{name} block {bad}: the stored elements disagree with the bitmaps' popcount (a stored zero or a non-zero padding element)")
     if bt.pad_bits():
         if bt.kind == "keys":  # only the last block holds padding tokens
             tail = bt.tokens - (bt.blocks - 1) * TILE

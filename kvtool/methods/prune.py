@@ -326,7 +326,7 @@ def prune_file(
     if dense_window < 0:
         raise UsageError(f"--dense-window must be at least 0, got {dense_window}")
     output = output or capture.with_name(f"{capture.stem}.pruned.safetensors")
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(capture,))
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
