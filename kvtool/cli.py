@@ -2,28 +2,97 @@
 
 Each subcommand is one module in :mod:`kvtool.commands` with a ``register(app)`` function, an
 ``ORDER`` number (its place in ``--help``) and a one-line ``SHORT_HELP``. Modules are discovered, so adding a command is adding
-a file.
+a file. Command modules import the library inside their functions, so ``kvtool --help`` and
+``kvtool --version`` never load torch.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Annotated
+import sys
+from typing import Annotated, Any, Sequence
 
+import click
 import typer
+import typer.rich_utils
+from rich.text import Text
+from typer.core import TyperGroup
 
 from kvtool import commands
 from kvtool._version import __version__
-from kvtool.commands._common import set_global_debug
+from kvtool.commands._common import (
+    err_console,
+    error_object,
+    set_global_debug,
+    set_global_quiet,
+    set_no_color,
+)
+from kvtool.core.jsonio import to_json_text
+
+# Off a terminal rich's help would be 80 columns wide and cut the usage line; give it room (a value
+# in TERMINAL_WIDTH wins). Not unbounded: help panels fill the whole width.
+HELP_WIDTH_OFF_TTY = 160
+if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
+    typer.rich_utils.MAX_WIDTH = HELP_WIDTH_OFF_TTY
+
+
+def _bench_json_alias(argv: list[str]) -> list[str]:
+    """``kvtool bench SUITE --json PATH`` (the old form) -> ``--json``-less ``-o PATH``, and
+    ``--json -`` -> ``--json``; every other command line is returned unchanged."""
+    if not argv or argv[0] != "bench" or "--json" not in argv:
+        return argv
+    i = argv.index("--json")
+    nxt = argv[i + 1] if i + 1 < len(argv) else None
+    if nxt == "-":
+        err_console.print("note: `--json -` is deprecated; `--json` alone prints the JSON on stdout", style="yellow")
+        return argv[:i] + ["--json"] + argv[i + 2:]
+    if nxt is not None and not nxt.startswith("-"):
+        err_console.print(f"note: `--json {nxt}` is deprecated; use `-o {nxt}` (and `--json` for JSON on stdout)", style="yellow")
+        return argv[:i] + ["-o", nxt] + argv[i + 2:]
+    return argv
+
+
+class KvtoolGroup(TyperGroup):
+    """The root group: a usage error Click finds (a bad option value, a missing argument) is one
+    ``error:`` line on stderr like every other error, and with ``--json`` on the command line also
+    one ``{"error": ...}`` object on stdout."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        argv = _bench_json_alias(list(args) if args is not None else sys.argv[1:])
+        if not standalone_mode:
+            return super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            if "--json" in argv:
+                sys.stdout.write(to_json_text(error_object("UsageError", exc.format_message(), exc.exit_code)))
+                sys.stdout.flush()
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None and exc.exit_code == 2 else ""
+            err_console.print(Text.assemble(("error:", "red"), f" {exc.format_message()}{hint}"))
+            sys.exit(exc.exit_code)
+        except click.exceptions.Exit as exc:
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            err_console.print("interrupted")
+            sys.exit(130)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     name="kvtool",
+    cls=KvtoolGroup,
     help="Offline KV-cache toolkit: capture real caches, analyse them, compress them with the formats "
     "of five papers, verify fidelity and benchmark the GPU kernels.\n\n"
-    "Start with: kvtool capture -o cap.safetensors  (embedded SmolLM2-135M, built-in prompt)",
+    "Start with: kvtool capture -o cap.safetensors  (embedded SmolLM2-135M, built-in prompt), or try any "
+    "command on the bundled sample capture: kvtool stats sample:",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -40,8 +109,12 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Annotated[bool, typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit.")] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for every command.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output on stderr, for every command.")] = False,
+    no_color: Annotated[bool, typer.Option("--no-color", help="Plain text without colours (NO_COLOR=1 does the same).")] = False,
 ) -> None:
     set_global_debug(debug)
+    set_global_quiet(quiet)
+    set_no_color(no_color)
 
 
 def _discover() -> None:

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from kvtool._version import __version__
+
 
 def jsonable(obj: Any) -> Any:
     if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
@@ -25,3 +27,17 @@ def jsonable(obj: Any) -> Any:
 def to_json_text(data: Any) -> str:
     """``data`` as indented JSON text with a final newline (see :func:`jsonable`)."""
     return json.dumps(jsonable(data), indent=2) + "\n"
+
+
+def envelope(command: str | None, data: dict[str, Any], *, input: Any = None, inputs: Any = None, output: Any = None) -> dict[str, Any]:
+    """A result as the JSON contract (docs/cli.md) has it: ``kvtool_version``, ``command``, ``input``
+    or ``inputs``, ``output`` when something was written, then ``data``'s own keys. The CLI's
+    ``--json`` and the Python API's ``to_dict()`` both build their objects here."""
+    head: dict[str, Any] = {"kvtool_version": __version__, "command": command}
+    if inputs is not None:
+        head["inputs"] = [str(p) for p in inputs]
+    elif input is not None:
+        head["input"] = str(input)
+    if output is not None:
+        head["output"] = str(output)
+    return {**head, **{k: v for k, v in data.items() if k not in head}}
