@@ -58,7 +58,8 @@ def _python_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except KvtoolError as exc:
-            new = type(exc)(python_message(str(exc)))
+            new = type(exc).__new__(type(exc))  # same type (and exit code); some types build their message in __init__
+            Exception.__init__(new, python_message(str(exc)))
             raise new from None
 
     return wrapper  # type: ignore[return-value]
@@ -162,12 +163,13 @@ class InfoResult(Result):
 
 
 @_python_errors
-def load(path: PathLike, layers: Sequence[int] | None = None) -> "KVCache":
+def load(path: PathLike, layers: Sequence[int] | None = None, parts: tuple[str, ...] = ("keys", "values", "queries", "hidden")) -> "KVCache":
     """Read a capture file into a :class:`~kvtool.core.cache.KVCache` (``"sample:"`` for the bundled one);
-    keys/values ``[batch, kv_heads, tokens, head_dim]``."""
+    keys/values ``[batch, kv_heads, tokens, head_dim]``. ``layers``: only those model layers;
+    ``parts``: only some of keys, values, queries, hidden (keys and values are always read)."""
     from kvtool.core import io  # deferred: start-up time (torch)
 
-    return io.load(_path(path), layers=list(layers) if layers is not None else None)
+    return io.load(_path(path), layers=list(layers) if layers is not None else None, parts=tuple(parts))
 
 
 @_python_errors

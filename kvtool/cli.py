@@ -9,19 +9,20 @@ a file. Command modules import the library inside their functions, so ``kvtool -
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 from typing import Annotated, Any, Sequence
 
 import click
 import typer
-import typer.rich_utils
 from rich.text import Text
 from typer.core import TyperGroup
 
 from kvtool import commands
 from kvtool._version import __version__
 from kvtool.commands._common import (
+    command_of,
     err_console,
     error_object,
     set_global_debug,
@@ -31,10 +32,11 @@ from kvtool.commands._common import (
 from kvtool.core.jsonio import to_json_text
 
 # Off a terminal rich's help would be 80 columns wide and cut the usage line; give it room (a value
-# in TERMINAL_WIDTH wins). Not unbounded: help panels fill the whole width.
+# already in TERMINAL_WIDTH wins). Not unbounded: help panels fill the whole width. Set through the
+# environment because typer.rich_utils, which reads it, loads only when help is printed.
 HELP_WIDTH_OFF_TTY = 160
-if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
-    typer.rich_utils.MAX_WIDTH = HELP_WIDTH_OFF_TTY
+if not sys.stdout.isatty():
+    os.environ.setdefault("TERMINAL_WIDTH", str(HELP_WIDTH_OFF_TTY))
 
 
 def _bench_json_alias(argv: list[str]) -> list[str]:
@@ -69,10 +71,10 @@ class KvtoolGroup(TyperGroup):
             exc.show()
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
-            if "--json" in argv:
-                sys.stdout.write(to_json_text(error_object("UsageError", exc.format_message(), exc.exit_code)))
-                sys.stdout.flush()
             ctx = getattr(exc, "ctx", None)
+            if "--json" in argv:
+                sys.stdout.write(to_json_text(error_object("UsageError", exc.format_message(), exc.exit_code, command_of(ctx))))
+                sys.stdout.flush()
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None and exc.exit_code == 2 else ""
             err_console.print(Text.assemble(("error:", "red"), f" {exc.format_message()}{hint}"))
             sys.exit(exc.exit_code)

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 FORMATS_DIR = Path(__file__).resolve().parents[1] / "formats"
+SUITES_DIR = Path(__file__).resolve().parents[1] / "bench" / "suites"
 
 
 # a top-level class, and a class attribute assigned a one-line string literal (parsing whole modules
@@ -49,3 +50,18 @@ def format_summaries() -> dict[str, str]:
             if "name" in lit and "summary" in lit:
                 out[lit["name"]] = lit["summary"]
     return dict(sorted(out.items()))
+
+
+@lru_cache(maxsize=1)
+def bench_suite_summaries() -> dict[str, str]:
+    """``{suite name: summary}`` from the ``@register_suite(name, baselines, summary, example)``
+    decorators of the bench suites' modules (for ``kvtool bench --help``; only that help parses them)."""
+    out: dict[str, str] = {}
+    for path in sorted(SUITES_DIR.glob("*.py")):
+        if path.name.startswith("_") or path.stem == "common":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_suite" and len(node.args) >= 3
+                    and all(isinstance(a, ast.Constant) for a in (node.args[0], node.args[2]))):
+                out[node.args[0].value] = node.args[2].value
+    return out

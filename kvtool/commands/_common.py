@@ -110,7 +110,11 @@ def quiet_enabled(local: bool = False) -> bool:
 
 def _command_name() -> str | None:
     """``compress`` or ``bench dense``: the path below the root of the running click command."""
-    ctx = click.get_current_context(silent=True)
+    return command_of(click.get_current_context(silent=True))
+
+
+def command_of(ctx: click.Context | None) -> str | None:
+    """``compress`` or ``bench dense``: the names below the root of ``ctx``'s command."""
     names = []
     while ctx is not None and ctx.parent is not None:
         names.append(ctx.info_name or "")
@@ -118,9 +122,9 @@ def _command_name() -> str | None:
     return " ".join(reversed(names)) or None
 
 
-def error_object(exc_type: str, message: str, exit_code: int) -> dict[str, Any]:
+def error_object(exc_type: str, message: str, exit_code: int, command: str | None = None) -> dict[str, Any]:
     """The JSON a failing ``--json`` command prints on stdout."""
-    return {"kvtool_version": __version__, "command": _current["command"] or _command_name(),
+    return {"kvtool_version": __version__, "command": command or _current["command"] or _command_name(),
             "error": {"type": exc_type, "message": message, "exit_code": exit_code}}
 
 
@@ -171,7 +175,10 @@ def example_epilog(*examples: str) -> str:
 
 
 def deprecated(old: str, new: str) -> None:
-    """One stderr line: option ``old`` still works but is renamed ``new``."""
+    """One stderr line: option ``old`` still works but is renamed ``new`` (not with --json, whose
+    stderr stays free for errors)."""
+    if _current["json"]:
+        return
     err_console.print(Text(f"note: {old} is deprecated; use {new}", style="yellow"))
 
 
@@ -193,7 +200,7 @@ def show(text: str, *data: Any) -> None:
     console.print(text.format(*(escape(str(d)) for d in data)))
 
 
-LEFT_COLUMNS = ("name", "tensor", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider", "capture", "variant", "file", "channels", "why", "q heads")
+LEFT_COLUMNS = ("name", "tensor", "dtype", "shape", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider", "capture", "variant", "file", "channels", "why", "q heads")
 
 
 def make_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:

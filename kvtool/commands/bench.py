@@ -14,6 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
+from kvtool.commands._catalog import bench_suite_summaries
 from kvtool.commands._common import (
     DebugOpt,
     ForceOpt,
@@ -34,6 +35,8 @@ from kvtool.commands._common import (
 ORDER = 70
 SHORT_HELP = "Time the GPU kernels against cuBLAS and FlashInfer"
 
+REPORT_HELP = ("Markdown tables (device, versions, date, then one row per record) from `kvtool bench -o` JSON files, "
+               "for docs/benchmarks.md; every cell comes from a record of the files.")
 CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench dense --model-shape custom --heads 4 --kv-heads 2 --head-dim 64 --batch 1 --seq 256"
 
 def print_result(doc: dict[str, Any]) -> None:
@@ -67,6 +70,15 @@ class LazyBenchGroup(TyperGroup):
     the first time this group is listed or entered, so ``kvtool --help`` stays fast."""
 
     _real: click.Group | None = None
+    _listing = False
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # the listing needs names and summaries only: read them from the suites' source
+        LazyBenchGroup._listing = True
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            LazyBenchGroup._listing = False
 
     def _commands(self) -> click.Group:
         if LazyBenchGroup._real is None:
@@ -80,9 +92,16 @@ class LazyBenchGroup(TyperGroup):
         return LazyBenchGroup._real
 
     def list_commands(self, ctx: click.Context) -> list[str]:
+        if LazyBenchGroup._listing and LazyBenchGroup._real is None:
+            return sorted([*bench_suite_summaries(), "report"])
         return self._commands().list_commands(ctx)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if LazyBenchGroup._listing and LazyBenchGroup._real is None:
+            summaries = {**bench_suite_summaries(), "report": REPORT_HELP}
+            if cmd_name not in summaries:
+                return None
+            return click.Command(cmd_name, help=summaries[cmd_name], short_help=summaries[cmd_name].split(". ")[0].rstrip("."))
         return self._commands().get_command(ctx, cmd_name)
 
 
@@ -174,8 +193,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
 def _add_report(bench_app: typer.Typer) -> None:
     @bench_app.command(
         "report",
-        help="Markdown tables (device, versions, date, then one row per record) from `kvtool bench -o` JSON files, "
-        "for docs/benchmarks.md; every cell comes from a record of the files.",
+        help=REPORT_HELP,
         epilog=example_epilog("kvtool bench report docs/benchmarks/*.json --summary -o tables.md"),
     )
     @kvtool_command

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,7 +37,9 @@ METRIC_NAMES = ("rel_l2", "cosine", "recall", "agreement", "nll_increase", "kl")
 def split_inputs(items: list[str], formats: list[str]) -> tuple[list[Path], list[str]]:
     """Positional arguments are captures; one that is not a file but names a registered format (the
     tail of ``--formats a b c``) is a sweep spec."""
-    known = format_summaries()
+    # formats in the formats folder, and any registered at run time (a plug-in, a test's format)
+    runtime = getattr(sys.modules.get("kvtool.formats.base"), "FORMATS", {})
+    known = set(format_summaries()) | set(runtime)
     captures: list[Path] = []
     specs = list(formats)
     for item in items:

@@ -33,6 +33,7 @@ def envelope(command: str | None, data: dict[str, Any], *, input: Any = None, in
     """A result as the JSON contract (docs/cli.md) has it: ``kvtool_version``, ``command``, ``input``
     or ``inputs``, ``output`` when something was written, then ``data``'s own keys. The CLI's
     ``--json`` and the Python API's ``to_dict()`` both build their objects here."""
+    data = per_layer_as_lists(command, data)
     head: dict[str, Any] = {"kvtool_version": __version__, "command": command}
     if inputs is not None:
         head["inputs"] = [str(p) for p in inputs]
@@ -41,3 +42,30 @@ def envelope(command: str | None, data: dict[str, Any], *, input: Any = None, in
     if output is not None:
         head["output"] = str(output)
     return {**head, **{k: v for k, v in data.items() if k not in head}}
+
+
+def layer_list(per_layer: dict[Any, Any]) -> list[dict[str, Any]]:
+    """``{layer: {...}}`` -> ``[{"layer": layer, ...}, ...]`` in layer order: per-layer results in the
+    JSON contract are lists (JSON object keys would turn the layer numbers into strings)."""
+    out = []
+    for key, value in per_layer.items():
+        layer = int(key) if isinstance(key, int) or str(key).lstrip("-").isdigit() else key
+        out.append({"layer": layer, **(value if isinstance(value, dict) else {"value": value})})
+    return out
+
+
+def _layer_keyed(value: Any) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, int) or str(k).lstrip("-").isdigit() for k in value)
+
+
+def per_layer_as_lists(command: str | None, data: Any, key: str = "") -> Any:
+    """A copy of ``data`` where every ``{layer: result}`` map (a key naming layers, e.g. ``layers``,
+    ``per_layer``, ``recall_per_layer``, holding a mapping keyed by layer numbers) is a list of
+    ``{"layer": n, ...}`` (see :func:`layer_list`)."""
+    if isinstance(data, dict):
+        if "layer" in key and _layer_keyed(data):
+            return layer_list({k: per_layer_as_lists(command, v) for k, v in data.items()})
+        return {k: per_layer_as_lists(command, v, str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [per_layer_as_lists(command, v, key) for v in data]
+    return data
