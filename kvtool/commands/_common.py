@@ -200,6 +200,19 @@ def show(text: str, *data: Any) -> None:
     console.print(text.format(*(escape(str(d)) for d in data)))
 
 
+def params_text(params: dict[str, Any]) -> str:
+    """A format's parameters for a header: unset (None) ones left out, and a ratio that a fixed value
+    overrides said to be unused (``budget=256; budget_ratio unused: budget applies``)."""
+    shown = {k: v for k, v in params.items() if v is not None}
+    notes = []
+    for fixed in ("budget",):
+        if fixed in shown and f"{fixed}_ratio" in shown:
+            shown.pop(f"{fixed}_ratio")
+            notes.append(f"{fixed}_ratio unused: {fixed} applies")
+    text = ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
+    return "; ".join([text, *notes])
+
+
 LEFT_COLUMNS = ("name", "tensor", "dtype", "shape", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider", "capture", "variant", "file", "channels", "why", "q heads")
 
 

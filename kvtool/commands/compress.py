@@ -23,6 +23,7 @@ from kvtool.commands._common import (
     kvtool_command,
     make_table,
     library_progress,
+    params_text,
     show,
 )
 
@@ -37,7 +38,7 @@ STR_OPTS = ("method", "center", "score", "evict", "prune")
 
 
 def print_report(report: dict[str, Any]) -> None:
-    params = ", ".join(f"{k}={v}" for k, v in report["params"].items() if v is not None) or "defaults"
+    params = params_text(report["params"])
     show("[bold]{}[/bold] ({})  layers {}, {} tokens compressed, {} held out dense", report["format"], params,
          len(report["layers"]), report["prefix_tokens"], report["heldout"])
     rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}") for part, n in report["bytes_by_part"].items()]

@@ -16,6 +16,7 @@ from kvtool.commands._common import (
     fmt_bytes,
     kvtool_command,
     make_table,
+    params_text,
     show,
 )
 from kvtool.commands.compress import print_report
@@ -64,7 +65,8 @@ def register(app: typer.Typer) -> None:
         if "kvtool.format" in meta:
             rows.append(("format", readable(meta["kvtool.format"])))
         if "kvtool.params" in meta:
-            rows.append(("parameters", readable(meta["kvtool.params"])))
+            params = meta["kvtool.params"]
+            rows.append(("parameters", params_text(params) if isinstance(params, dict) else readable(params)))
         for key, value in (meta.get("kvtool.info") or {}).items():
             if key != "source_info":
                 rows.append((key.replace("_", " "), readable(value)))

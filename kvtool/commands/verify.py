@@ -20,6 +20,7 @@ from kvtool.commands._common import (
     kvtool_command,
     make_table,
     library_progress,
+    params_text,
     show,
 )
 from kvtool.commands.eval import BACKEND_NAMES, NLL_NOTE, fmt_nll
@@ -42,7 +43,7 @@ def parse_threshold(value: float | None, option: str, lo: float | None = None, h
 
 def print_report(report: dict[str, Any]) -> None:
     att = report["attention"]
-    params = ", ".join(f"{k}={v}" for k, v in att["params"].items() if v is not None) or "defaults"
+    params = params_text(att["params"])
     show("[bold]{}[/bold] ({}) vs {}: {} held-out queries, {} compressed tokens, backend {} on {}", att["format"], params,
          report["capture"], att["heldout"], att["prefix_tokens"], att["backend"], att["device"])
     triton = att["backend"] == "triton"
