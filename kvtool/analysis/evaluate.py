@@ -70,7 +70,7 @@ def run_eval(
     models_loaded: dict[str, tuple[Any, str]] = {}
     total = len(captures) * len(points)
     progress = or_silent(progress)
-    progress.stage("eval", total)
+    progress.stage("sweep points", total)
     for cap_path in captures:
         cache = _load_capture(cap_path, layers)
         if cache.num_tokens <= heldout:
