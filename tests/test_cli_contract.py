@@ -35,7 +35,8 @@ def numbers_are_numbers(obj, where="") -> list[str]:
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             bad += numbers_are_numbers(v, f"{where}[{i}]")
-    elif isinstance(obj, str) and NUMBER_TEXT.match(obj):
+    elif isinstance(obj, str) and NUMBER_TEXT.match(obj) and not re.search(r"commit|sha", where.rsplit(".", 1)[-1]):
+        # (a git commit such as '71e1927' reads as a number but is an id)
         bad.append(f"{where}: {obj!r}")
     return bad
 

@@ -336,14 +336,15 @@ class LineProgress(LibraryProgress):
                 if self.what is not None and time.monotonic() - self.last_line >= self.heartbeat:
                     self._write()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.stop_event.set()
         if self.thread is not None:
             self.thread.join(timeout=2)
         if self.what is not None:
             with self.lock:
                 stream = self.stream or sys.stderr
-                stream.write(f"kvtool {self.command}: done in {fmt_duration(time.monotonic() - self.start)}\n")
+                how = f"stopped during {self.what} after" if failed else "done in"
+                stream.write(f"kvtool {self.command}: {how} {fmt_duration(time.monotonic() - self.start)}\n")
                 stream.flush()
 
 
@@ -369,10 +370,14 @@ def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
         sink = LineProgress(_current["command"] or _command_name())
     try:
         yield sink
-    finally:
-        close = getattr(sink, "close", None)
-        if close is not None:
-            close()
+    except BaseException:
+        if isinstance(sink, LineProgress):
+            sink.close(failed=True)
+        elif isinstance(sink, BarProgress):
+            sink.close()
+        raise
+    if isinstance(sink, (LineProgress, BarProgress)):
+        sink.close()
 
 
 def stage_callback(sink: LibraryProgress) -> Callable[[str, int, int], None]:
