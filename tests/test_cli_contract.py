@@ -277,3 +277,12 @@ def test_import_kvtool_is_cheap():
     code = "import sys, kvtool; print([m for m in ('torch', 'transformers') if m in sys.modules])"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert res.stdout.strip() == "[]", res.stderr
+
+
+def test_no_color_option_and_readable_info():
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "FORCE_COLOR": "1"}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtool", *a], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)  # noqa: E731
+    assert "\x1b[" in run("info", "missing.safetensors").stderr
+    assert "\x1b[" not in run("--no-color", "info", "missing.safetensors").stderr
+    res = runner.invoke(app, ["info", "sample:"])
+    assert res.exit_code == 0 and "{'" not in res.stdout and "prompt preview" in res.stdout and "None" not in res.stdout
