@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 PathLike = str | Path
 F = TypeVar("F", bound=Callable[..., Any])
 
-# `--heldout 64` -> `heldout=64`, `--no-model` -> `use_model=False`, `pass --force` -> `pass force=True`
-_FLAG = re.compile(r"--([a-z][a-z0-9-]*)( (?=[0-9'\"-]))?")
+# `--heldout 64` -> `heldout=64`, `pass --truncate` -> `pass truncate=True`, `--no-model` -> `use_model=False`
+_FLAG = re.compile(r"(pass )?--([a-z][a-z0-9-]*)( (?=[0-9'\"-]))?")
 _SPECIAL = {"force": "force=True", "no-model": "use_model=False", "no-queries": "queries=False"}
 
 
@@ -42,12 +42,14 @@ def python_message(message: str) -> str:
     """A library message with its command-line flags named as this API's parameters."""
 
     def swap(m: re.Match) -> str:
-        name = m.group(1)
-        if name in _SPECIAL and not m.group(2):
-            return _SPECIAL[name]
-        return name.replace("-", "_") + ("=" if m.group(2) else "")
+        advice, name, value = m.group(1) or "", m.group(2), m.group(3)
+        if value:
+            return f"{advice}{name.replace('-', '_')}="
+        if name in _SPECIAL:
+            return advice + _SPECIAL[name]
+        return advice + name.replace("-", "_") + ("=True" if advice else "")
 
-    return _FLAG.sub(swap, message)
+    return _FLAG.sub(swap, message.replace("without --no-queries", "with queries=True"))
 
 
 def _python_errors(fn: F) -> F:
