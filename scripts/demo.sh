@@ -18,7 +18,7 @@ step "stats: the 10 KV heads with the most outlier key channels"
 kvtool stats "$CAP" --sort k_outliers --top 10
 
 step "plots: layers 0, 7, 15, 23, 29 (open $OUT/plots/index.html)"
-kvtool plot "$CAP" --all --layers 0,7,15,23,29 --out "$OUT/plots" --force | tail -n 3
+kvtool plot "$CAP" --all --layers 0,7,15,23,29 --out-dir "$OUT/plots" --force | tail -n 3
 
 step "compress with each format (last 64 tokens held out for verify)"
 kvtool compress "$CAP" --format bitmap --sparsity 0.7 -o "$OUT/cap.bitmap.safetensors" --force
@@ -37,7 +37,7 @@ kvtool verify "$OUT/cap.signvq.safetensors" --no-model
 kvtool verify "$OUT/cap.pipeline.safetensors" --no-model
 
 step "eval: every format, the papers' comparisons and the bytes-vs-fidelity frontier (sample capture)"
-kvtool eval samples/smollm2-sample.safetensors --no-model --paper -o "$OUT/eval" --force | tail -n 25
+kvtool eval sample: --no-model --paper --out-dir "$OUT/eval" --force | tail -n 25
 
 step "recommend: a plan per layer / KV head at 15% of the bytes, checked against the best uniform setting"
 kvtool recommend "$CAP" --budget 15% --no-texts -o "$OUT/plan.json" --force
@@ -47,7 +47,7 @@ step "report: one HTML page (cache, frontier, plans at 10/15/25/40%) -> $OUT/rep
 kvtool report "$CAP" --no-texts --budgets 10%,15%,25%,40% -o "$OUT/report.html" --force
 
 step "heads: Polar Sparsity's head selection on the sample (it carries hidden states for the routers)"
-kvtool heads samples/smollm2-sample.safetensors --plot "$OUT/heads.png" --router-out "$OUT/routers.safetensors" --force
+kvtool heads sample: --plot-output "$OUT/heads.png" -o "$OUT/routers.safetensors" --force
 
 step "export to a transformers cache and continue generation from compressed caches"
 kvtool export "$CAP" --to hf -o "$OUT/cap.hf.safetensors" --force

@@ -126,8 +126,10 @@ def test_bad_options(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     res = runner.invoke(app, ["bench", "dense", "--dtype", "fp8"])
     assert res.exit_code == 2 and "--dtype" in res.output
-    res = runner.invoke(app, ["bench", "heads", "--k", "99"])
-    assert res.exit_code == 2 and "--k 99" in res.output
+    res = runner.invoke(app, ["bench", "heads", "--top-k", "99"])
+    assert res.exit_code == 2 and "--top-k 99" in res.output
+    res = runner.invoke(app, ["bench", "heads", "--k", "99"])  # the old name still works
+    assert res.exit_code == 2 and "--top-k 99" in res.output
 
 
 def test_capture_tensors_are_tiled(monkeypatch, sample_capture):

@@ -87,7 +87,8 @@ def test_layers_selection_and_errors(tiny_llama_dir):
     assert cache.layer_indices == [1]
     with pytest.raises(UsageError, match="out of range"):
         kvtool.capture("abc", model=str(tiny_llama_dir), layers="5")
-    with pytest.raises(UsageError, match="more than --max-tokens"):
+    # the Python API names its parameters, not the CLI's flags (issue 19; was "more than --max-tokens")
+    with pytest.raises(UsageError, match=r"more than max_tokens=4 \(pass truncate=True to keep the first 4\)"):
         kvtool.capture("abcdefgh", model=str(tiny_llama_dir), max_tokens=4)
     trunc = kvtool.capture("abcdefgh", model=str(tiny_llama_dir), max_tokens=4, truncate=True)
     assert trunc.num_tokens == 4

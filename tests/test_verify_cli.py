@@ -218,7 +218,8 @@ def test_eval_layer_subset_and_paper_rows_skip_missing_formats(tiny_capture, tmp
                               "--no-model", "--paper", "-o", str(tmp_path / "e"), "--json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output)["points"]
-    assert list(rows[0]["per_layer_rel_l2"]) == ["1"] and rows[0]["rel_l2"] < 1e-6
+    # per-layer results are lists in the CLI's JSON (issue 19's contract; they were {"1": ...} maps)
+    assert [e["layer"] for e in rows[0]["per_layer_rel_l2"]] == [1] and rows[0]["rel_l2"] < 1e-6
     paper = [r for r in rows if r["comparison"]]
     assert paper and all(r.get("skipped") or r.get("rel_l2") is not None for r in paper)
 

@@ -76,7 +76,7 @@ def verify_file(
     attach_query_tails(source, source_path, int(heldout if heldout is not None else cc.info.get("heldout", 0) or 0))
     report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
     progress = or_silent(progress)
-    progress.stage("attention", len(cc.layer_indices))
+    progress.stage("attention fidelity, layers", len(cc.layer_indices))
     report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance(), device=dev)
     spec = default_model_spec(cc.facts, model) if use_model else None
     if spec is None:
@@ -85,13 +85,14 @@ def verify_file(
             f"the capture came from {cc.facts.name} ({cc.facts.source}); pass --model to score the continuation"
         )
         return report
+    progress.stage("loading the model", 1)
     try:
         mdl, name = load_model(spec, cc.facts, dev)
     except BadDataError as exc:
         if model:
             raise
         raise BadDataError(f"{exc} (or pass --no-model for attention-level fidelity only)") from None
-    progress.stage("model", 2)
+    progress.stage("model continuation, dense then compressed passes", 2)
     ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
     progress.advance()
     report["model"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])

@@ -31,7 +31,8 @@ def table(doc: dict[str, Any]) -> str:
             cells += [r["status"], "", "", "", ""]
         else:
             cells += [f"{r['median_us']:.1f}", f"{r['p10_us']:.0f}–{r['p90_us']:.0f}", f"{r['bandwidth_gbps']:.0f}",
-                      f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "–"]
+                      f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] is not None else "–",
+                      f"{r['rel_err']:.1e}" if r["rel_err"] is not None else "–"]
         for b in primary:
             v = r["speedup"].get(b)
             cells.append("" if v is None or b == r["provider"] else (f"{v:.2f}" if isinstance(v, float) else str(v)))

@@ -73,7 +73,7 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
     env = B.detect_env(cold_l2=cold_l2)
     ks = parse_int_list(k, "k") if k else [max(1, shape.heads // 2)]
     if any(x > shape.heads for x in ks):
-        raise UsageError(f"--k {max(ks)} is more than the {shape.heads} query heads")
+        raise UsageError(f"--top-k {max(ks)} is more than the {shape.heads} query heads")
     timer = B.Timer(env, warmup_ms=warmup_ms, rep_ms=rep_ms, hide_launch=not host_overhead, cuda_graph=cuda_graph)
     if env.device_type == "cuda":
         env.notes.append("timings include host launch overhead" if host_overhead else "device time: launches queued behind a GPU sleep before each start event")

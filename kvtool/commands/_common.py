@@ -3,7 +3,12 @@
 Every command module defines ``register(app)`` and decorates its function with
 :func:`kvtool_command`, which turns :class:`~kvtool.core.errors.KvtoolError` into one ``error:`` line and
 its exit code (1 bad data, 2 bad usage), and any other exception into one line too unless
-``--debug`` is given (then the traceback is shown).
+``--debug`` is given (then the traceback is shown). With ``--json`` a failure also prints one
+``{"error": {...}}`` object on stdout (the contract is in docs/cli.md).
+
+Rendering rule, the same for every command: on a terminal, rich tables fitted to its width; anywhere
+else (a pipe, a CI log) the same tables on a console so wide that no value or header is ever cut.
+Every piece of data is escaped before rich sees it, so ``[red]`` in a path prints literally.
 """
 
 from __future__ import annotations
@@ -12,94 +17,212 @@ import functools
 import math
 import os
 import sys
-from pathlib import Path
+import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Iterator
 
+import click
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
-from kvtool.core.progress import Progress as LibraryProgress
-from kvtool.core.jsonio import to_json_text
+from kvtool._version import __version__
 from kvtool.core.errors import KvtoolError
+from kvtool.core.jsonio import envelope, to_json_text
+from kvtool.core.progress import Progress as LibraryProgress
+from kvtool.core.sample import resolve_sample
 
-console = Console(stderr=False, highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Off a terminal rich would wrap and cut at 80 columns; this width means "never cut".
+LOG_WIDTH = 100_000
+# Off a terminal a long stage reports at least this often (seconds).
+HEARTBEAT_S = 10.0
+
+
+def _make_console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    tty = hasattr(stream, "isatty") and stream.isatty()
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=None if tty else LOG_WIDTH)
+
+
+console = _make_console(stderr=False)
+err_console = _make_console(stderr=True)
 
 # --------------------------------------------------------------------------- shared option types
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables (see docs/cli.md).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback when something fails.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")]
 ForceOpt = Annotated[bool, typer.Option("--force", "-f", help="Overwrite the output if it exists.")]
 OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output file.", dir_okay=False)]
-InputArg = Annotated[Path, typer.Argument(help="A kvtool file (capture or compressed).", show_default=False)]
-CaptureArg = Annotated[Path, typer.Argument(help="A capture file made by `kvtool capture`.", show_default=False)]
+InputArg = Annotated[Path, typer.Argument(help="A kvtool file (capture or compressed), or 'sample:' for the bundled sample.", show_default=False)]
+CaptureArg = Annotated[Path, typer.Argument(help="A capture file made by `kvtool capture`, or 'sample:' for the bundled sample.", show_default=False)]
 LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to use, e.g. 0,5,10-12 (default: all).")]
 HeadsOpt = Annotated[str | None, typer.Option("--heads", help="KV heads to use, e.g. 0,2 (default: all).")]
 
-_global_debug = False
+class Number(click.ParamType):
+    """A float option whose bad value reads ``--max-error must be a number, got 'abc'``."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            opt = param.opts[0] if param is not None and param.opts else "the value"
+            self.fail(f"{opt} must be a number, got {value!r}", param, ctx)
+
+
+NUMBER = Number()
+
+_global = {"debug": False, "quiet": False}
+# what the running command is: its name for the JSON envelope, whether it prints JSON, is quiet
+_current: dict[str, Any] = {"command": None, "json": False, "quiet": False}
 
 
 def set_global_debug(value: bool) -> None:
-    global _global_debug
-    _global_debug = value
+    _global["debug"] = value
+
+
+def set_global_quiet(value: bool) -> None:
+    _global["quiet"] = value
+
+
+def set_no_color(value: bool) -> None:
+    """``--no-color`` (NO_COLOR in the environment is honoured by rich itself)."""
+    if value:
+        console.no_color = True
+        err_console.no_color = True
 
 
 def debug_enabled(local: bool = False) -> bool:
-    return local or _global_debug or os.environ.get("KVTOOL_DEBUG", "") not in ("", "0")
+    return local or _global["debug"] or os.environ.get("KVTOOL_DEBUG", "") not in ("", "0")
+
+
+def quiet_enabled(local: bool = False) -> bool:
+    return local or _global["quiet"] or _current["quiet"]
+
+
+def _command_name() -> str | None:
+    """``compress`` or ``bench dense``: the path below the root of the running click command."""
+    return command_of(click.get_current_context(silent=True))
+
+
+def command_of(ctx: click.Context | None) -> str | None:
+    """``compress`` or ``bench dense``: the names below the root of ``ctx``'s command."""
+    names = []
+    while ctx is not None and ctx.parent is not None:
+        names.append(ctx.info_name or "")
+        ctx = ctx.parent
+    return " ".join(reversed(names)) or None
+
+
+def error_object(exc_type: str, message: str, exit_code: int, command: str | None = None) -> dict[str, Any]:
+    """The JSON a failing ``--json`` command prints on stdout."""
+    return {"kvtool_version": __version__, "command": command or _current["command"] or _command_name(),
+            "error": {"type": exc_type, "message": message, "exit_code": exit_code}}
+
+
+def _fail(exc_type: str, message: str, exit_code: int, json_mode: bool) -> None:
+    if json_mode:
+        sys.stdout.write(to_json_text(error_object(exc_type, message, exit_code)))
+        sys.stdout.flush()
+    err_console.print(Text.assemble(("error:", "red"), " ", message))
+    raise typer.Exit(exit_code)
 
 
 def kvtool_command(fn: Callable) -> Callable:
     """Wrap a command: KvtoolError -> ``error: msg`` + its exit code; other exceptions -> one line
-    and exit 1, or the traceback with --debug; Ctrl-C -> exit 130."""
+    and exit 1, or the traceback with --debug; Ctrl-C -> exit 130. With ``--json`` (a ``json_out``
+    flag) the failure is also one ``{"error": ...}`` object on stdout."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         debug = debug_enabled(bool(kwargs.get("debug", False)))
+        json_mode = kwargs.get("json_out") is True
+        _current.update(command=_command_name(), json=json_mode, quiet=bool(kwargs.get("quiet", False)) or _global["quiet"])
+        kwargs = {k: [resolve_sample(x) for x in v] if isinstance(v, list) else resolve_sample(v) for k, v in kwargs.items()}
         try:
             return fn(*args, **kwargs)
         except typer.Exit:
             raise
+        except click.ClickException as exc:  # a parameter checked inside the command
+            _fail("UsageError", exc.format_message(), exc.exit_code, json_mode)
         except KvtoolError as exc:
             if debug:
                 err_console.print_exception()
-            err_console.print(f"[red]error:[/red] {exc}", markup=True, highlight=False)
-            raise typer.Exit(exc.exit_code) from None
+            _fail(type(exc).__name__, str(exc), exc.exit_code, json_mode)
         except KeyboardInterrupt:
             err_console.print("interrupted")
             raise typer.Exit(130) from None
         except Exception as exc:  # a bug or an environment problem: still one line by default
             if debug:
                 err_console.print_exception()
-            err_console.print(f"[red]error:[/red] {type(exc).__name__}: {exc} (run with --debug for the traceback)")
-            raise typer.Exit(1) from None
+            _fail(type(exc).__name__, f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, json_mode)
 
     return wrapper
 
 
 def example_epilog(*examples: str) -> str:
-    """Help epilog with examples (shown by --help)."""
-    lines = "\n\n".join(f"  $ {e}" for e in examples)
+    """Help epilog with examples (shown by --help; escaped so ``[...]`` in an example prints)."""
+    lines = "\n\n".join(f"  $ {escape(e)}" for e in examples)
     return f"Examples:\n\n{lines}"
+
+
+def deprecated(old: str, new: str) -> None:
+    """One stderr line: option ``old`` still works but is renamed ``new`` (not with --json, whose
+    stderr stays free for errors)."""
+    if _current["json"]:
+        return
+    err_console.print(Text(f"note: {old} is deprecated; use {new}", style="yellow"))
 
 
 # --------------------------------------------------------------------------- output
 
 
-def emit_json(data: Any) -> None:
-    """Print ``data`` as JSON on stdout (NaN/inf become null)."""
-    sys.stdout.write(to_json_text(data))
+def emit_json(data: dict[str, Any], *, input: Any = None, inputs: Iterable[Any] | None = None, output: Any = None) -> None:
+    """Print ``data`` as one JSON object on stdout, led by the contract's keys (docs/cli.md):
+    ``kvtool_version``, ``command``, ``input`` or ``inputs``, and ``output`` when a file or folder
+    was written. NaN/inf become null."""
+    obj = envelope(_current["command"] or _command_name(), data, input=input, inputs=inputs, output=output)
+    sys.stdout.write(to_json_text(obj))
     sys.stdout.flush()
 
 
+def show(text: str, *data: Any) -> None:
+    """Print a line to stdout: ``text`` is rich markup with ``{}`` slots, filled with ``data``
+    escaped (so values print literally whatever brackets they hold)."""
+    console.print(text.format(*(escape(str(d)) for d in data)))
+
+
+def params_text(params: dict[str, Any]) -> str:
+    """A format's parameters for a header: unset (None) ones left out, and a ratio that a fixed value
+    overrides said to be unused (``budget=256; budget_ratio unused: budget applies``)."""
+    shown = {k: v for k, v in params.items() if v is not None}
+    notes = []
+    for fixed in ("budget",):
+        if fixed in shown and f"{fixed}_ratio" in shown:
+            shown.pop(f"{fixed}_ratio")
+            notes.append(f"{fixed}_ratio unused: {fixed} applies")
+    text = ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
+    return "; ".join([text, *notes])
+
+
+LEFT_COLUMNS = ("name", "tensor", "dtype", "shape", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider", "capture", "variant", "file", "channels", "why", "q heads")
+
+
 def make_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterable[Any]]) -> Table:
-    table = Table(title=title, title_justify="left", header_style="bold")
+    """A rich table whose title, headers and cells are all literal text (never markup)."""
+    table = Table(title=Text(title) if title else None, title_justify="left", header_style="bold")
     for c in columns:
-        table.add_column(c, justify="left" if c in ("name", "tensor", "part", "format", "parameters", "layer", "what", "value", "kernel", "provider") else "right")
+        table.add_column(Text(c), justify="left" if c in LEFT_COLUMNS else "right", overflow="fold")
     for r in rows:
-        table.add_row(*[fmt_value(v) for v in r])
+        table.add_row(*[Text(fmt_value(v)) for v in r])
     return table
 
 
@@ -126,11 +249,20 @@ def fmt_bytes(n: int | float) -> str:
     return f"{n:.2f} GiB"
 
 
-class BarProgress(LibraryProgress):
-    """The CLI's :class:`kvtool.core.progress.Progress`: each stage is a task of a rich bar, which
-    starts with the first stage (a command that fails before any stage prints nothing)."""
+def fmt_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
 
-    def __init__(self, bar: Progress):
+
+# --------------------------------------------------------------------------- progress
+
+
+class BarProgress(LibraryProgress):
+    """The CLI's :class:`kvtool.core.progress.Progress` on a terminal: each stage is a task of a rich
+    bar, which starts with the first stage (a command that fails before any stage prints nothing)."""
+
+    def __init__(self, bar: Any):
         self.bar = bar
         self.task = None
         self.started = False
@@ -141,7 +273,7 @@ class BarProgress(LibraryProgress):
             self.started = True
         if self.task is not None:
             self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(what, total=total)
+        self.task = self.bar.add_task(escape(what), total=total)
 
     def advance(self, units: int = 1) -> None:
         if self.task is not None:
@@ -156,18 +288,121 @@ class BarProgress(LibraryProgress):
             self.bar.stop()
 
 
+class LineProgress(LibraryProgress):
+    """Progress off a terminal: one plain stderr line when a stage starts, and while it runs at least
+    every ``heartbeat`` seconds (from a background thread, so one long unit of work still shows
+    life): ``kvtool COMMAND: STAGE 3/12 (25%), 41 s``."""
+
+    def __init__(self, command: str | None, stream: Any = None, heartbeat: float = HEARTBEAT_S):
+        self.command = command or "kvtool"
+        self.stream = stream
+        self.heartbeat = heartbeat
+        self.what: str | None = None
+        self.total: int | None = None
+        self.done = 0
+        self.start = time.monotonic()
+        self.last_line = self.start
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def _line(self) -> str:
+        elapsed = fmt_duration(time.monotonic() - self.start)
+        if self.total:
+            how_far = f"{self.done}/{self.total} ({100 * self.done / self.total:.0f}%)"
+        else:
+            how_far = f"{self.done} done" if self.done else "started"
+        return f"kvtool {self.command}: {self.what} {how_far}, {elapsed}"
+
+    def _write(self) -> None:
+        stream = self.stream or sys.stderr
+        stream.write(self._line() + "\n")
+        stream.flush()
+        self.last_line = time.monotonic()
+
+    def stage(self, what: str, total: int | None = None) -> None:
+        with self.lock:
+            self.what, self.total, self.done = what, total, 0
+            self._write()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._beat, name="kvtool-progress", daemon=True)
+            self.thread.start()
+
+    def advance(self, units: int = 1) -> None:
+        with self.lock:
+            self.done += units
+            if time.monotonic() - self.last_line >= self.heartbeat:
+                self._write()
+
+    def _beat(self) -> None:
+        while not self.stop_event.wait(min(1.0, self.heartbeat)):
+            with self.lock:
+                if self.what is not None and time.monotonic() - self.last_line >= self.heartbeat:
+                    self._write()
+
+    def close(self, failed: bool = False) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2)
+        if self.what is not None:
+            with self.lock:
+                stream = self.stream or sys.stderr
+                how = f"stopped during {self.what} after" if failed else "done in"
+                stream.write(f"kvtool {self.command}: {how} {fmt_duration(time.monotonic() - self.start)}\n")
+                stream.flush()
+
+
+def _progress_enabled(quiet: bool) -> bool:
+    """Progress is off with -q, and with --json unless KVTOOL_PROGRESS=1 (stdout stays one JSON
+    object and stderr stays free for errors, which scripts that merge the two streams rely on)."""
+    if quiet_enabled(quiet):
+        return False
+    if _current["json"]:
+        return os.environ.get("KVTOOL_PROGRESS", "") not in ("", "0")
+    return True
+
+
 @contextmanager
-def library_progress(quiet: bool = False) -> Iterator[BarProgress]:
-    """A progress sink for a library call, drawn as :func:`progress_bar` draws."""
-    sink = BarProgress(progress_bar(quiet))
+def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
+    """The progress sink every library call of the CLI gets: rich bars on a terminal, plain lines on
+    stderr elsewhere, nothing with ``-q`` (or ``quiet``; ``--json`` passes itself here too)."""
+    if not _progress_enabled(quiet):
+        sink: LibraryProgress = LibraryProgress()
+    elif err_console.is_terminal:
+        sink = BarProgress(progress_bar())
+    else:
+        sink = LineProgress(_current["command"] or _command_name())
     try:
         yield sink
-    finally:
+    except BaseException:
+        if isinstance(sink, LineProgress):
+            sink.close(failed=True)
+        elif isinstance(sink, BarProgress):
+            sink.close()
+        raise
+    if isinstance(sink, (LineProgress, BarProgress)):
         sink.close()
 
 
-def progress_bar(quiet: bool = False) -> Progress:
-    """A rich progress bar on stderr (hidden with --json so stdout stays clean JSON)."""
+def stage_callback(sink: LibraryProgress) -> Callable[[str, int, int], None]:
+    """Adapt a sink to the ``progress(stage, done, total)`` callables some library functions take."""
+    state: dict[str, Any] = {"stage": None, "done": 0}
+
+    def report(stage: str, done: int, total: int) -> None:
+        if stage != state["stage"]:
+            state.update(stage=stage, done=0)
+            sink.stage(stage, total)
+        if done > state["done"]:
+            sink.advance(done - state["done"])
+            state["done"] = done
+
+    return report
+
+
+def progress_bar(quiet: bool = False) -> Any:
+    """A rich progress bar on stderr (transient: it disappears when done)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
@@ -177,3 +412,7 @@ def progress_bar(quiet: bool = False) -> Progress:
         transient=True,
         disable=quiet,
     )
+
+
+# the --device option of the commands that compute (kept here, not in the library, so help needs no torch)
+DEVICE_HELP = "Where layers are computed: cpu, cuda, cuda:1 (default: cuda when present, else cpu)."

@@ -10,36 +10,43 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from kvtool.bench.report import markdown
-from kvtool.bench.runner import build_context, read_bench_json, run_suite
-from kvtool.bench.suites import Suite, load_suites
-from kvtool.core import io
+from kvtool.commands._catalog import bench_suite_summaries
 from kvtool.commands._common import (
     DebugOpt,
     ForceOpt,
+    JsonOpt,
+    QuietOpt,
     console,
+    deprecated,
+    emit_json,
     err_console,
     example_epilog,
     kvtool_command,
     make_table,
+    quiet_enabled,
+    show,
     to_json_text,
 )
 
 ORDER = 70
 SHORT_HELP = "Time the GPU kernels against cuBLAS and FlashInfer"
 
+REPORT_HELP = ("Markdown tables (device, versions, date, then one row per record) from `kvtool bench -o` JSON files, "
+               "for docs/benchmarks.md; every cell comes from a record of the files.")
 CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench dense --model-shape custom --heads 4 --kv-heads 2 --head-dim 64 --batch 1 --seq 256"
 
 def print_result(doc: dict[str, Any]) -> None:
     env = doc["env"]
     copy = f"{env['copy_gbps']:.0f} GB/s (read-only {env['read_gbps']:.0f})" if env.get("copy_gbps") else "not measured"
     v = env["versions"]
-    console.print(f"[bold]{env['device']}[/bold]  copy bandwidth {copy}  torch {v['torch']}  triton {v['triton']}  CUDA {v['cuda']}  "
-                  f"flashinfer {v['flashinfer']}  cold L2 {'on' if env['cold_l2'] else 'off'}")
+    show("[bold]{}[/bold]  copy bandwidth {}  torch {}  triton {}  CUDA {}  flashinfer {}  cold L2 {}", env["device"], copy, v["torch"],
+         v["triton"], v["cuda"], v["flashinfer"], "on" if env["cold_l2"] else "off")
     for note in env.get("notes", []):
-        console.print(f"[yellow]note:[/yellow] {note}")
+        show("[yellow]note:[/yellow] {}", note)
     recs = doc["records"]
     base_names = [n for n in doc.get("primary_baselines", []) if any(n in r["speedup"] for r in recs)]
     many = len({r["kernel"] for r in recs}) > 1
@@ -50,31 +57,70 @@ def print_result(doc: dict[str, Any]) -> None:
         spread = f"{r['p10_us']:.0f}-{r['p90_us']:.0f}" if r["median_us"] is not None else ""
         frac = f"{100 * r['bandwidth_fraction']:.0f}%" if r["bandwidth_fraction"] is not None else ""
         sp = [r["speedup"].get(n) for n in base_names]
-        sp = [f"{x:.2f}" if isinstance(x, float) else ("" if x is None else str(x)[:13]) for x in sp]
+        sp = [f"{x:.2f}" if isinstance(x, float) else ("" if x is None else str(x)) for x in sp]
         rows.append(([r["kernel"]] if many else []) + [r["provider"], r["batch"], r["seq"], param, r["median_us"], spread,
-                     r.get("floor_us"), r["bandwidth_gbps"], frac, r["rel_err"], r["status"][:32]] + sp)
+                     r.get("floor_us"), r["bandwidth_gbps"], frac, r["rel_err"], r["status"]] + sp)
     console.print(make_table(f"kvtool bench {doc['subcommand']}", cols, rows))
     if not env["timing_valid"]:
         console.print("[yellow]timings above are meaningless (CPU interpreter run)[/yellow]")
 
 
+class LazyBenchGroup(TyperGroup):
+    """``kvtool bench``: its subcommands (one per suite, which import torch and the kernels) are built
+    the first time this group is listed or entered, so ``kvtool --help`` stays fast."""
+
+    _real: click.Group | None = None
+    _listing = False
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # the listing needs names and summaries only: read them from the suites' source
+        LazyBenchGroup._listing = True
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            LazyBenchGroup._listing = False
+
+    def _commands(self) -> click.Group:
+        if LazyBenchGroup._real is None:
+            from kvtool.bench.suites import load_suites  # deferred: start-up time
+
+            real = typer.Typer(rich_markup_mode="rich")
+            for suite in load_suites().values():
+                _add_subcommand(real, suite)
+            _add_report(real)
+            LazyBenchGroup._real = typer.main.get_group(real)
+        return LazyBenchGroup._real
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        if LazyBenchGroup._listing and LazyBenchGroup._real is None:
+            return sorted([*bench_suite_summaries(), "report"])
+        return self._commands().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if LazyBenchGroup._listing and LazyBenchGroup._real is None:
+            summaries = {**bench_suite_summaries(), "report": REPORT_HELP}
+            if cmd_name not in summaries:
+                return None
+            return click.Command(cmd_name, help=summaries[cmd_name], short_help=summaries[cmd_name].split(". ")[0].rstrip("."))
+        return self._commands().get_command(ctx, cmd_name)
+
+
 def register(app: typer.Typer) -> None:
-    suites = load_suites()
     bench_app = typer.Typer(
         name="bench",
+        cls=LazyBenchGroup,
         help="Benchmark the decode kernels against cuBLAS, torch SDPA and FlashInfer on a CUDA GPU "
              "(median of many runs, L2 flushed between runs, copy bandwidth measured in the same run).",
         no_args_is_help=True,
         rich_markup_mode="rich",
-        epilog=example_epilog(*(suites[n].example for n in ("dense", "attention") if n in suites), CPU_EXAMPLE),
+        epilog=example_epilog("kvtool bench dense --model-shape llama3-8b --batch 1,8 --seq 4k,32k -o bench-dense.json",
+                              "kvtool bench attention --model-shape llama3-8b --batch 8 --seq 4096,32768 --sparsity 0.7 --json",
+                              CPU_EXAMPLE),
     )
-    for suite in suites.values():
-        _add_subcommand(bench_app, suite)
-    _add_report(bench_app)
     app.add_typer(bench_app, name="bench")
 
 
-def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
+def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
     sub = suite.name
 
     @bench_app.command(sub, help=suite.summary, epilog=example_epilog(suite.example, CPU_EXAMPLE))
@@ -88,8 +134,9 @@ def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
         seq: Annotated[str, typer.Option("--seq", help="Sequence lengths, comma-separated (k = 1024): 4k,32k,128k.")] = "4k,32k",
         sparsity: Annotated[str, typer.Option("--sparsity", help="Bitmap sparsities (spmv, attention, compress).")] = "0.5,0.7",
         budget: Annotated[str, typer.Option("--budget", help="Token budgets (lut, pages).")] = "2048",
-        k: Annotated[str | None, typer.Option("--k", help="Heads computed out of H (heads; default H/2).")] = None,
-        dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "fp16",
+        k: Annotated[str | None, typer.Option("--top-k", help="Heads computed out of H (heads; default H/2).")] = None,
+        k_old: Annotated[str | None, typer.Option("--k", hidden=True, help="Deprecated name of --top-k.")] = None,
+        dtype: Annotated[str, typer.Option("--dtype", help="fp16 (float16) or bf16 (bfloat16).")] = "fp16",
         capture: Annotated[Path | None, typer.Option("--capture", help="Time on a capture file's real tensors (one layer, tiled to --seq and --batch).", dir_okay=False)] = None,
         layer: Annotated[int | None, typer.Option("--layer", help="Capture layer to use (default: the first captured).")] = None,
         cold_l2: Annotated[bool, typer.Option("--cold-l2/--no-cold-l2", help="Overwrite a buffer larger than L2 before each timed run.")] = True,
@@ -100,33 +147,45 @@ def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
         page_size: Annotated[int, typer.Option("--page-size", help="Page size of the paged layouts (FlashInfer, pages).")] = 16,
         window: Annotated[int, typer.Option("--window", help="Dense local window of the sparse formats (tokens).")] = 32,
         backend: Annotated[str, typer.Option("--backend", help="Bitmap attention backend: auto (cuda for 16-bit CUDA tensors), triton or cuda (built on first use).")] = "auto",
-        json_path: Annotated[str | None, typer.Option("--json", help="Write the records as JSON to this path ('-' for stdout).")] = None,
-        plot: Annotated[Path | None, typer.Option("--plot", help="Write a figure (PNG/PDF/SVG): time vs seq per provider, speedup vs sparsity.", dir_okay=False)] = None,
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the records as JSON to this file (the table still prints).", dir_okay=False)] = None,
+        plot: Annotated[Path | None, typer.Option("--plot-output", help="Write a figure (PNG/PDF/SVG): time vs seq per provider, speedup vs sparsity.", dir_okay=False)] = None,
+        plot_old: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated name of --plot-output.", dir_okay=False)] = None,
         force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        if json_path and json_path != "-":
-            io.check_output(json_path, force)
+        from kvtool.bench.runner import build_context, run_suite  # deferred: start-up time
+        from kvtool.core import io  # deferred: start-up time
+
+        if k_old is not None:
+            deprecated("--k", "--top-k")
+            k = k if k is not None else k_old
+        if plot_old is not None:
+            deprecated("--plot", "--plot-output")
+            plot = plot or plot_old
+        if output is not None:
+            io.check_output(output, force)
         if plot is not None:
             io.check_output(plot, force)
-        quiet = json_path == "-"
+        silent = json_out or quiet_enabled(quiet)
         ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
                             cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph,
-                            step=(lambda msg: None) if quiet else (lambda msg: err_console.print(f"[dim]{msg}[/dim]")), backend=backend)
+                            step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)), backend=backend)
         doc = run_suite(sub, ctx)
-        if json_path == "-":
-            sys.stdout.write(to_json_text(doc))
-        else:
-            print_result(doc)
-            if json_path:
-                io.atomic_write_text(json_path, to_json_text(doc), force=force)
-                console.print(f"wrote {json_path}")
+        if output is not None:
+            io.atomic_write_text(output, to_json_text(doc), force=force)
         if plot is not None:
-            from kvtool.bench.plots import plot_records  # deferred: matplotlib loads only with --plot
+            from kvtool.bench.plots import plot_records  # deferred: matplotlib loads only with --plot-output
 
             plot_records(doc, plot)
-            if json_path != "-":
-                console.print(f"wrote {plot}")
+        if json_out:
+            emit_json(doc, input=str(capture) if capture else None, output=output)
+        else:
+            print_result(doc)
+            for path in (output, plot):
+                if path is not None:
+                    show("wrote {}", path)
         if any(r["status"] == "wrong" for r in doc["records"]):
             err_console.print("[red]error:[/red] a kernel failed its correctness check (status 'wrong'); its timing was skipped")
             raise typer.Exit(1)
@@ -135,21 +194,28 @@ def _add_subcommand(bench_app: typer.Typer, suite: Suite) -> None:
 def _add_report(bench_app: typer.Typer) -> None:
     @bench_app.command(
         "report",
-        help="Markdown tables (device, versions, date, then one row per record) from `kvtool bench --json` files, "
-        "for docs/benchmarks.md; every cell comes from a record of the files.",
+        help=REPORT_HELP,
         epilog=example_epilog("kvtool bench report docs/benchmarks/*.json --summary -o tables.md"),
     )
     @kvtool_command
     def report(
-        files: Annotated[list[Path], typer.Argument(help="JSON files written by `kvtool bench ... --json`.", show_default=False)],
+        files: Annotated[list[Path], typer.Argument(help="JSON files written by `kvtool bench ... -o FILE`.", show_default=False)],
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the Markdown here instead of stdout.", dir_okay=False)] = None,
         summary: Annotated[bool, typer.Option("--summary", help="Only the kvtool kernels' rows, with their speedups over the primary baselines.")] = False,
         force: ForceOpt = False,
+        json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.bench.report import markdown  # deferred: start-up time
+        from kvtool.bench.runner import read_bench_json  # deferred: start-up time
+        from kvtool.core import io  # deferred: start-up time
+
         text = "\n".join(markdown(read_bench_json(f), summary=summary) for f in files)
-        if output is None:
+        if output is not None:
+            io.atomic_write_text(output, text, force=force)
+        if json_out:
+            emit_json({"markdown": text}, inputs=files, output=output)
+        elif output is None:
             sys.stdout.write(text)
         else:
-            io.atomic_write_text(output, text, force=force)
-            console.print(f"wrote {output}")
+            show("wrote {}", output)

@@ -9,11 +9,22 @@ from typing import Annotated
 
 import typer
 
-from kvtool.core import io
-from kvtool.core.cache import format_indices
 from kvtool.core.errors import UsageError
-from kvtool.hf.prompts import DEFAULT_PROMPT
-from kvtool.commands._common import DebugOpt, ForceOpt, JsonOpt, console, emit_json, example_epilog, fmt_bytes, kvtool_command, make_table, progress_bar
+from kvtool.core.names import canonical_dtype
+from kvtool.commands._common import (
+    DebugOpt,
+    ForceOpt,
+    JsonOpt,
+    QuietOpt,
+    console,
+    emit_json,
+    example_epilog,
+    fmt_bytes,
+    kvtool_command,
+    library_progress,
+    make_table,
+    stage_callback,
+)
 
 ORDER = 10
 SHORT_HELP = "Run a model on a prompt; save keys, values, queries per layer"
@@ -37,6 +48,8 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, batch: bool) -> l
     elif prompt is not None:
         text = prompt
     else:
+        from kvtool.hf.prompts import DEFAULT_PROMPT  # deferred: start-up time
+
         text = DEFAULT_PROMPT
     if batch:
         prompts = [line.strip() for line in text.splitlines() if line.strip()]
@@ -74,21 +87,25 @@ def register(app: typer.Typer) -> None:
         truncate: Annotated[bool, typer.Option("--truncate", help="Keep the first --max-tokens tokens of a longer prompt instead of failing.")] = False,
         generate: Annotated[int, typer.Option("--generate", "-g", min=0, help="Greedy decode steps captured after the prompt.")] = 0,
         layers: Annotated[str | None, typer.Option("--layers", help="Layers to keep, e.g. 0,5,10-12 (default: all).")] = None,
-        queries: Annotated[bool, typer.Option("--queries/--no-queries", help="Also save queries [batch, heads, tokens, head_dim].")] = True,
+        queries: Annotated[bool, typer.Option("--queries/--no-queries", help="Also save queries \\[batch, heads, tokens, head_dim].")] = True,
         query_layers: Annotated[str | None, typer.Option("--query-layers", help="Save queries only for these of the kept layers, e.g. 28-31 (queries are the largest part).")] = None,
         chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prefill in chunks of this many tokens (long prompts; same positions and RoPE as one pass).")] = None,
         hidden: Annotated[bool, typer.Option("--hidden", help="Also save each layer's input hidden states (for head routers).")] = False,
-        dtype: Annotated[str | None, typer.Option("--dtype", help="float16, bfloat16 or float32 (default: the model's compute dtype).")] = None,
+        dtype: Annotated[str | None, typer.Option("--dtype", help="float16 (fp16), bfloat16 (bf16) or float32 (fp32) (default: the model's compute dtype).")] = None,
         device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
         device_map: Annotated[str | None, typer.Option("--device-map", help="Let accelerate place the model, e.g. auto.")] = None,
         cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Where converted GGUF weights are cached (default $KVTOOL_CACHE or ~/.cache/kvtool).")] = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.hf.capture import capture_to_file  # deferred: transformers loads only when the command runs
-        from kvtool.hf.models import check_dtype, resolve  # deferred: transformers loads only when the command runs
+        from kvtool.core import io  # deferred: start-up time
+        from kvtool.core.cache import format_indices  # deferred: start-up time
+        from kvtool.hf.capture import capture_to_file  # deferred: start-up time
+        from kvtool.hf.models import check_dtype, resolve  # deferred: start-up time
 
+        dtype = canonical_dtype(dtype)
         check_dtype(dtype)
         if device.startswith("cuda"):
             import torch
@@ -107,14 +124,8 @@ def register(app: typer.Typer) -> None:
             return Path(f"capture-{stem}-{tokens}.safetensors")
 
         start = time.perf_counter()
-        with progress_bar(json_out) as bar:
-            tasks: dict[str, int] = {}
-
-            def progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:
-                    tasks[stage] = bar.add_task(stage, total=total)
-                bar.update(tasks[stage], completed=done, total=total)
-
+        with library_progress(json_out) as sink:
+            progress = stage_callback(sink)
             path, result = capture_to_file(
                 output if output is not None else default_name,
                 prompts if batch else prompts[0],
@@ -162,7 +173,7 @@ def register(app: typer.Typer) -> None:
             "seconds": round(seconds, 2),
         }
         if json_out:
-            emit_json(summary)
+            emit_json(summary, input=str(source.path), output=path)
             return
         saved = ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", queries), ("hidden", hidden)) if on)
         if queries and result["query_layers"] != kept:

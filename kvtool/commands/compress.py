@@ -8,15 +8,15 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
-from kvtool.formats import load_all
-from kvtool.core.placement import DEVICE_HELP
-from kvtool.formats.files import compress_file, decompress_file
+from kvtool.commands._catalog import format_summaries
+from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     ForceOpt,
     JsonOpt,
     LayersOpt,
+    QuietOpt,
     console,
     emit_json,
     example_epilog,
@@ -24,6 +24,8 @@ from kvtool.commands._common import (
     kvtool_command,
     make_table,
     library_progress,
+    params_text,
+    show,
 )
 
 ORDER = 40
@@ -37,23 +39,23 @@ STR_OPTS = ("method", "center", "score", "evict", "prune")
 
 
 def print_report(report: dict[str, Any]) -> None:
-    params = ", ".join(f"{k}={v}" for k, v in report["params"].items())
-    console.print(f"[bold]{report['format']}[/bold] ({params})  layers {len(report['layers'])}, {report['prefix_tokens']} tokens compressed, {report['heldout']} held out dense")
-    rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}%") for part, n in report["bytes_by_part"].items()]
-    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{report['compression_rate_percent']:.2f}%"))
-    rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00%"))
-    console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense"], rows))
+    params = params_text(report["params"])
+    show("[bold]{}[/bold] ({})  layers {}, {} tokens compressed, {} held out dense", report["format"], params,
+         len(report["layers"]), report["prefix_tokens"], report["heldout"])
+    rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}") for part, n in report["bytes_by_part"].items()]
+    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{report['compression_rate_percent']:.2f}"))
+    rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00"))
+    console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense %"], rows))
     details = report.get("details") or {}
     flat = {k: v for k, v in details.items() if not isinstance(v, (dict, list))}
     if flat:
         console.print(make_table("details", ["what", "value"], list(flat.items())))
     if "output" in report:
-        console.print(f"wrote {report['output']} ({fmt_bytes(report['file_bytes'])})")
+        show("wrote {} ({})", report["output"], fmt_bytes(report["file_bytes"]))
 
 
 def register(app: typer.Typer) -> None:
-    formats = load_all()
-    names = ", ".join(f"{n} ({f.summary})" for n, f in sorted(formats.items()))
+    names = ", ".join(f"{n} ({summary})" for n, summary in format_summaries().items())
 
     @app.command(
         "compress",
@@ -102,8 +104,11 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.formats.files import compress_file  # deferred: start-up time
+
         local = dict(locals())
         if plan is not None and (format != "dense" or any(local.get(k) is not None for k in FLOAT_OPTS + INT_OPTS + STR_OPTS) or param):
             raise UsageError("--plan sets every layer's format; drop --format and the format options")
@@ -116,7 +121,7 @@ def register(app: typer.Typer) -> None:
         with library_progress(json_out) as progress:
             _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress, device=device, plan=plan)
         if json_out:
-            emit_json(report)
+            emit_json(report, input=capture, output=report.get("output"))
         else:
             print_report(report)
 
@@ -134,10 +139,12 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.formats.files import decompress_file  # deferred: start-up time
+
         cache, path = decompress_file(compressed, output, force)
         fmt_name = cache.info["format"]
         result = {"output": str(path), "format": fmt_name, "tokens": cache.num_tokens, "layers": cache.layer_indices}
         if json_out:
-            emit_json(result)
+            emit_json(result, input=compressed, output=path)
         else:
-            console.print(f"decoded {fmt_name} -> {path} ({cache.num_tokens} tokens, {len(cache.layers)} layers)")
+            show("decoded {} -> {} ({} tokens, {} layers)", fmt_name, path, cache.num_tokens, len(cache.layers))

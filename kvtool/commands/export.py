@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from kvtool.export.convert import TARGETS, export_file
 from kvtool.commands._common import (
     DebugOpt,
     ForceOpt,
@@ -17,10 +16,14 @@ from kvtool.commands._common import (
     example_epilog,
     fmt_bytes,
     kvtool_command,
+    show,
 )
 
 ORDER = 60
 SHORT_HELP = "Export to transformers caches, paged layouts, numpy, tables"
+
+# kvtool.export.convert.TARGETS, named here so that --help needs no torch (tests/test_cli.py checks)
+TARGET_NAMES = ("hf", "paged", "npz", "dense", "csv", "json")
 
 
 def register(app: typer.Typer) -> None:
@@ -42,7 +45,7 @@ def register(app: typer.Typer) -> None:
     @kvtool_command
     def export(
         source: Annotated[Path, typer.Argument(help="A capture, a compressed file, or (for csv/json) a JSON result.", show_default=False)],
-        to: Annotated[str, typer.Option("--to", "-t", help=f"Target: {', '.join(TARGETS)}.", show_default=False)],
+        to: Annotated[str, typer.Option("--to", "-t", help=f"Target: {', '.join(TARGET_NAMES)}.", show_default=False)],
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: next to the input, e.g. NAME.paged.safetensors).", dir_okay=False)] = None,
         page_size: Annotated[int, typer.Option("--page-size", help="Tokens per page (paged).")] = 16,
         layout: Annotated[str, typer.Option("--layout", help="Page layout (paged): NHD = pages x page x heads x dim, HND = pages x heads x page x dim.")] = "NHD",
@@ -50,9 +53,11 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.export.convert import export_file  # deferred: start-up time
+
         report = export_file(source, to.lower(), output, page_size=page_size, layout=layout, force=force)
         if json_out:
-            emit_json(report)
+            emit_json(report, input=source, output=report.get("output"))
             return
         detail = {
             "hf": lambda r: f"{r['mode']} cache of {r['tokens']} tokens" + {
@@ -66,4 +71,4 @@ def register(app: typer.Typer) -> None:
             "csv": lambda r: f"{r['rows']} rows from {r['table']}",
             "json": lambda r: f"{r['rows']} rows from {r['table']}",
         }[report["to"]](report)
-        console.print(f"wrote {report['output']} ({fmt_bytes(report['file_bytes'])}): --to {report['to']}, {detail}")
+        show("wrote {} ({}): --to {}, {}", report["output"], fmt_bytes(report["file_bytes"]), report["to"], detail)

@@ -7,15 +7,17 @@ from typing import Annotated
 
 import typer
 
-from kvtool.hf.cache import generate as generate_from
 from kvtool.commands._common import (
     DebugOpt,
     JsonOpt,
+    QuietOpt,
     console,
     emit_json,
     err_console,
     example_epilog,
     kvtool_command,
+    quiet_enabled,
+    show,
 )
 
 ORDER = 65
@@ -42,14 +44,18 @@ def register(app: typer.Typer) -> None:
         mode: Annotated[str, typer.Option("--mode", help="auto | dense | attend | ring: how a compressed file enters the model (auto picks).")] = "auto",
         device: Annotated[str, typer.Option("--device", help="torch device for the model.")] = "cpu",
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        if not json_out:
-            err_console.print(f"loading the model for {source} ...")
+        from kvtool.hf.cache import generate as generate_from  # deferred: start-up time
+
+        if not json_out and not quiet_enabled(quiet):
+            err_console.print(f"loading the model for {source} ...", markup=False)
         result = generate_from(source, prompt=prompt, model=model, max_new_tokens=max_new_tokens, device=device, mode=mode)
         if json_out:
-            emit_json(result)
+            emit_json(result, input=source)
             return
-        console.print(f"[dim]{result['model']}; {result['cached_tokens']} cached tokens ({result['format']}, {result['mode']} cache) + {result['prompt_tokens']} prompt tokens[/dim]")
+        show("[dim]{}; {} cached tokens ({}, {} cache) + {} prompt tokens[/dim]", result["model"], result["cached_tokens"], result["format"],
+             result["mode"], result["prompt_tokens"])
         for text in result["text"]:
-            console.print(f"[bold]{result['prompt']}[/bold]{text}", markup=True, highlight=False)
+            show("[bold]{}[/bold]{}", result["prompt"], text)

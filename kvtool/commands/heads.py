@@ -7,19 +7,21 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.analysis.reports import heads_file
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     ForceOpt,
     JsonOpt,
+    QuietOpt,
     LayersOpt,
     console,
+    deprecated,
     emit_json,
     example_epilog,
     kvtool_command,
     make_table,
     library_progress,
+    show,
 )
 
 ORDER = 45
@@ -27,10 +29,8 @@ SHORT_HELP = "Attention-head selection: oracle error curve and trained routers"
 
 
 def print_report(rep: dict[str, Any]) -> None:
-    console.print(
-        f"[bold]{rep['capture']}[/bold]: {rep['heads']} heads, {rep['kv_heads']} KV heads, {rep['tokens']} tokens; "
-        f"router trained on the first {rep['tokens'] - rep['heldout']} tokens, scored on the last {rep['heldout']}"
-    )
+    show("[bold]{}[/bold]: {} heads, {} KV heads, {} tokens; router trained on the first {} tokens, scored on the last {}",
+         rep["capture"], rep["heads"], rep["kv_heads"], rep["tokens"], rep["tokens"] - rep["heldout"], rep["heldout"])
     rows = [(r["k"], f"{r['density']:.3f}", r["error"], f"{r['kv_traffic']:.3f}") for r in rep["curve"]]
     console.print(make_table("oracle top-k heads by output norm (mean over layers, every token)", ["k", "head density k/H", "rel. L2 error", "KV traffic"], rows))
     rows = [(r["groups"], f"{r['kv_traffic']:.3f}", r["error"]) for r in rep["group_curve"]]
@@ -49,10 +49,10 @@ def print_report(rep: dict[str, Any]) -> None:
         )
     )
     if rep.get("router_skipped"):
-        console.print(f"[yellow]router skipped:[/yellow] {rep['router_skipped']}")
+        show("[yellow]router skipped:[/yellow] {}", rep["router_skipped"])
     for key, what in (("router_out", "routers"), ("plot", "plot")):
         if key in rep:
-            console.print(f"wrote {what} to {rep[key]}")
+            show("wrote {} to {}", what, rep[key])
 
 
 def register(app: typer.Typer) -> None:
@@ -63,27 +63,39 @@ def register(app: typer.Typer) -> None:
         "router trained on the hidden states (capture with --hidden) to predict each token's top-k heads, scored "
         "on held-out tokens against the oracle, a fixed best-on-average head set and random heads.",
         epilog=example_epilog(
-            "kvtool heads samples/smollm2-sample.safetensors",
-            "kvtool heads cap.safetensors --k 3 --router-out routers.safetensors --plot heads.png --json",
+            "kvtool heads sample:",
+            "kvtool heads sample: --top-k 3 -o routers.safetensors --plot-output heads.png --json",
         ),
     )
     @kvtool_command
     def heads(
         capture: CaptureArg,
-        k: Annotated[int | None, typer.Option("--k", "-k", help="Heads computed per token for the router comparison (default: half, rounded up).")] = None,
+        k: Annotated[int | None, typer.Option("--top-k", "-k", help="Heads computed per token for the router comparison (default: half, rounded up).")] = None,
+        k_old: Annotated[int | None, typer.Option("--k", hidden=True, help="Deprecated name of --top-k.")] = None,
         heldout: Annotated[int, typer.Option(help="Last tokens held out from router training and used to score it.")] = 128,
-        router_out: Annotated[Path | None, typer.Option("--router-out", help="Save the routers as safetensors (needs --hidden in the capture).", dir_okay=False)] = None,
-        plot: Annotated[Path | None, typer.Option("--plot", help="Write the error-vs-density plot (PNG).", dir_okay=False)] = None,
+        router_out: Annotated[Path | None, typer.Option("--output", "-o", help="Save the routers as safetensors (needs --hidden in the capture).", dir_okay=False)] = None,
+        router_out_old: Annotated[Path | None, typer.Option("--router-out", hidden=True, help="Deprecated name of --output.", dir_okay=False)] = None,
+        plot: Annotated[Path | None, typer.Option("--plot-output", help="Write the error-vs-density plot (PNG).", dir_okay=False)] = None,
+        plot_old: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated name of --plot-output.", dir_okay=False)] = None,
         steps: Annotated[int, typer.Option(help="Router training steps (full-batch Adam).", min=1)] = 300,
         seed: Annotated[int, typer.Option(help="Seed for router initialisation and the random baseline.")] = 0,
         layers: LayersOpt = None,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.analysis.reports import heads_file  # deferred: start-up time
+
+        for old, new, value in (("--k", "--top-k", k_old), ("--router-out", "--output", router_out_old), ("--plot", "--plot-output", plot_old)):
+            if value is not None:
+                deprecated(old, new)
+        k = k if k is not None else k_old
+        router_out = router_out or router_out_old
+        plot = plot or plot_old
         with library_progress(json_out) as progress:
             report = heads_file(capture, k, heldout, layers, router_out, plot, steps, seed, force, progress=progress)
         if json_out:
-            emit_json(report)
+            emit_json(report, input=capture, output=report.get("router_out"))
         else:
             print_report(report)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
-from kvtool.formats.files import file_info
 from kvtool.commands._common import (
     DebugOpt,
     InputArg,
@@ -15,6 +16,8 @@ from kvtool.commands._common import (
     fmt_bytes,
     kvtool_command,
     make_table,
+    params_text,
+    show,
 )
 from kvtool.commands.compress import print_report
 
@@ -22,28 +25,53 @@ ORDER = 20
 SHORT_HELP = "Show what a kvtool file holds: schema, model facts, tensors, bytes"
 
 
+def readable(value: Any) -> str:
+    """A metadata value for a person: lists and mappings as ``a, b`` / ``key=value, ...``, long text
+    cut to its first line (the full value is in --json)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={readable(v)}" for k, v in value.items() if v is not None) or "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(readable(v) for v in value) or "-"
+    if isinstance(value, str):
+        first = value.splitlines()[0] if value else ""
+        return first if first == value else f"{first} ..."
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
 def register(app: typer.Typer) -> None:
     @app.command(
         "info",
         help="Show a kvtool file's schema, model facts, tensors (names, shapes, dtypes, bytes) and totals.",
-        epilog=example_epilog("kvtool info samples/smollm2-sample.safetensors", "kvtool info cap.bitmap.safetensors --json"),
+        epilog=example_epilog("kvtool info sample:", "kvtool info cap.bitmap.safetensors --json"),
     )
     @kvtool_command
     def info(path: InputArg, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        from kvtool.formats.files import file_info  # deferred: start-up time
+
         data = file_info(path)
         if json_out:
-            emit_json(data)
+            version = data.get("schema_version")
+            emit_json({**data, "schema_version": int(version) if str(version).isdigit() else version}, input=path)
             return
         meta = data["metadata"]
         model = meta.get("kvtool.model", {})
-        console.print(f"[bold]{data['path']}[/bold]: {data['schema']} v{data['schema_version']} (kvtool {meta.get('kvtool.version', '?')})")
-        console.print(
-            f"model {model.get('name')} ({model.get('architecture')}): {model.get('num_layers')} layers, {model.get('num_heads')} heads, "
-            f"{model.get('num_kv_heads')} KV heads, head_dim {model.get('head_dim')}, dtype {model.get('dtype')}, RoPE applied: {model.get('rope_applied')}"
-        )
-        for key in ("kvtool.format", "kvtool.params", "kvtool.info"):
-            if key in meta:
-                console.print(f"{key.removeprefix('kvtool.')}: {meta[key]}")
+        show("[bold]{}[/bold]: {} v{} (kvtool {})", data["path"], data["schema"], data["schema_version"], meta.get("kvtool.version", "?"))
+        show("model {} ({}): {} layers, {} heads, {} KV heads, head_dim {}, dtype {}, RoPE applied: {}", model.get("name"), model.get("architecture"),
+             model.get("num_layers"), model.get("num_heads"), model.get("num_kv_heads"), model.get("head_dim"), model.get("dtype"),
+             readable(model.get("rope_applied")))
+        rows = []
+        if "kvtool.format" in meta:
+            rows.append(("format", readable(meta["kvtool.format"])))
+        if "kvtool.params" in meta:
+            params = meta["kvtool.params"]
+            rows.append(("parameters", params_text(params) if isinstance(params, dict) else readable(params)))
+        for key, value in (meta.get("kvtool.info") or {}).items():
+            if key != "source_info":
+                rows.append((key.replace("_", " "), readable(value)))
+        if rows:
+            console.print(make_table("file facts", ["what", "value"], rows))
         rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])), fmt_bytes(t["bytes"])) for t in data["tensors"]]
         if len(rows) > 40:
             rows = rows[:20] + [("...", f"{len(rows) - 40} more", "", "")] + rows[-20:]

@@ -10,7 +10,6 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
-from kvtool.formats.plan import save_plan
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
@@ -163,6 +162,7 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         from kvtool.analysis.advisor import recommend_capture  # deferred: start-up time
+        from kvtool.formats.plan import save_plan  # deferred: start-up time
         from kvtool.core import io  # deferred: start-up time
 
         limit = parse_nll_gate(max_nll_increase)

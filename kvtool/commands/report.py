@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.commands._common import (
     CaptureArg,
@@ -54,6 +53,7 @@ def register(app: typer.Typer) -> None:
         debug: DebugOpt = False,
     ) -> None:
         from kvtool.analysis.report import build_report  # deferred: start-up time
+        from kvtool.core import io  # deferred: start-up time
 
         if not capture.exists():
             raise UsageError(f"capture {capture}: no such file")

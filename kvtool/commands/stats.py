@@ -6,15 +6,13 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.core.cache import format_indices
-from kvtool.analysis.stats import StatsSettings, mass_tag
-from kvtool.analysis.reports import stats_file
-from kvtool.core.placement import DEVICE_HELP
+from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._common import (
     CaptureArg,
     DebugOpt,
     HeadsOpt,
     JsonOpt,
+    QuietOpt,
     LayersOpt,
     console,
     emit_json,
@@ -22,6 +20,7 @@ from kvtool.commands._common import (
     kvtool_command,
     make_table,
     library_progress,
+    show,
 )
 
 ORDER = 30
@@ -37,13 +36,13 @@ def _channels(chans: list[int], limit: int = 6) -> str:
 
 def print_stats(result: dict[str, Any]) -> None:
     """The rich tables of :func:`kvtool.analysis.reports.stats_file`'s result."""
+    from kvtool.core.cache import format_indices  # deferred: start-up time
+
     m = result["model"]
     s = result["settings"]
-    console.print(
-        f"[bold]{result['file']}[/bold]: {m['name']}, {result['batch']} x {result['tokens']} tokens, "
-        f"layers {format_indices(result['selection']['layers'])}, KV heads {format_indices(result['selection']['kv_heads'])} "
-        f"(head_dim {m['head_dim']}, {m['num_heads']} query heads, GQA group {m['num_heads'] // m['num_kv_heads']})"
-    )
+    show("[bold]{}[/bold]: {}, {} x {} tokens, layers {}, KV heads {} (head_dim {}, {} query heads, GQA group {})", result["file"], m["name"],
+         result["batch"], result["tokens"], format_indices(result["selection"]["layers"]), format_indices(result["selection"]["kv_heads"]),
+         m["head_dim"], m["num_heads"], m["num_heads"] // m["num_kv_heads"])
     index = {(e["layer"], h["kv_head"]): h for e in result["layers"] for h in e["heads"]}
     order = [(r["layer"], r["head"]) for r in result["rows"]]
     kept = " and ".join(str(k) for k in s["kept_elements"].values())
@@ -89,6 +88,8 @@ def _pct(x: float | None) -> str | None:
 
 
 def _print_layer_table(result: dict[str, Any]) -> None:
+    from kvtool.analysis.stats import mass_tag  # deferred: start-up time
+
     ms = result["model_summary"]
     entries = [(str(e["layer"]), e["keys"], e["values"], e.get("attention", {}).get("layer")) for e in result["layers"]]
     entries.append(("all", ms["keys"], ms["values"], ms.get("attention")))
@@ -132,7 +133,7 @@ def _print_consistency(result: dict[str, Any]) -> None:
         text = ", ".join(f"ch {ch} in {n}/{pairs}" for ch, n in rec[:8]) or "none repeats"
         persistent = {h: v["persistent"] for h, v in c["per_kv_head"].items() if v["persistent"]}
         extra = "; outliers in every selected layer: " + "; ".join(f"KV head {h}: {_channels(p)}" for h, p in persistent.items()) if persistent else ""
-        console.print(f"{part} outlier channels over (layer, KV head) pairs: {text}{extra}")
+        show("{} outlier channels over (layer, KV head) pairs: {}{}", part, text, extra)
 
 
 def register(app: typer.Typer) -> None:
@@ -141,7 +142,7 @@ def register(app: typer.Typer) -> None:
         help="Statistics of a capture per layer and KV head: magnitudes, outlier channels, top-k L2-mass shares, "
         "sign balance and sign-code entropy, and (from queries) attention concentration, sink share and head importance.",
         epilog=example_epilog(
-            "kvtool stats samples/smollm2-sample.safetensors",
+            "kvtool stats sample:",
             "kvtool stats cap.safetensors --layers 10-20 --sort k_outliers --top 10",
             "kvtool stats cap.safetensors --outlier-factor 6 --json > stats.json",
         ),
@@ -159,12 +160,16 @@ def register(app: typer.Typer) -> None:
         attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
         device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.analysis.reports import stats_file  # deferred: start-up time
+        from kvtool.analysis.stats import StatsSettings  # deferred: start-up time
+
         settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
         with library_progress(json_out) as progress:
             result = stats_file(path, layers, heads, settings, attention, sort, top, progress=progress, device=device)
         if json_out:
-            emit_json(result)
+            emit_json(result, input=path)
             return
         print_stats(result)

@@ -9,21 +9,22 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
-from kvtool.analysis.fidelity import (
-    BACKENDS,
-)
-from kvtool.analysis.verify import check_thresholds, verify_file
-from kvtool.core.placement import DEVICE_HELP
+from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._common import (
     DebugOpt,
     JsonOpt,
+    NUMBER,
+    QuietOpt,
     console,
     emit_json,
     example_epilog,
     kvtool_command,
     make_table,
     library_progress,
+    params_text,
+    show,
 )
+from kvtool.commands.eval import BACKEND_NAMES, NLL_NOTE, fmt_nll
 
 ORDER = 50
 SHORT_HELP = "Fidelity of a compressed file: attention error, recall, model NLL"
@@ -31,27 +32,21 @@ SHORT_HELP = "Fidelity of a compressed file: attention error, recall, model NLL"
 THRESHOLD_HELP = "Exit 1 when missed (for CI gates)."
 
 
-def parse_threshold(text: str | None, option: str, lo: float | None = None, hi: float | None = None) -> float | None:
-    """A threshold option's float value; UsageError (one line) when it is not a number or out of range."""
-    if text is None:
+def parse_threshold(value: float | None, option: str, lo: float | None = None, hi: float | None = None) -> float | None:
+    """A threshold option's value, checked: UsageError (one line) when it is NaN or out of range."""
+    if value is None:
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{option} must be a number, got {text!r}") from None
     if math.isnan(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = f" between {lo} and {hi}" if lo is not None and hi is not None else (f" at least {lo}" if lo is not None else "")
-        raise UsageError(f"{option} must be a number{rng}, got {text!r}")
+        raise UsageError(f"{option} must be a number{rng}, got {value!r}")
     return value
 
 
 def print_report(report: dict[str, Any]) -> None:
     att = report["attention"]
-    params = ", ".join(f"{k}={v}" for k, v in att["params"].items()) or "defaults"
-    console.print(
-        f"[bold]{att['format']}[/bold] ({params}) vs {report['capture']}: {att['heldout']} held-out queries, "
-        f"{att['prefix_tokens']} compressed tokens, backend {att['backend']} on {att['device']}"
-    )
+    params = params_text(att["params"])
+    show("[bold]{}[/bold] ({}) vs {}: {} held-out queries, {} compressed tokens, backend {} on {}", att["format"], params,
+         report["capture"], att["heldout"], att["prefix_tokens"], att["backend"], att["device"])
     triton = att["backend"] == "triton"
     cols = ["layer", "rel L2", "cosine", "min cos", "max abs", "recall", "stored %", "traffic %"] + (["kernel vs torch"] if triton else [])
     rows = []
@@ -71,14 +66,14 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(make_table("attention output on held-out queries (vs dense attention)", cols, rows))
     model = report.get("model")
     if model is None:
-        console.print(f"model-level fidelity skipped: {report.get('model_skipped')}")
+        show("model-level fidelity skipped: {}", report.get("model_skipped"))
         return
     mrows = [
         ("model", model["name"]),
         ("layers compressed", f"{len(model['layers_compressed'])} of {model['model_layers']}"),
         ("NLL dense (nats/token)", model["nll_dense"]),
         ("NLL lossy", model["nll_lossy"]),
-        ("NLL increase", model["nll_increase"]),
+        ("NLL increase (nats/token)", fmt_nll(model["nll_increase"])),
         ("perplexity ratio", model["ppl_ratio"]),
         ("top-1 agreement", model["agreement"]),
         ("KL(dense || lossy) mean", model["kl"]),
@@ -87,6 +82,8 @@ def print_report(report: dict[str, Any]) -> None:
     if "first_divergence" in model:
         mrows.append(("greedy tokens until divergence", f"{model['first_divergence']} of {model['generate']}"))
     console.print(make_table(f"continuation of {model['positions']} tokens through the model", ["what", "value"], mrows))
+    if model["nll_increase"] is not None and model["nll_increase"] < 0:
+        console.print(NLL_NOTE, markup=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -107,17 +104,20 @@ def register(app: typer.Typer) -> None:
         compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
         capture: Annotated[Path | None, typer.Option("--capture", "-c", help="The source capture (default: found by the sha256 and path recorded in the file).", dir_okay=False)] = None,
         heldout: Annotated[int | None, typer.Option(help="Held-out queries to score (default: all the file keeps dense, 64 unless compressed otherwise).")] = None,
-        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKENDS)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
+        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKEND_NAMES)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
         model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the continuation (default: the embedded one when the capture came from it).")] = None,
         no_model: Annotated[bool, typer.Option("--no-model", help="Skip model-level fidelity.")] = False,
         generate: Annotated[int, typer.Option(help="Greedy tokens generated after the continuation on both caches.")] = 16,
-        max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
-        min_agreement: Annotated[str | None, typer.Option(help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
-        max_error: Annotated[str | None, typer.Option(help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
+        max_nll_increase: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
+        min_agreement: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
+        max_error: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
         device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
+        from kvtool.analysis.verify import check_thresholds, verify_file  # deferred: start-up time
+
         nll_t = parse_threshold(max_nll_increase, "--max-nll-increase")
         agree_t = parse_threshold(min_agreement, "--min-agreement", 0.0, 1.0)
         err_t = parse_threshold(max_error, "--max-error", 0.0)
@@ -130,11 +130,11 @@ def register(app: typer.Typer) -> None:
         missed = check_thresholds(report, nll_t, agree_t, err_t)
         report["thresholds"] = {"max_nll_increase": nll_t, "min_agreement": agree_t, "max_error": err_t, "missed": missed, "passed": not missed}
         if json_out:
-            emit_json(report)
+            emit_json(report, input=compressed)
         else:
             print_report(report)
             for line in missed:
-                console.print(f"[red]FAILED[/red]: {line}")
+                show("[red]FAILED[/red]: {}", line)
             if any(v is not None for v in (nll_t, agree_t, err_t)) and not missed:
                 console.print("[green]passed[/green]: every threshold met")
         if missed:

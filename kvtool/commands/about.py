@@ -1,0 +1,101 @@
+"""``kvtool version``, ``kvtool env`` and ``kvtool sample``: what is installed, and where the bundled
+sample capture is."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+import typer
+
+from kvtool._version import __version__
+from kvtool.core.sample import SAMPLE_PATH
+from kvtool.commands._common import (
+    DebugOpt,
+    JsonOpt,
+    console,
+    emit_json,
+    example_epilog,
+    kvtool_command,
+    make_table,
+)
+
+ORDER = 90
+SHORT_HELP = "Version, environment and the bundled sample"
+
+# distribution names whose versions `kvtool env` reports
+PACKAGES = ("torch", "triton", "transformers", "flashinfer-python", "safetensors", "numpy", "typer", "rich")
+
+
+def installed_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Versions of kvtool, Python and its libraries, and the CUDA device torch sees."""
+    import torch  # deferred: start-up time (only `kvtool env` needs the device)
+
+    cuda = torch.cuda.is_available()
+    device = None
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        device = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory, "count": torch.cuda.device_count()}
+    return {
+        "kvtool": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {p: installed_version(p) for p in PACKAGES},
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "device": device,
+    }
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("version", short_help="Print kvtool's version", help="Print kvtool's version (the same as `kvtool --version`).",
+                 epilog=example_epilog("kvtool version", "kvtool version --json"))
+    @kvtool_command
+    def version(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        if json_out:
+            emit_json({"version": __version__, "python": platform.python_version()})
+        else:
+            console.print(f"kvtool {__version__}", markup=False)
+
+    @app.command("env", short_help="Versions of kvtool, Python, torch, Triton, transformers, FlashInfer; the CUDA device",
+                 help="What kvtool runs on: versions of kvtool, Python, torch, Triton, transformers, FlashInfer and the "
+                 "other libraries, and the CUDA device torch sees. Paste it into bug reports.",
+                 epilog=example_epilog("kvtool env", "kvtool env --json"))
+    @kvtool_command
+    def env(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        data = environment()
+        if json_out:
+            emit_json(data)
+            return
+        dev = data["device"]
+        rows = [("kvtool", data["kvtool"]), ("python", f"{data['python']} ({data['platform']})")]
+        rows += [(name, v or "not installed") for name, v in data["packages"].items()]
+        rows.append(("CUDA", f"{data['cuda_version']}" if data["cuda_version"] else "CPU-only torch build"))
+        rows.append(("device", f"{dev['name']} (sm_{dev['capability'].replace('.', '')}, {dev['memory_bytes'] / 2**30:.1f} GiB) x{dev['count']}" if dev else "no CUDA device"))
+        console.print(make_table("kvtool env", ["what", "value"], rows))
+
+    sample_app = typer.Typer(name="sample", help="The sample capture bundled with kvtool (4 layers of SmolLM2-135M, 512 tokens, "
+                             "with queries and hidden states). Every command also accepts the name 'sample:' for it.",
+                             no_args_is_help=True, rich_markup_mode="rich",
+                             epilog=example_epilog("kvtool sample path", "kvtool sample path --json", "kvtool stats sample:",
+                                                   "cp \"$(kvtool sample path)\" cap.safetensors"))
+
+    @sample_app.command("path", help="Print the bundled sample's path.", epilog=example_epilog("kvtool sample path", "kvtool sample path --json"))
+    @kvtool_command
+    def path(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
+        if json_out:
+            emit_json({"path": str(SAMPLE_PATH), "bytes": SAMPLE_PATH.stat().st_size})
+        else:
+            sys.stdout.write(f"{SAMPLE_PATH}\n")
+
+    app.add_typer(sample_app, name="sample", short_help="Where the bundled sample capture is ('sample:' in any command)")
+
