@@ -29,6 +29,7 @@ from kvtool.commands._common import (
     set_global_quiet,
     set_no_color,
 )
+from kvtool.core import settings
 from kvtool.core.jsonio import to_json_text
 
 # Off a terminal rich's help would be 80 columns wide and cut the usage line; give it room (a value
@@ -119,11 +120,9 @@ def _root(
     set_global_debug(debug)
     set_global_quiet(quiet)
     set_no_color(no_color)
-    # through the environment the readers consult, so that start-up does not import the library
-    if no_verify_checksums:
-        os.environ["KVTOOL_NO_VERIFY_CHECKSUMS"] = "1"
-    if allow_nonfinite:
-        os.environ["KVTOOL_ALLOW_NONFINITE"] = "1"
+    # a settings module the readers consult, so that start-up does not import the library
+    settings.verify_checksums = not no_verify_checksums
+    settings.allow_nonfinite = allow_nonfinite
 
 
 def _discover() -> None:

@@ -35,8 +35,8 @@ def numbers_are_numbers(obj, where="") -> list[str]:
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             bad += numbers_are_numbers(v, f"{where}[{i}]")
-    elif isinstance(obj, str) and NUMBER_TEXT.match(obj) and not re.search(r"commit|sha", where.rsplit(".", 1)[-1]):
-        # (a git commit such as '71e1927' reads as a number but is an id)
+    elif isinstance(obj, str) and NUMBER_TEXT.match(obj) and not re.search(r"commit|sha|spec$|^text$", where.rsplit(".", 1)[-1]):
+        # (a git commit such as '71e1927' reads as a number but is an id; a spec as the user wrote it, '15%', is text)
         bad.append(f"{where}: {obj!r}")
     return bad
 
@@ -75,6 +75,8 @@ def success_cases(files, tiny_capture, tiny_llama_dir, tmp: Path) -> list[tuple[
         ("capture", ["capture", "--model", str(tiny_llama_dir), "--prompt", "hello there", "-o", str(tmp / "c.safetensors")], str(tiny_llama_dir), True),
         ("info", ["info", "sample:"], "sample", False),
         ("stats", ["stats", "sample:", "--layers", "7", "--heads", "0", "--queries", "8"], "sample", False),
+        ("recommend", ["recommend", str(tiny_capture), "--budget", "40%", "--heldout", "16", "--no-model", "--no-texts", "-o", str(tmp / "plan.json")], "tiny", True),
+        ("report", ["report", str(tiny_capture), "--budgets", "40%", "--heldout", "16", "--no-model", "--no-texts", "-o", str(tmp / "r.html")], "tiny", True),
         ("plot", ["plot", "sample:", "--layer", "7", "--what", "heatmap", "--out-dir", str(tmp / "plots")], "sample", True),
         ("prune", ["prune", "sample:", "--layers", "7", "-o", str(tmp / "p.safetensors")], "sample", True),
         ("heads", ["heads", "sample:", "--layers", "7", "--steps", "3", "-o", str(tmp / "r.safetensors")], "sample", True),

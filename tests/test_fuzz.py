@@ -96,7 +96,7 @@ def _run(args: list[str]):
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(SECONDS_PER_RUN)
     try:
-        return runner.invoke(app, args)
+        return runner.invoke(app, ["-q", *args])  # progress lines off: the output is the result or one error line
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)

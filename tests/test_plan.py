@@ -93,7 +93,7 @@ def test_compress_plan_cli_verify_and_export(sample_capture, tmp_path):
     from typer.testing import CliRunner
 
     from kvtool.cli import app
-    from kvtool.commands.verify import verify_file
+    from kvtool.analysis.verify import verify_file
 
     plan = {"schema": "kvtool.plan", "version": 1, "default": "quant:bits=4",
             "layers": {"0": "dense", "7": SPECS, "15": "snapstream:budget=128"}}

@@ -28,6 +28,7 @@ NEEDS = [
     (lambda a: a[0] in ("capture", "generate"), "runs the model"),
     (lambda a: a[0] == "bench" and "report" not in a, "times GPU kernels"),
     (lambda a: a[0] in ("verify", "eval") and "--no-model" not in a, "scores the continuation with the model"),
+    (lambda a: a[0] == "report" and "--eval" in a, "reads the model-level eval folder and a GPU bench file made above"),
     (lambda a: a[0] == "export" and "hf" in a, "a transformers cache needs all 30 layers; the seeded capture holds 4"),
 ]
 

@@ -84,7 +84,7 @@ def test_query_layers_and_dtype(model, tmp_path):
     assert cache.layers[0].queries is None and cache.layers[2].queries.dtype == torch.bfloat16
     mem = kvtool.capture(model=(model, None), input_ids=_ids(16), dtype="bfloat16")
     assert torch.equal(cache.layers[2].queries, mem.layers[2].queries)
-    with pytest.raises(UsageError, match="query-layers"):
+    with pytest.raises(UsageError, match="query.layers"):
         kvtool.capture(model=(model, None), input_ids=_ids(8), layers="0,1", query_layers="2")
 
 

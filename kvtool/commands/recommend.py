@@ -186,9 +186,10 @@ def register(app: typer.Typer) -> None:
             save_plan(b["plan"], path, force=True)
         missed = gate(result, limit)
         if json_out:
-            out = {**result, "budgets": [{**{k: v for k, v in b.items() if k != "plan"}, "plan": b["plan"].to_dict(), "plan_file": str(p)}
+            out = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
+                                          "plan": b["plan"].to_dict(), "plan_file": str(p)}
                                         for b, p in zip(result["budgets"], paths)], "gate": {"missed": missed, "passed": not missed}}
-            emit_json(out)
+            emit_json(out, input=capture, output=paths[0] if len(paths) == 1 else None)
         else:
             print_result(result, paths)
             for line in missed:

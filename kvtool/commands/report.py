@@ -68,7 +68,8 @@ def register(app: typer.Typer) -> None:
         summary["output"] = str(output)
         summary["bytes"] = len(text.encode())
         if json_out:
-            emit_json(summary)
+            summary["budgets"] = [{("budget_spec" if k == "budget" else k): v for k, v in b.items()} for b in summary.get("budgets", [])]
+            emit_json(summary, input=capture, output=output)
         else:
             for b in summary["budgets"]:
                 console.print(b["reading"])

@@ -40,6 +40,7 @@ from safetensors import safe_open
 
 from kvtool._version import __version__
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
+from kvtool.core import settings
 from kvtool.core.errors import BadDataError, OutputExistsError, UsageError
 from kvtool.core.cache import format_indices
 
@@ -211,33 +212,29 @@ def atomic_write_text(path: str | Path, text: str, force: bool = False) -> Path:
 
 CHECKSUM_KEY = "kvtool.checksums"
 CHECKSUM_ALGORITHM = "crc32"
-_verify_checksums = True
 
 
 def set_verify_checksums(on: bool) -> None:
     """Turn checking of ``kvtool.checksums`` on load on or off (the CLI's ``--no-verify-checksums``)."""
-    global _verify_checksums
-    _verify_checksums = on
+    settings.verify_checksums = on
 
 
 def verifying_checksums() -> bool:
-    return _verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
+    return settings.verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
 
 
-_allow_nonfinite = False
 
 
 def set_allow_nonfinite(on: bool) -> None:
     """Let loads accept NaN/infinite tensor values (the CLI's ``--allow-nonfinite``)."""
-    global _allow_nonfinite
-    _allow_nonfinite = on
+    settings.allow_nonfinite = on
 
 
 def check_finite(path: Path | str, tensors: dict[str, torch.Tensor], allow: bool | None = None) -> None:
     """BadDataError naming the first floating tensor that holds NaN or infinite values, and how
     many, unless ``allow`` (default: :func:`set_allow_nonfinite`'s setting) or KVTOOL_ALLOW_NONFINITE=1."""
     if allow is None:
-        allow = _allow_nonfinite or os.environ.get("KVTOOL_ALLOW_NONFINITE", "") not in ("", "0")
+        allow = settings.allow_nonfinite or os.environ.get("KVTOOL_ALLOW_NONFINITE", "") not in ("", "0")
     if allow:
         return
     for name, t in tensors.items():
