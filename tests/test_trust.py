@@ -378,7 +378,7 @@ def test_wrong_typed_metadata_is_one_line(capture_and_compressed, tmp_path):
     deep = tmp_path / "deep.safetensors"
     body = b"[" * 100_000 + b"]" * 100_000
     deep.write_bytes(len(body).to_bytes(8, "little") + body)
-    assert_one_line(runner.invoke(app, ["info", str(deep)]), 1)
+    assert_one_line(runner.invoke(app, ["-q", "info", str(deep)]), 1)
 
 
 def test_inconsistent_compressed_files_are_one_line(capture_and_compressed, tmp_path):
@@ -417,9 +417,9 @@ def test_bad_captures_are_one_line(tmp_path):
     huge = raw_header_edit(cap, tmp_path / "huge.safetensors", lambda h: h["layers.0.keys"].__setitem__("shape", [1, 2, 1 << 40, 16]))
     for path in (int8, novalues, zero, huge):
         for cmd in ("info", "stats"):
-            assert_one_line(runner.invoke(app, [cmd, str(path)]), 1)
-    assert_one_line(runner.invoke(app, ["stats", str(cap), "--layers", "-1"]), 2)
-    assert_one_line(runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--layers", "-1", "-o", str(tmp_path / "x.safetensors")]), 2)
+            assert_one_line(runner.invoke(app, ["-q", cmd, str(path)]), 1)
+    assert_one_line(runner.invoke(app, ["-q", "stats", str(cap), "--layers", "-1"]), 2)
+    assert_one_line(runner.invoke(app, ["-q", "compress", str(cap), "--format", "bitmap", "--layers", "-1", "-o", str(tmp_path / "x.safetensors")]), 2)
 
 
 # ----------------------------------------------------------------------------- clean up
