@@ -1,6 +1,7 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
-KERNEL: attention (PARAM = sparsity), heads (PARAM = k, grouped choice), compress /
+KERNEL: attention (layout-v2 bitmap attention, PARAM = sparsity; a 5th argument ``fp16`` for fp16
+per-word sums), heads (PARAM = k, grouped choice), compress /
 compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
 torch.profiler table of 10 calls instead of running twice for ncu).
 Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128), fp16, random data."""
@@ -16,7 +17,7 @@ from kvtool.bench.suites.bitmap import prune_per_token
 from kvtool.bench.suites.heads import head_choices
 from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode
 from kvtool.formats.signvq import make_signvq_inputs, signvq_decode
-from kvtool.kernels import bitmap_attention, bitmap_compress, heads
+from kvtool.kernels import bitmap_compress, bitmap_sparse_attention, heads
 
 
 def main() -> None:
@@ -26,8 +27,9 @@ def main() -> None:
     q, k, v = B.random_decode_inputs(shape, batch, seq, torch.float16, "cuda")
     if kernel == "attention":
         sp = 0.7 if param is None else param
-        cache = bitmap_compress.encode_cache(prune_per_token(k, sp, 32), prune_per_token(v, sp, 32), window=32, backend="triton")
-        fn = lambda: bitmap_attention.bitmap_decode_attention(q[:, :, None], cache, validate=False)  # noqa: E731
+        cache = bitmap_sparse_attention.encode_cache_v2(prune_per_token(k, sp, 32), prune_per_token(v, sp, 32), window=32, backend="triton")
+        acc = "fp16" if "fp16" in sys.argv[5:] else "fp32"
+        fn = lambda: bitmap_sparse_attention.bitmap_sparse_attention(q[:, :, None], cache, validate=False, accumulate=acc)  # noqa: E731
     elif kernel == "heads":
         idx = head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
         fn = lambda: heads.selective_head_attention(q, k, v, idx, validate=False)  # noqa: E731

@@ -121,6 +121,8 @@ def test_version_and_backend_are_checked():
         bitmap_sparse_attention(q, cache, backend="tpu")
     with pytest.raises(UsageError, match="cuda backend"):
         bitmap_sparse_attention(q, cache, backend="cuda")
+    with pytest.raises(UsageError, match="accumulate"):
+        bitmap_sparse_attention(q, cache, accumulate="fp8")
 
 
 def test_stage_capacity_is_the_largest_pair_run():
@@ -143,6 +145,7 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
         ref_out, ref_lse = sparse_attention_reference(q, cache)
         runs = [("triton", {})] + [("cuda", dict(stages=st, half_tables=ht, bits_global=bg)) for st, ht, bg in ((1, True, False), (2, True, False), (1, False, False), (1, True, True))]
+        runs.append(("cuda", dict(accumulate="fp16")))  # fp16 per-word sums (bfloat16 caches keep fp32)
         for backend, knobs in runs:
             out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
             assert bool(torch.isfinite(out).all())

@@ -48,8 +48,9 @@ def _bitmap_bytes(cache) -> int:
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense; layout v2, :mod:`kvtool.kernels.bitmap_sparse_attention` with
-    ``ctx.backend``, reported as ``bitmap_triton`` with the backend that ran in ``backend``) vs the
-    dense baselines on the unpruned tensors of the same shape."""
+    ``ctx.backend``, reported as ``bitmap_triton`` with the backend that ran in ``backend``; on the
+    cuda backend with float16 also ``bitmap_fp16acc``, its opt-in fp16 per-word sums) vs the dense
+    baselines on the unpruned tensors of the same shape."""
     att = require_kernel("bitmap_sparse_attention", "attention", ("bitmap_sparse_attention", "encode_cache_v2", "stage_capacity", "pick_backend"))
     backend = "triton" if ctx.env.device_type == "cuda" else "torch"
     recs = []
@@ -74,6 +75,13 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
                                       _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
                                       backend=which))
+            if which == "cuda" and ctx.dtype == torch.float16:  # the opt-in fp16 per-word sums, beside
+                ctx.step(f"bitmap_fp16acc b={b} T={t} sparsity={sp}")
+                fn = lambda cache=cache, cap=cap: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend="cuda", validate=False, capacity=cap, accumulate="fp16")  # noqa: E731
+                tm, rel, st = timed(ctx, fn, fn()[0], ref)
+                recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_fp16acc", shape, b, t, ctx.dtype, tm,
+                                          _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
+                                          backend="cuda"))
             del cache, ref
             free_memory(ctx)
         del q, k, v, q4
