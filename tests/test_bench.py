@@ -4,7 +4,9 @@ a speed: CPU interpreter timings mean nothing."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 
 import pytest
 import torch
@@ -15,6 +17,14 @@ from kvtool.bench.suites import require_kernel
 from kvtool.cli import app
 from kvtool.bench.runner import parse_float_list, parse_int_list
 from kvtool.core.errors import UsageError
+
+import kvtool.kernels  # noqa: E402
+
+# Triton reads TRITON_INTERPRET when a kernel is decorated: import every kernel module now, under
+# the interpreter (conftest), so that a test that unsets it does not leave GPU-compiled kernels behind
+# for the tiny runs that follow (when this file runs on its own).
+for _mod in pkgutil.iter_modules(kvtool.kernels.__path__):
+    importlib.import_module(f"kvtool.kernels.{_mod.name}")
 
 runner = CliRunner()
 TINY = ["--model-shape", "custom", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--batch", "1,2", "--seq", "40", "--rep-ms", "1"]
