@@ -15,8 +15,8 @@
 // storage order (a block-wide scan of two 16-bit counts packed in one int: both blocks at once).
 // Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
 // by kvtool's Triton merge kernel.
-// Bound (docs/benchmarks/bitmap.json): instruction issue, about 30 warp instructions per
-// stored-element step with its shared-memory gathers, not DRAM bytes.
+// Bound (docs/benchmarks.md): instruction issue and the shared-memory pipe together (the gathers
+// land on random banks: 40% of shared-load wavefronts are conflicts), not DRAM bytes.
 
 #pragma once
 #include <cuda_runtime.h>
@@ -130,19 +130,32 @@ template <typename T, typename TAB, int NR, bool ACC16>
 __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* table, float* acc) {
   if constexpr (sizeof(TAB) == 2 && NR >= 2) {
     const unsigned base = (unsigned)__cvta_generic_to_shared(table);
+    // Two elements per iteration: both table rows and both values are loaded before the first
+    // FMA, so a warp waits once per pair on shared-memory latency (ncu: waiting on those loads was
+    // the main stall). An odd last element pairs with a copy of its own row and a zero value.
     if constexpr (ACC16 && std::is_same<T, half>::value) {
       half2 h[NR / 2];
 #pragma unroll
       for (int i = 0; i < NR / 2; ++i) h[i] = __float2half2_rn(0.f);
       while (w) {
-        unsigned bit, below, x[NR / 2];
-        asm("bfind.u32 %0, %1;" : "=r"(bit) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(below) : "r"(bit));
-        w &= below;
-        load_row<NR>(base + bit * (NR * 2), x);
-        const half2 v = __half2half2(*--vend);
+        unsigned b0, b1, m0, m1, x0[NR / 2], x1[NR / 2];
+        asm("bfind.u32 %0, %1;" : "=r"(b0) : "r"(w));
+        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m0) : "r"(b0));
+        w &= m0;
+        const bool two = w != 0;
+        asm("bfind.u32 %0, %1;" : "=r"(b1) : "r"(w));
+        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m1) : "r"(b1));
+        w &= m1;
+        load_row<NR>(base + b0 * (NR * 2), x0);
+        load_row<NR>(base + (two ? b1 : b0) * (NR * 2), x1);
+        const half v0 = vend[-1], v1raw = vend[-2];
+        vend -= 2;
+        const half2 v0h = __half2half2(v0), v1h = __half2half2(two ? v1raw : __float2half(0.f));
 #pragma unroll
-        for (int i = 0; i < NR / 2; ++i) h[i] = __hfma2(v, *reinterpret_cast<half2*>(&x[i]), h[i]);
+        for (int i = 0; i < NR / 2; ++i) {
+          h[i] = __hfma2(v0h, *reinterpret_cast<half2*>(&x0[i]), h[i]);
+          h[i] = __hfma2(v1h, *reinterpret_cast<half2*>(&x1[i]), h[i]);
+        }
       }
 #pragma unroll
       for (int i = 0; i < NR / 2; ++i) {
@@ -151,16 +164,25 @@ __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* 
       }
     } else {
       while (w) {
-        unsigned bit, below, x[NR / 2];
-        asm("bfind.u32 %0, %1;" : "=r"(bit) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(below) : "r"(bit));
-        w &= below;
-        load_row<NR>(base + bit * (NR * 2), x);
-        const float v = to_f(*--vend);
+        unsigned b0, b1, m0, m1, x0[NR / 2], x1[NR / 2];
+        asm("bfind.u32 %0, %1;" : "=r"(b0) : "r"(w));
+        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m0) : "r"(b0));
+        w &= m0;
+        const bool two = w != 0;
+        asm("bfind.u32 %0, %1;" : "=r"(b1) : "r"(w));
+        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m1) : "r"(b1));
+        w &= m1;
+        load_row<NR>(base + b0 * (NR * 2), x0);
+        load_row<NR>(base + (two ? b1 : b0) * (NR * 2), x1);
+        const float v0 = to_f(vend[-1]), v1raw = to_f(vend[-2]);
+        vend -= 2;
+        const float v1 = two ? v1raw : 0.f;
 #pragma unroll
         for (int i = 0; i < NR / 2; ++i) {
-          const float2 f = __half22float2(*reinterpret_cast<half2*>(&x[i]));
-          acc[2 * i] += v * f.x; acc[2 * i + 1] += v * f.y;
+          const float2 f0 = __half22float2(*reinterpret_cast<half2*>(&x0[i]));
+          const float2 f1 = __half22float2(*reinterpret_cast<half2*>(&x1[i]));
+          acc[2 * i] += v0 * f0.x; acc[2 * i + 1] += v0 * f0.y;
+          acc[2 * i] += v1 * f1.x; acc[2 * i + 1] += v1 * f1.y;
         }
       }
     }
