@@ -28,8 +28,9 @@ Backends:
   for any head_dim and float32 caches.
 - ``auto``: cuda for CUDA tensors of 16-bit dtype and head_dim <= 256, else triton.
 
-Measured on the H100 (docs/benchmarks/bitmap.json): faster than cuBLAS q.K^T + P.V at 70% sparsity,
-slower at 50%; the cuda backend is bound by instruction issue in its per-element loop, not by bytes.
+Measured on the H100 (docs/benchmarks/attention.json, limits in docs/benchmarks.md): faster than
+cuBLAS q.K^T + P.V and FlashInfer at 70% sparsity from 4k tokens on, slower at 50%; the cuda backend
+is bound by its per-element loop (instructions, idle lanes, shared-memory latency), not by bytes.
 """
 
 from __future__ import annotations
