@@ -232,23 +232,17 @@ def stage_capacity(cache: BitmapCache) -> tuple[int, int]:
 def default_splits(bh: int, blocks: int, programs_per_split: int, device: torch.device, per_sm: int = 8) -> int:
     """Token-axis splits per KV head, 1 on the CPU. ``per_sm`` programs fit on an SM at once (the
     CUDA backend's shared memory allows 8), so ``per_sm * SMs`` run in one wave, and the launch
-    takes its waves times one program's time: a program walks its blocks (an even number, or a
-    single block) plus about one pair's worth of fixed work (query table, partial store, its share
-    of the merge). The split with the least of that wins, fewer splits on ties: at batch 32 / 32k
-    (256 KV heads) 4 splits in one wave instead of 5 in 1.2 waves; at batch 1 / 4k one block per
-    program, twice the programs of one pair each."""
+    takes its waves times one program's time: a program walks pairs / splits pairs of blocks plus
+    about one pair's worth of fixed work (query table, partial store, its share of the merge). The
+    split count with the least of that wins (at most one split per pair): at batch 32 / 32k
+    (256 KV heads) 4 splits in one wave instead of 5 in 1.2 waves."""
     if blocks == 0 or device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     wave = per_sm * sms
+    pairs = -(-blocks // 2)
     programs = max(bh * programs_per_split, 1)
-    best = None
-    for bps in [1] + list(range(2, blocks + 2, 2)):
-        splits = -(-blocks // bps)
-        cost = -(-programs * splits // wave) * (bps / 2 + 1)
-        if best is None or cost < best[0] or (cost == best[0] and splits < best[1]):
-            best = (cost, splits)
-    return best[1]
+    return min(range(1, pairs + 1), key=lambda s: -(-programs * s // wave) * (pairs / s + 1))
 
 
 def bitmap_sparse_attention(
@@ -308,7 +302,7 @@ def bitmap_sparse_attention(
         raise UsageError(f"num_splits must be at least 1, got {num_splits}")
     bps = max(1, -(-nb // splits))
     if which == "cuda":
-        bps += bps % 2 if bps > 1 else 0  # splits start on a pair of blocks (or hold one block)
+        bps += bps % 2  # splits start on a pair of blocks
     splits = max(1, -(-nb // bps)) if nb else 1
     rp = max(16, triton.next_power_of_2(rows))
     dp = max(64, triton.next_power_of_2(d))
