@@ -332,7 +332,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   const size_t stage_bytes = L.bytes;
 
   const T* q = reinterpret_cast<const T*>(p.q);
-  for (int i = tid; i < p.D * NR; i += THREADS) {
+#pragma unroll 4
+  for (int i = tid; i < p.D * NR; i += THREADS) {  // unrolled: the loads in flight together
     const int c = i / NR, r = i % NR;
     store_tab(qs + i, r0 + r < p.R ? to_f(q[(bh * p.R + r0 + r) * p.D + c]) * p.scale_log2 : 0.f);
   }
@@ -432,8 +433,28 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       float s[NR];
 #pragma unroll
       for (int r = 0; r < NR; ++r) s[r] = 0.f;
-      if (t < p.W)
-        for (int c = 0; c < p.D; ++c) fma_rows<NR>(s, to_f(wk[(bh * p.W + t) * p.D + c]), qs + c * NR);
+      if (t < p.W) {
+        const T* row = wk + ((size_t)bh * p.W + t) * p.D;
+        if ((p.D & 7) == 0) {
+          // 16-byte loads, eight in flight per 64 channels: a thread reads its own token's row, and
+          // one element at a time kept a load in flight per channel (the window program was the
+          // slowest of a short launch)
+          for (int c0 = 0; c0 < p.D; c0 += 64) {
+            uint4 x[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) x[k] = c0 + 8 * k < p.D ? reinterpret_cast<const uint4*>(row + c0)[k] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              const T* e = reinterpret_cast<const T*>(&x[k]);
+#pragma unroll
+              for (int j = 0; j < 8; ++j)
+                if (c0 + 8 * k + j < p.D) fma_rows<NR>(s, to_f(e[j]), qs + (c0 + 8 * k + j) * NR);
+            }
+          }
+        } else {
+          for (int c = 0; c < p.D; ++c) fma_rows<NR>(s, to_f(row[c]), qs + c * NR);
+        }
+      }
 #pragma unroll
       for (int r = 0; r < NR; ++r) sc[tid * NR + r] = t < p.W ? s[r] : -INFINITY;
       __syncthreads();
@@ -445,8 +466,10 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         const int c = tid * CPT + i;
 #pragma unroll
         for (int r = 0; r < NR; ++r) acc[i][r] *= alpha[r];
-        if (c < p.D)
-          for (int j = 0; j < n; ++j) fma_rows<NR>(acc[i], to_f(wv[(bh * p.W + w0 + j) * p.D + c]), ps + j * NR);
+        if (c < p.D) {
+#pragma unroll 8
+          for (int j = 0; j < n; ++j) fma_rows<NR>(acc[i], to_f(wv[((size_t)bh * p.W + w0 + j) * p.D + c]), ps + j * NR);
+        }
       }
       __syncthreads();
     }
