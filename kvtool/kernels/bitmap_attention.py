@@ -52,7 +52,7 @@ from kvtool.core.errors import UsageError
 from kvtool.kernels.bitmap_compress import _popc32
 from kvtool.kernels.bitmap_layout import TILE, BitmapCache
 from kvtool.kernels.common import check_device, interpreting
-from kvtool.kernels.online_softmax import attend_block as _attend_block, merge_split_partials
+from kvtool.kernels.online_softmax import attend_block as _attend_block, attend_dense_window, merge_split_partials, store_split_partial
 
 LOG2E = 1.4426950408889634
 
@@ -222,16 +222,8 @@ def _bitmap_attention_kernel(
                 v = _expand_values(vbm_ptr, vnz_ptr, voff_ptr, g, bh * Tc + tok, tmask, DT, bit3, below3, DP, DTP, USE_ASM)
             m_i, l_i, acc = _attend_block(q, kt, v, tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
-        for w0 in range(0, W, 64):
-            tw = w0 + t
-            wmask = tw < W
-            kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
-            v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
-            m_i, l_i, acc = _attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
-    slot = bh * (S + 1) + split
-    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rmask[:, None])
-    tl.store(m_ptr + slot * RP + rows, m_i, mask=rmask)
-    tl.store(l_ptr + slot * RP + rows, l_i, mask=rmask)
+        m_i, l_i, acc = attend_dense_window(q, wk_ptr, wv_ptr, bh, W, D, c, cmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + split, rows, rmask, c, acc, m_i, l_i, RP, DP)
 
 
 def check_query(q: torch.Tensor, cache: BitmapCache) -> None:

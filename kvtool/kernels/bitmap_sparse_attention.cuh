@@ -119,13 +119,31 @@ __device__ __forceinline__ void load_row(unsigned a, unsigned* x) {
   else asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[0]) : "r"(a));
 }
 
+// The highest set bit of w, cleared from w: bfind gives its index in one instruction (a lowest-first
+// walk needs brev + clz + a subtract) and bmsk the mask of the bits below it.
+__device__ __forceinline__ unsigned take_one(unsigned& w) {
+  unsigned bit, below;
+  asm("bfind.u32 %0, %1;" : "=r"(bit) : "r"(w));
+  asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(below) : "r"(bit));
+  w &= below;
+  return bit;
+}
+
+// The two highest set bits of w (w != 0), cleared from w; false when w had one (then b1 = b0).
+__device__ __forceinline__ bool take_two(unsigned& w, unsigned& b0, unsigned& b1) {
+  b0 = take_one(w);
+  const bool two = w != 0;
+  b1 = take_one(w);  // bfind of 0 is 0xffffffff and bmsk clamps: w stays 0
+  b1 = two ? b1 : b0;
+  return two;
+}
+
 // acc[r] += run element * table row (bit) for each set bit of w, highest bit first: `vend` points
-// one past the word's packed run and steps down. bfind gives the bit index in one instruction
-// (a lowest-first walk needs brev + clz + a subtract) and bmsk the mask of the bits below it; an
-// fp16 table row is read through a 32-bit shared address (one multiply-add per element; through
-// the generic pointer the compiler rebuilt it from the word's offset in three). ACC16 (fp16 values
-// and tables, NR >= 2): the word's products are summed by half2 FMAs and added to the fp32
-// accumulators once per word, 2 instead of 9 arithmetic instructions per element.
+// one past the word's packed run and steps down (take_one / take_two). An fp16 table row is read
+// through a 32-bit shared address: one multiply-add per element (through the generic pointer the
+// compiler rebuilt it from the word's offset in three). ACC16 (fp16 values and tables, NR >= 2):
+// the word's products are summed by half2 FMAs and added to the fp32 accumulators once per word,
+// 2 instead of 9 arithmetic instructions per element.
 template <typename T, typename TAB, int NR, bool ACC16>
 __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* table, float* acc) {
   if constexpr (sizeof(TAB) == 2 && NR >= 2) {
@@ -138,16 +156,10 @@ __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* 
 #pragma unroll
       for (int i = 0; i < NR / 2; ++i) h[i] = __float2half2_rn(0.f);
       while (w) {
-        unsigned b0, b1, m0, m1, x0[NR / 2], x1[NR / 2];
-        asm("bfind.u32 %0, %1;" : "=r"(b0) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m0) : "r"(b0));
-        w &= m0;
-        const bool two = w != 0;
-        asm("bfind.u32 %0, %1;" : "=r"(b1) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m1) : "r"(b1));
-        w &= m1;
+        unsigned b0, b1, x0[NR / 2], x1[NR / 2];
+        const bool two = take_two(w, b0, b1);
         load_row<NR>(base + b0 * (NR * 2), x0);
-        load_row<NR>(base + (two ? b1 : b0) * (NR * 2), x1);
+        load_row<NR>(base + b1 * (NR * 2), x1);
         const half v0 = vend[-1], v1raw = vend[-2];
         vend -= 2;
         const half2 v0h = __half2half2(v0), v1h = __half2half2(two ? v1raw : __float2half(0.f));
@@ -164,16 +176,10 @@ __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* 
       }
     } else {
       while (w) {
-        unsigned b0, b1, m0, m1, x0[NR / 2], x1[NR / 2];
-        asm("bfind.u32 %0, %1;" : "=r"(b0) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m0) : "r"(b0));
-        w &= m0;
-        const bool two = w != 0;
-        asm("bfind.u32 %0, %1;" : "=r"(b1) : "r"(w));
-        asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(m1) : "r"(b1));
-        w &= m1;
+        unsigned b0, b1, x0[NR / 2], x1[NR / 2];
+        const bool two = take_two(w, b0, b1);
         load_row<NR>(base + b0 * (NR * 2), x0);
-        load_row<NR>(base + (two ? b1 : b0) * (NR * 2), x1);
+        load_row<NR>(base + b1 * (NR * 2), x1);
         const float v0 = to_f(vend[-1]), v1raw = to_f(vend[-2]);
         vend -= 2;
         const float v1 = two ? v1raw : 0.f;
@@ -188,11 +194,7 @@ __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* 
     }
   } else {
     while (w) {
-      unsigned bit, below;
-      asm("bfind.u32 %0, %1;" : "=r"(bit) : "r"(w));
-      asm("bmsk.clamp.b32 %0, 0, %1;" : "=r"(below) : "r"(bit));
-      w &= below;
-      fma_rows<NR>(acc, to_f(*--vend), table + bit * NR);
+      fma_rows<NR>(acc, to_f(*--vend), table + take_one(w) * NR);
     }
   }
 }

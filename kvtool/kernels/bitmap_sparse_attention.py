@@ -49,7 +49,7 @@ from kvtool.kernels.bitmap_attention import LOG2E, _expand_keys, _expand_values,
 from kvtool.kernels.bitmap_compress import encode, encode_cache
 from kvtool.kernels.bitmap_layout import LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor
 from kvtool.kernels.common import check_device, interpreting
-from kvtool.kernels.online_softmax import attend_block, merge_split_partials
+from kvtool.kernels.online_softmax import attend_block, attend_dense_window, merge_split_partials, store_split_partial
 
 BACKENDS = ("auto", "triton", "cuda")
 _SOURCE = Path(__file__).with_name("bitmap_sparse_attention.cu")
@@ -162,16 +162,8 @@ def _sparse_attention_kernel(
             vt = _expand_keys(vbm_ptr, vnz_ptr, voff_ptr, g, c, cmask, D, bit3, below3, DP, USE_ASM)
             m_i, l_i, acc = attend_block(q, tl.trans(k), tl.trans(vt), tmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     else:
-        for w0 in range(0, W, 64):
-            tw = w0 + t
-            wmask = tw < W
-            kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
-            v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
-            m_i, l_i, acc = attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
-    slot = bh * (S + 1) + split
-    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rmask[:, None])
-    tl.store(m_ptr + slot * RP + rows, m_i, mask=rmask)
-    tl.store(l_ptr + slot * RP + rows, l_i, mask=rmask)
+        m_i, l_i, acc = attend_dense_window(q, wk_ptr, wv_ptr, bh, W, D, c, cmask, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + split, rows, rmask, c, acc, m_i, l_i, RP, DP)
 
 
 def _cuda_extension():

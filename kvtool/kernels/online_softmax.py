@@ -31,6 +31,32 @@ def attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.const
 
 
 @triton.jit
+def attend_dense_window(q, wk_ptr, wv_ptr, bh, W, D, c, cmask, m_i, l_i, acc, scale_log2,
+                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The dense window of KV head ``bh`` into a running softmax, 64 tokens at a time: window keys /
+    values ``[B*Hkv, W, D]`` at ``wk_ptr`` / ``wv_ptr``, channels ``c`` ``[DP]`` (``cmask``: c < D);
+    the rest as :func:`attend_block`. Returns the updated ``(m_i, l_i, acc)``."""
+    t = tl.arange(0, 64)
+    for w0 in range(0, W, 64):
+        tw = w0 + t
+        wmask = tw < W
+        kt = tl.load(wk_ptr + (bh * W + tw[None, :]) * D + c[:, None], mask=wmask[None, :] & cmask[:, None], other=0.0)
+        v = tl.load(wv_ptr + (bh * W + tw[:, None]) * D + c[None, :], mask=wmask[:, None] & cmask[None, :], other=0.0)
+        m_i, l_i, acc = attend_block(q, kt, v, wmask[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_split_partial(acc_ptr, m_ptr, l_ptr, slot, rows, rmask, c, acc, m_i, l_i, RP: tl.constexpr, DP: tl.constexpr):
+    """One split's partial at ``slot`` = KV head × (S + 1) + split: acc ``[P*(S+1), RP, DP]`` float32,
+    m / l ``[P*(S+1), RP]`` float32, rows ``[RB]`` (``rmask``: real rows), the layout
+    :func:`merge_splits_kernel` reads."""
+    tl.store(acc_ptr + (slot * RP + rows[:, None]) * DP + c[None, :], acc, mask=rmask[:, None])
+    tl.store(m_ptr + slot * RP + rows, m_i, mask=rmask)
+    tl.store(l_ptr + slot * RP + rows, l_i, mask=rmask)
+
+
+@triton.jit
 def merge_splits_kernel(val_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, idx_ptr, S, R, TQ, D, HKV, K,
                         RP: tl.constexpr, DP: tl.constexpr, SB: tl.constexpr, KP: tl.constexpr,
                         NORMALISED: tl.constexpr, LISTED: tl.constexpr):
