@@ -178,3 +178,26 @@ def test_every_kernel_suite_runs_tiny(sub, extra, monkeypatch):
     assert all(tuple(r) == B.RECORD_FIELDS for r in doc["records"])
     if sub != "compress":
         assert all(any(isinstance(v, float) for v in r["speedup"].values()) for r in kernels)
+
+
+def test_source_commit_flags_changed_package_files(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    from kvtool.bench.runner import source_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.delenv("KVTOOL_COMMIT", raising=False)
+    pkg = tmp_path / "kvtool"
+    pkg.mkdir()
+    (pkg / "kernel.py").write_text("x = 1\n")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t", "PATH": __import__("os").environ["PATH"]}
+    for cmd in (["git", "init", "-q"], ["git", "add", "."], ["git", "commit", "-q", "-m", "one"]):
+        subprocess.run(cmd, cwd=tmp_path, check=True, env=env)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert source_commit(pkg) == head
+    (pkg / "kernel.py").write_text("x = 2\n")  # timed code that is not the commit's
+    assert source_commit(pkg) == head + "+changes"
+    monkeypatch.setenv("KVTOOL_COMMIT", "abc1234")
+    assert source_commit(pkg) == "abc1234"

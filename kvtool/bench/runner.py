@@ -127,13 +127,20 @@ def read_bench_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def source_commit() -> str | None:
+def source_commit(folder: Path | None = None) -> str | None:
     """The kvtool commit being timed: ``$KVTOOL_COMMIT`` (set it where the tree has no .git, as on a
-    copied working tree), else ``git rev-parse`` of the source folder, else None."""
+    copied working tree), else ``git rev-parse`` of the source folder with ``+changes`` appended
+    when the package's files differ from that commit (uncommitted edits, or a copied tree whose
+    .git is older than its files), else None. ``folder``: the package folder (default: kvtool's)."""
     if os.environ.get("KVTOOL_COMMIT"):
         return os.environ["KVTOOL_COMMIT"]
+    folder = folder or Path(__file__).resolve().parent.parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=5)
+        head = out.stdout.strip()
+        if not head:
+            return None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."], cwd=folder, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return out.stdout.strip() or None
+    return head + "+changes" if changed.stdout.strip() else head
