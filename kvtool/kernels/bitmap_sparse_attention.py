@@ -258,10 +258,11 @@ def bitmap_sparse_attention(
     None (pass it to keep the call free of host syncs, e.g. under CUDA graphs). ``num_splits``,
     ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``stages`` (cuda: 1 or 2
     shared-memory buffers), ``half_tables`` (cuda: fp16 gather tables), ``bits_global`` (cuda,
-    one stage: bitmap words read from global memory instead of staged) and ``num_warps`` (triton) are tuning knobs that change only rounding.
-    ``accumulate="fp16"`` (cuda, float16 caches, half tables): the products of each 32-element bitmap
-    word are summed in fp16 before joining the fp32 sums (fewer instructions, about 1e-3 relative
-    error on random data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in)."""
+    one stage: bitmap words read from global memory instead of staged) and ``num_warps`` (triton)
+    are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
+    tables; elsewhere the sums stay fp32): the products of each 32-element bitmap word are summed
+    in fp16 before joining the fp32 sums (fewer instructions, about 8e-4 relative error on random
+    data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in)."""
     check_query(q, cache)
     check_device(q=q)
     if cache.version != LAYOUT_V2:
