@@ -166,3 +166,16 @@ def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits)
     assert rel_l2(out, ref_out) < 1e-2
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_split_plan_fills_whole_waves():
+    from kvtool.kernels.bitmap_sparse_attention import plan_splits
+
+    wave = 8 * 132  # the H100: 132 SMs, 8 programs each
+    assert plan_splits(8 * 32, 512, wave) == 4  # batch 32 / 32k: one wave, not 5 splits in 1.2 waves
+    assert plan_splits(8 * 8, 512, wave) == 16  # batch 8 / 32k: 1024 programs
+    assert plan_splits(8, 64, wave) == 32  # batch 1 / 4k: a pair per program, less than a wave
+    assert plan_splits(8, 1, wave) == 1  # one block: one split
+    for programs, blocks in ((3, 7), (64, 100), (500, 2048)):
+        s = plan_splits(programs, blocks, wave)
+        assert 1 <= s <= -(-blocks // 2)

@@ -230,10 +230,14 @@ def default_splits(bh: int, blocks: int, programs_per_split: int, device: torch.
     (256 KV heads) 4 splits in one wave instead of 5 in 1.2 waves."""
     if blocks == 0 or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wave = per_sm * sms
-    pairs = -(-blocks // 2)
-    programs = max(bh * programs_per_split, 1)
+    return plan_splits(bh * programs_per_split, blocks, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
+
+
+def plan_splits(programs: int, blocks: int, wave: int) -> int:
+    """:func:`default_splits` without a device: ``programs`` per split (KV heads × row chunks),
+    ``blocks`` 64-token blocks per head, ``wave`` programs resident at once."""
+    pairs = max(1, -(-blocks // 2))
+    programs = max(programs, 1)
     return min(range(1, pairs + 1), key=lambda s: -(-programs * s // wave) * (pairs / s + 1))
 
 
