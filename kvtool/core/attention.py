@@ -38,28 +38,53 @@ def attention_scores(q: torch.Tensor, keys: torch.Tensor, scale: float | None = 
     return torch.matmul(q.float(), k.transpose(-1, -2)) * scale
 
 
+KEY_CHUNK = 16384  # keys per step of attend_partial: bounded memory on long caches
+
+
 def attend_partial(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     scale: float | None = None,
     mask: torch.Tensor | None = None,
+    chunk: int = KEY_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q ``[B, H, Tq, D]`` over keys/values ``[B, Hkv, T, D]`` as a partial (out, lse).
 
     ``mask``: optional bool, broadcastable to ``[B, H, Tq, T]``, True where a key may be attended.
-    Rows with no allowed key give out = 0 and lse = -inf."""
+    Rows with no allowed key give out = 0 and lse = -inf. The keys are taken ``chunk`` at a time
+    and the partials merged (:func:`merge_partials`), so the float32 scores never exceed
+    ``B * H * Tq * chunk`` values; a query group shares its KV head's keys without copies."""
     b, h, tq, d = q.shape
-    if keys.shape[2] == 0:
+    t = keys.shape[2]
+    if t == 0:
         return q.new_zeros((b, h, tq, values.shape[-1]), dtype=torch.float32), torch.full((b, h, tq), float("-inf"), device=q.device)
-    scores = attention_scores(q, keys, scale)
+    scale = default_scale(d) if scale is None else scale
+    result = None
+    for start in range(0, t, max(int(chunk), 1)):
+        stop = min(start + max(int(chunk), 1), t)
+        part_mask = None
+        if mask is not None:
+            part_mask = mask if mask.shape[-1] == 1 else mask[..., start:stop]
+        part = _attend_keys(q, keys[:, :, start:stop], values[:, :, start:stop], scale, part_mask)
+        result = part if result is None else merge_partials(result, part)
+    return result
+
+
+def _attend_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend_partial` over one chunk of keys, the G query heads of a KV head as one matmul."""
+    b, h, tq, d = q.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    group = h // hkv
+    qg = q.float().reshape(b, hkv, group * tq, d)
+    scores = (torch.matmul(qg, keys.float().transpose(-1, -2)) * scale).reshape(b, h, tq, t)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    probs = torch.exp(scores - safe[..., None])
-    group = h // keys.shape[1]
-    out = torch.matmul(probs, expand_kv(values.float(), group))
+    probs = torch.exp(scores - safe[..., None]).reshape(b, hkv, group * tq, t)
+    del scores
+    out = torch.matmul(probs, values.float()).reshape(b, h, tq, values.shape[-1])
     return out, lse
 
 
