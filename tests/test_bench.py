@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import shutil
 
 import pytest
 import torch
@@ -180,14 +181,12 @@ def test_every_kernel_suite_runs_tiny(sub, extra, monkeypatch):
         assert all(any(isinstance(v, float) for v in r["speedup"].values()) for r in kernels)
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_source_commit_flags_changed_package_files(tmp_path, monkeypatch):
-    import shutil
     import subprocess
 
     from kvtool.bench.runner import source_commit
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
     monkeypatch.delenv("KVTOOL_COMMIT", raising=False)
     pkg = tmp_path / "kvtool"
     pkg.mkdir()

@@ -52,7 +52,7 @@ from kvtool.core.errors import UsageError
 from kvtool.kernels.bitmap_compress import _popc32
 from kvtool.kernels.bitmap_layout import TILE, BitmapCache
 from kvtool.kernels.common import check_device, interpreting
-from kvtool.kernels.online_softmax import attend_block as _attend_block, attend_dense_window, merge_split_partials, store_split_partial
+from kvtool.kernels.online_softmax import attend_block as _attend_block, attend_dense_window, merge_split_partials, split_partials, store_split_partial
 
 LOG2E = 1.4426950408889634
 
@@ -309,11 +309,8 @@ def bitmap_decode_attention(
         raise UsageError(f"num_splits must be at least 1, got {num_splits}")
     bps = max(1, -(-nb // splits))
     splits = max(1, -(-nb // bps)) if nb else 1
-    rp = max(16, triton.next_power_of_2(rows))
-    dp = max(64, triton.next_power_of_2(d))
-    acc = torch.empty(bh, splits + 1, rp, dp, dtype=torch.float32, device=q.device)
-    m = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
-    l = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    acc, m, l = split_partials(bh, splits + 1, rows, d, q.device)
+    rp, dp = acc.shape[2], acc.shape[3]
     scale = default_scale(d) if scale is None else scale
     qc = q.contiguous()
     # the interpreter gets bfloat16 tl.dot wrong: there, bfloat16 products run in float32

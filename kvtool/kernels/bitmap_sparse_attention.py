@@ -49,7 +49,7 @@ from kvtool.kernels.bitmap_attention import LOG2E, _expand_keys, _expand_values,
 from kvtool.kernels.bitmap_compress import encode, encode_cache
 from kvtool.kernels.bitmap_layout import LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor
 from kvtool.kernels.common import check_device, interpreting
-from kvtool.kernels.online_softmax import attend_block, attend_dense_window, merge_split_partials, store_split_partial
+from kvtool.kernels.online_softmax import attend_block, attend_dense_window, merge_split_partials, split_partials, store_split_partial
 
 BACKENDS = ("auto", "triton", "cuda")
 _SOURCE = Path(__file__).with_name("bitmap_sparse_attention.cu")
@@ -301,11 +301,8 @@ def bitmap_sparse_attention(
     if which == "cuda":
         bps += bps % 2  # splits start on a pair of blocks
     splits = max(1, -(-nb // bps)) if nb else 1
-    rp = max(16, triton.next_power_of_2(rows))
-    dp = max(64, triton.next_power_of_2(d))
-    acc = torch.empty(bh, splits + 1, rp, dp, dtype=torch.float32, device=q.device)
-    m = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
-    l = torch.empty(bh, splits + 1, rp, dtype=torch.float32, device=q.device)
+    acc, m, l = split_partials(bh, splits + 1, rows, d, q.device)
+    rp, dp = acc.shape[2], acc.shape[3]
     scale = default_scale(d) if scale is None else scale
     qc = q.contiguous()
     empty = torch.zeros(8, dtype=q.dtype, device=q.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -28,6 +29,19 @@ def attend_block(q, kt, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PREC: tl.const
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
+
+
+def split_partials(groups: int, slots: int, rows: int, head_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised flash-decoding partials for ``groups`` KV heads of ``rows`` query rows, one slot
+    per split (the window's included): acc ``[groups, slots, RP, DP]``, m and l ``[groups, slots, RP]``,
+    float32, RP = max(16, next power of two >= rows), DP = max(64, next power of two >= head_dim);
+    the layout :func:`store_split_partial` writes and :func:`merge_split_partials` reads."""
+    rp = max(16, triton.next_power_of_2(rows))
+    dp = max(64, triton.next_power_of_2(head_dim))
+    acc = torch.empty(groups, slots, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(groups, slots, rp, dtype=torch.float32, device=device)
+    l = torch.empty(groups, slots, rp, dtype=torch.float32, device=device)
+    return acc, m, l
 
 
 @triton.jit

@@ -68,20 +68,18 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             cap = att.stage_capacity(cache) if which == "cuda" else None
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
-            # the layout was validated above, so the timed calls skip it
-            ctx.step(f"bitmap_triton b={b} T={t} sparsity={sp}")
-            fn = lambda cache=cache, cap=cap, which=which: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap)  # noqa: E731
-            tm, rel, st = timed(ctx, fn, fn()[0], ref)
-            recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_triton", shape, b, t, ctx.dtype, tm,
-                                      _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
-                                      backend=which))
-            if which == "cuda" and ctx.dtype == torch.float16:  # the opt-in fp16 per-word sums, beside
-                ctx.step(f"bitmap_fp16acc b={b} T={t} sparsity={sp}")
-                fn = lambda cache=cache, cap=cap: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend="cuda", validate=False, capacity=cap, accumulate="fp16")  # noqa: E731
+            # the layout was validated above, so the timed calls skip it; on cuda with float16 the
+            # opt-in fp16 per-word sums are timed beside the default
+            runs = [("bitmap_triton", "fp32")]
+            if which == "cuda" and ctx.dtype == torch.float16:
+                runs.append(("bitmap_fp16acc", "fp16"))
+            for provider, acc in runs:
+                ctx.step(f"{provider} b={b} T={t} sparsity={sp}")
+                fn = lambda cache=cache, cap=cap, which=which, acc=acc: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap, accumulate=acc)  # noqa: E731
                 tm, rel, st = timed(ctx, fn, fn()[0], ref)
-                recs.append(B.make_record(ctx.env, "bitmap_attention", "bitmap_fp16acc", shape, b, t, ctx.dtype, tm,
+                recs.append(B.make_record(ctx.env, "bitmap_attention", provider, shape, b, t, ctx.dtype, tm,
                                           _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
-                                          backend="cuda"))
+                                          backend=which))
             del cache, ref
             free_memory(ctx)
         del q, k, v, q4
