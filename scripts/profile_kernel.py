@@ -2,7 +2,9 @@
 
 KERNEL: attention (layout-v2 bitmap attention, PARAM = sparsity; a 5th argument ``fp16`` for fp16
 per-word sums), heads (PARAM = k, grouped choice), compress /
-compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
+compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2),
+prune_encode / prune_encode_values (the one-launch CUDA prune + encode of the layout-v2 keys /
+values, PARAM = sparsity), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
 torch.profiler table of 10 calls instead of running twice for ncu).
 Llama-3-8B attention shape (32 heads, 8 KV heads, head_dim 128), fp16, random data."""
 
@@ -17,7 +19,8 @@ from kvtool.bench.suites.bitmap import prune_per_token
 from kvtool.bench.suites.heads import head_choices
 from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode
 from kvtool.formats.signvq import make_signvq_inputs, signvq_decode
-from kvtool.kernels import bitmap_compress, bitmap_sparse_attention, heads
+from kvtool.kernels import bitmap_compress, bitmap_prune_encode, bitmap_sparse_attention, heads
+from kvtool.methods.prune import keep_count
 
 
 def main() -> None:
@@ -36,6 +39,10 @@ def main() -> None:
     elif kernel in ("compress", "compress_values"):
         x = prune_per_token(k if kernel == "compress" else v, 0.7 if param is None else param)
         fn = lambda: bitmap_compress.encode_triton(x, "keys" if kernel == "compress" else "values")  # noqa: E731
+    elif kernel in ("prune_encode", "prune_encode_values"):
+        keep = keep_count(128, 0.7 if param is None else param)
+        x, kind = (k, "values") if kernel == "prune_encode" else (v, "keys")  # layout v2 orientations
+        fn = lambda: bitmap_prune_encode.prune_encode(x, kind, keep, backend="cuda")  # noqa: E731
     elif kernel == "signvq":
         q4, enc = make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
         fn = lambda: signvq_decode(q4, enc)  # noqa: E731

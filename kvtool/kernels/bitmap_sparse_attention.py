@@ -35,8 +35,6 @@ is bound by its per-element loop (instructions, idle lanes, shared-memory latenc
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -48,12 +46,11 @@ from kvtool.core.errors import UsageError
 from kvtool.kernels.bitmap_attention import LOG2E, _expand_keys, _expand_values, check_query
 from kvtool.kernels.bitmap_compress import encode, encode_cache
 from kvtool.kernels.bitmap_layout import LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor
-from kvtool.kernels.common import check_device, interpreting
+from kvtool.kernels.common import check_device, cuda_extension, interpreting
 from kvtool.kernels.online_softmax import attend_block, attend_dense_window, merge_split_partials, split_partials, store_split_partial
 
 BACKENDS = ("auto", "triton", "cuda")
 _SOURCE = Path(__file__).with_name("bitmap_sparse_attention.cu")
-_EXTENSION = None
 
 
 def encode_cache_v2(keys: torch.Tensor, values: torch.Tensor, window: int = 0, backend: str = "torch") -> BitmapCache:
@@ -167,27 +164,9 @@ def _sparse_attention_kernel(
 
 
 def _cuda_extension():
-    """The CUDA backend, compiled on first use for this GPU under ``$KVTOOL_CACHE`` (default
-    ``~/.cache/kvtool``)/cuda-ext, keyed by the source's hash and the GPU's compute capability."""
-    global _EXTENSION
-    if _EXTENSION is None:
-        from torch.utils.cpp_extension import load
-
-        src = b"".join(p.read_bytes() for p in sorted(_SOURCE.parent.glob("bitmap_sparse_attention*.cu*")))
-        major, minor = torch.cuda.get_device_capability()
-        arch = f"{major}{minor}"
-        key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
-        root = Path(os.environ.get("KVTOOL_CACHE") or Path.home() / ".cache" / "kvtool")
-        build = root / "cuda-ext" / f"bitmap_sparse_attention-{key}"
-        build.mkdir(parents=True, exist_ok=True)
-        _EXTENSION = load(
-            name=f"kvtool_bitmap_sparse_attention_{key}",
-            sources=[str(_SOURCE)] + [str(_SOURCE.with_name(f"bitmap_sparse_attention_{t}_s{n}.cu")) for t in ("f16", "bf16") for n in (1, 2)],
-            extra_cuda_cflags=["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "--use_fast_math"],
-            build_directory=str(build),
-            verbose=False,
-        )
-    return _EXTENSION
+    """The CUDA backend (:func:`kvtool.kernels.common.cuda_extension`: built on first use, cached)."""
+    sources = [_SOURCE] + [_SOURCE.with_name(f"bitmap_sparse_attention_{t}_s{n}.cu") for t in ("f16", "bf16") for n in (1, 2)]
+    return cuda_extension("bitmap_sparse_attention", sources, ("-O3", "--use_fast_math"))
 
 
 def pick_backend(q: torch.Tensor, backend: str = "auto") -> str:

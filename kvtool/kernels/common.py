@@ -3,8 +3,10 @@ the split count, the dot-product precision flags and the flash-decoding combine 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+from pathlib import Path
 from typing import Any, Mapping, Protocol
 
 import torch
@@ -59,6 +61,35 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
     ``tl.dot`` wrongly, so there bfloat16 operands are upcast to float32."""
     upcast = dtype == torch.bfloat16 and device.type != "cuda"
     return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
+
+
+_EXTENSIONS: dict[str, Any] = {}
+
+
+def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...] = ("-O3",)) -> Any:
+    """A CUDA extension compiled on first use for this GPU with ``torch.utils.cpp_extension.load``
+    (nvcc + ninja) under ``$KVTOOL_CACHE`` (default ``~/.cache/kvtool``)/cuda-ext, keyed by the
+    sources' hash (every ``.cu`` / ``.cuh`` beside the first one that shares its stem) and the GPU's
+    compute capability; loaded once per process."""
+    if name not in _EXTENSIONS:
+        from torch.utils.cpp_extension import load
+
+        first = sources[0]
+        src = b"".join(p.read_bytes() for p in sorted(first.parent.glob(f"{first.stem}*.cu*")))
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}{minor}"
+        key = hashlib.sha256(src + arch.encode()).hexdigest()[:16]
+        root = Path(os.environ.get("KVTOOL_CACHE") or Path.home() / ".cache" / "kvtool")
+        build = root / "cuda-ext" / f"{name}-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+        _EXTENSIONS[name] = load(
+            name=f"kvtool_{name}_{key}",
+            sources=[str(s) for s in sources],
+            extra_cuda_cflags=[*extra_cflags, f"-gencode=arch=compute_{arch},code=sm_{arch}"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    return _EXTENSIONS[name]
 
 
 def num_splits(rows: int, items: int, device: torch.device, per_split_min: int = 1) -> int:

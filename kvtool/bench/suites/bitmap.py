@@ -15,23 +15,26 @@ from kvtool.bench.suites.common import (
     timed,
 )
 from kvtool.bench.suites.retrieval import retrieval_encode_records
+from kvtool.kernels.bitmap_prune_encode import per_token_keep
+from kvtool.methods.prune import keep_count
 
 def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.Tensor:
-    """Per-token magnitude pruning (Mustafar's default): each token of ``x`` ``[B, Hkv, T, D]`` keeps
-    its ``round((1 - sparsity) * D)`` largest |x| (ties to the lower channel); the last ``window``
-    tokens stay dense. Returns a new tensor (pruned elements +0.0)."""
-    d = x.shape[-1]
-    keep = int(round((1.0 - sparsity) * d))
+    """Per-token magnitude pruning (Mustafar's default, :func:`kvtool.methods.prune.per_token_mask`'s
+    rule): each token of ``x`` ``[B, Hkv, T, D]`` keeps its ``keep_count(D, sparsity)`` largest |x|
+    (ties to the lower channel); the last ``window`` tokens stay dense. Returns a new tensor
+    (pruned elements +0.0)."""
     out = x.clone()
     tc = x.shape[2] - window
-    if tc <= 0 or keep >= d:
-        return out
-    part = out[:, :, :tc]
-    mask = torch.zeros(part.shape, dtype=torch.bool, device=x.device)
-    if keep > 0:
-        mask.scatter_(-1, part.abs().topk(keep, dim=-1, sorted=False).indices, True)
-    part.masked_fill_(~mask, 0)
+    if tc > 0:
+        part = out[:, :, :tc]
+        part.masked_fill_(~per_token_keep(part, keep_count(x.shape[-1], sparsity)), 0)
     return out
+
+
+def same_layout(a, b) -> bool:
+    """Two bitmap tensors hold the same bytes (nz bit patterns, bitmaps, offsets)."""
+    as_int = lambda t: t.view(torch.int8) if t.is_floating_point() else t  # noqa: E731
+    return all(torch.equal(as_int(x), as_int(y)) for x, y in ((a.nz, b.nz), (a.bitmaps, b.bitmaps), (a.offsets, b.offsets)))
 
 
 ATTENTION_BASELINES = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
@@ -89,38 +92,61 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
 
 
 @register_suite('compress', ('bitmap_torch',),
-                'Throughput of the bitmap compression kernel (and sign-VQ / page-statistics encoding) vs copy bandwidth.',
+                'Throughput of bitmap compression (encode of pruned tensors; one-launch prune + encode) and sign-VQ / page-statistics encoding vs copy bandwidth.',
                 'kvtool bench compress --batch 8 --seq 32k --sparsity 0.7')
 def suite_compress(ctx: BenchContext) -> list[dict]:
     """Bitmap compression throughput: the Triton encoder vs the torch encoder on the same pruned keys
-    and values (bytes = dense input read + layout written; ``bandwidth_fraction`` against copy, which
+    and values, and the one-launch prune + encode (CUDA) vs torch pruning + encoding on the dense
+    ones (bytes = dense input read + layout written; ``bandwidth_fraction`` against copy, which
     also counts read + write). The outputs must be byte-identical."""
     comp = require_kernel("bitmap_compress", "compress", ("encode_torch", "encode_triton"))
+    fused = require_kernel("bitmap_prune_encode", "compress", ("prune_encode", "prune_encode_reference"))
     recs = []
     for b, t in ctx.configs():
         shape, q, k, v, data = ctx.inputs(b, t)
         del q
         for sp in ctx.sparsities:
             # layout v2 orientations: keys as token tiles, values as channel tiles
-            for name, kind, x in (("keys", "values", prune_per_token(k, sp)), ("values", "keys", prune_per_token(v, sp))):
+            for name, kind, raw in (("keys", "values", k), ("values", "keys", v)):
                 ctx.step(f"bitmap compress {name} b={b} T={t} sparsity={sp}")
+                x = prune_per_token(raw, sp)
                 ref = comp.encode_torch(x, kind)
                 moved = B.tensor_bytes(x) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
                 got = comp.encode_triton(x, kind) if ctx.env.device_type == "cuda" or B.interpret_mode() else None
-                same = got is not None and all(torch.equal(a.view(torch.int8) if a.is_floating_point() else a, c.view(torch.int8) if c.is_floating_point() else c)
-                                               for a, c in ((got.nz, ref.nz), (got.bitmaps, ref.bitmaps), (got.offsets, ref.offsets)))
+                same = got is not None and same_layout(got, ref)
                 tm = ctx.timer.time(lambda: comp.encode_triton(x, kind)) if same else None
                 recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
                 tm = ctx.timer.time(lambda: comp.encode_torch(x, kind))
                 recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0, data=data))
+                recs += _prune_encode_records(ctx, fused, shape, b, t, name, kind, raw, sp, ref, data)
                 del x, ref, got
                 free_memory(ctx)
         recs += retrieval_encode_records(ctx, shape, b, t, k, v, data)
         del k, v
         free_memory(ctx)
     speedups_per_kernel(recs, ["bitmap_torch"])
+    return recs
+
+
+def _prune_encode_records(ctx: BenchContext, fused, shape, b: int, t: int, name: str, kind: str, raw: torch.Tensor, sp: float, ref, data: str) -> list[dict]:
+    """The one-launch prune + encode (``bitmap_cuda``, CUDA GPUs only) and its torch reference
+    (``bitmap_torch``: sort-based pruning, then the torch encoder) on the dense ``raw`` tensor;
+    ``ref`` is the layout both must produce (bytes: dense read + layout written)."""
+    keep = keep_count(raw.shape[-1], sp)
+    moved = B.tensor_bytes(raw) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
+    recs = []
+    if fused.can_run_cuda(raw):
+        got = fused.prune_encode(raw, kind, keep, backend="cuda")
+        same = same_layout(got, ref)
+        del got
+        tm = ctx.timer.time(lambda: fused.prune_encode(raw, kind, keep, backend="cuda")) if same else None
+        recs.append(B.make_record(ctx.env, f"bitmap_prune_encode_{name}", "bitmap_cuda", shape, b, t, ctx.dtype, tm, moved,
+                                  sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
+    tm = ctx.timer.time(lambda: fused.prune_encode_reference(raw, kind, keep))
+    recs.append(B.make_record(ctx.env, f"bitmap_prune_encode_{name}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
+                              sparsity=sp, rel=0.0, data=data))
     return recs
 
 
