@@ -37,7 +37,8 @@ from kvtool.kernels.bitmap_layout import (
 )
 
 
-def _check_input(x: torch.Tensor, kind: str) -> None:
+def check_input(x: torch.Tensor, kind: str) -> None:
+    """``x`` is a 4-D float16 / bfloat16 / float32 ``[B, Hkv, Tc, D]`` and ``kind`` a tile orientation."""
     if kind not in ("keys", "values"):
         raise UsageError(f"kind must be 'keys' or 'values', got {kind!r}")
     if x.ndim != 4:
@@ -53,7 +54,7 @@ def _offsets(counts: torch.Tensor, align: int) -> torch.Tensor:
 
 def encode_torch(x: torch.Tensor, kind: str) -> BitmapTensor:
     """Plain-torch encoder: ``x`` ``[B, Hkv, Tc, D]`` -> :class:`BitmapTensor` (see module doc)."""
-    _check_input(x, kind)
+    check_input(x, kind)
     b, h, tc, d = x.shape
     nb = -(-tc // TILE)
     dt = -(-d // TILE)
@@ -199,7 +200,7 @@ def _dp(d: int) -> int:
 def encode_triton(x: torch.Tensor, kind: str) -> BitmapTensor:
     """Triton encoder (same bytes as :func:`encode_torch`). ``x`` ``[B, Hkv, Tc, D]`` on CUDA (or CPU
     under ``TRITON_INTERPRET=1``). One host sync: the total size of ``nz``."""
-    _check_input(x, kind)
+    check_input(x, kind)
     check_device(**{kind: x})
     b, h, tc, d = x.shape
     nb = -(-tc // TILE)

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from kvtool.core.errors import UsageError
-from kvtool.kernels.bitmap_compress import encode_torch
-from kvtool.kernels.bitmap_layout import _INT_VIEW, TILE, BitmapTensor, align_elements
+from kvtool.kernels.bitmap_compress import check_input, encode_torch
+from kvtool.kernels.bitmap_layout import TILE, BitmapTensor, align_elements
 from kvtool.kernels.common import cuda_extension, interpreting
 
 BACKENDS = ("auto", "torch", "cuda")
@@ -56,12 +56,7 @@ def prune_encode_reference(x: torch.Tensor, kind: str, keep: int) -> BitmapTenso
 
 
 def _check(x: torch.Tensor, kind: str, keep: int) -> None:
-    if kind not in ("keys", "values"):
-        raise UsageError(f"kind must be 'keys' or 'values', got {kind!r}")
-    if x.ndim != 4:
-        raise UsageError(f"{kind} must be [batch, kv_heads, tokens, head_dim], got shape {list(x.shape)}")
-    if x.dtype not in _INT_VIEW:
-        raise UsageError(f"{kind} must be float16, bfloat16 or float32, got {x.dtype}")
+    check_input(x, kind)
     if not 0 <= keep <= x.shape[-1]:
         raise UsageError(f"keep must be between 0 and head_dim {x.shape[-1]}, got {keep}")
 
