@@ -15,13 +15,6 @@ from kvtool.kernels.bitmap_prune_encode import compact_runs, head_span, per_toke
 from kvtool.methods.prune import keep_count, per_token_mask
 
 
-def same_layout(a, b) -> bool:
-    as_int = lambda t: t.view(torch.int16) if t.is_floating_point() else t  # noqa: E731
-    return a.kind == b.kind and a.tokens == b.tokens and all(
-        torch.equal(as_int(x).cpu(), as_int(y).cpu()) for x, y in ((a.nz, b.nz), (a.bitmaps, b.bitmaps), (a.offsets, b.offsets))
-    )
-
-
 def hard_input(b, h, t, d, dtype, device="cpu", seed=0):
     """Random rows plus rows full of ties, rows with few non-zeros (+0.0 and -0.0) and subnormals."""
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +38,7 @@ def test_reference_keeps_what_the_pruning_method_keeps(d, sparsity):
     assert torch.equal(per_token_keep(x, keep), per_token_mask(x.float().abs(), sparsity))
     got = prune_encode_reference(x, "values", keep)
     want = encode_torch(x.masked_fill(~per_token_mask(x.float().abs(), sparsity), 0), "values")
-    assert same_layout(got, want)
+    assert got.same_bytes(want)
     got.validate()
 
 
@@ -80,7 +73,7 @@ def test_arguments_are_checked():
         prune_encode(x, "rows", 3)
     with pytest.raises(UsageError):
         prune_encode(x, "keys", 3, backend="cuda")
-    assert same_layout(prune_encode(x, "keys", 3), prune_encode_reference(x, "keys", 3))
+    assert prune_encode(x, "keys", 3).same_bytes(prune_encode_reference(x, "keys", 3))
 
 
 @pytest.mark.gpu
@@ -91,7 +84,7 @@ def test_cuda_kernel_bytes_equal_the_reference(dtype, kind, b, h, t, d, keep):
     x = hard_input(b, h, t, d, dtype, device="cuda")
     want = prune_encode_reference(x, kind, keep)
     got = prune_encode(x, kind, keep, backend="cuda")
-    assert same_layout(got, want)
+    assert got.same_bytes(want)
     got.validate()
 
 
@@ -100,7 +93,7 @@ def test_cuda_kernel_bytes_equal_the_reference(dtype, kind, b, h, t, d, keep):
 def test_cuda_kernel_full_rows_and_nan(kind):
     x = torch.randn(8, 8, 4096, 128, device="cuda", dtype=torch.float16)
     keep = keep_count(128, 0.7)
-    assert same_layout(prune_encode(x, kind, keep, backend="cuda"), prune_encode_reference(x, kind, keep))
+    assert prune_encode(x, kind, keep, backend="cuda").same_bytes(prune_encode_reference(x, kind, keep))
     x[3, 2, 100, 7] = float("nan")
     x[1, 1, 200, :100] = float("nan")  # fewer non-NaN elements than keep: the search must still end
-    assert same_layout(prune_encode(x, kind, keep, backend="cuda"), prune_encode_reference(x, kind, keep))
+    assert prune_encode(x, kind, keep, backend="cuda").same_bytes(prune_encode_reference(x, kind, keep))

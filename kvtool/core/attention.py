@@ -61,8 +61,9 @@ def attend_partial(
         return q.new_zeros((b, h, tq, values.shape[-1]), dtype=torch.float32), torch.full((b, h, tq), float("-inf"), device=q.device)
     scale = default_scale(d) if scale is None else scale
     result = None
-    for start in range(0, t, max(int(chunk), 1)):
-        stop = min(start + max(int(chunk), 1), t)
+    step = max(int(chunk), 1)
+    for start in range(0, t, step):
+        stop = min(start + step, t)
         part_mask = None
         if mask is not None:
             part_mask = mask if mask.shape[-1] == 1 else mask[..., start:stop]

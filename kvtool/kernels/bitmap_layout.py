@@ -154,6 +154,22 @@ class BitmapTensor:
         """Check shapes, offsets and popcounts before anything reads ``nz`` (BadDataError)."""
         validate_bitmap_tensor(self)
 
+    def same_bytes(self, other: "BitmapTensor") -> bool:
+        """True when ``other`` is the same layout byte for byte: orientation, shape, nz bit patterns,
+        bitmaps and offsets (compared on the CPU when the two sit on different devices)."""
+        if (self.kind, self.tokens, self.head_dim) != (other.kind, other.tokens, other.head_dim):
+            return False
+        for a, b in ((self.nz, other.nz), (self.bitmaps, other.bitmaps), (self.offsets, other.offsets)):
+            if a.dtype != b.dtype:
+                return False
+            if a.is_floating_point():  # bit patterns: -0.0 and NaNs compare as stored
+                a, b = a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype])
+            if a.device != b.device:
+                a, b = a.cpu(), b.cpu()
+            if not torch.equal(a, b):
+                return False
+        return True
+
     def decode(self) -> torch.Tensor:
         """The pruned dense tensor ``[B, Hkv, Tc, D]`` (bit-exact)."""
         return decode_bitmap_tensor(self)

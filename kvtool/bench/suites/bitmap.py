@@ -31,12 +31,6 @@ def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.
     return out
 
 
-def same_layout(a, b) -> bool:
-    """Two bitmap tensors hold the same bytes (nz bit patterns, bitmaps, offsets)."""
-    as_int = lambda t: t.view(torch.int8) if t.is_floating_point() else t  # noqa: E731
-    return all(torch.equal(as_int(x), as_int(y)) for x, y in ((a.nz, b.nz), (a.bitmaps, b.bitmaps), (a.offsets, b.offsets)))
-
-
 ATTENTION_BASELINES = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
 
 
@@ -113,14 +107,14 @@ def suite_compress(ctx: BenchContext) -> list[dict]:
                 ref = comp.encode_torch(x, kind)
                 moved = B.tensor_bytes(x) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
                 got = comp.encode_triton(x, kind) if ctx.env.device_type == "cuda" or B.interpret_mode() else None
-                same = got is not None and same_layout(got, ref)
+                same = got is not None and got.same_bytes(ref)
                 tm = ctx.timer.time(lambda: comp.encode_triton(x, kind)) if same else None
                 recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_triton", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0 if same else None, status="ok" if same else "wrong", data=data))
                 tm = ctx.timer.time(lambda: comp.encode_torch(x, kind))
                 recs.append(B.make_record(ctx.env, f"bitmap_compress_{name}", "bitmap_torch", shape, b, t, ctx.dtype, tm, moved,
                                           sparsity=sp, rel=0.0, data=data))
-                recs += _prune_encode_records(ctx, fused, shape, b, t, name, kind, raw, sp, ref, data)
+                recs += _prune_encode_records(ctx, fused, shape, b, t, name, kind, raw, sp, ref, moved, data)
                 del x, ref, got
                 free_memory(ctx)
         recs += retrieval_encode_records(ctx, shape, b, t, k, v, data)
@@ -130,16 +124,15 @@ def suite_compress(ctx: BenchContext) -> list[dict]:
     return recs
 
 
-def _prune_encode_records(ctx: BenchContext, fused, shape, b: int, t: int, name: str, kind: str, raw: torch.Tensor, sp: float, ref, data: str) -> list[dict]:
+def _prune_encode_records(ctx: BenchContext, fused, shape, b: int, t: int, name: str, kind: str, raw: torch.Tensor, sp: float, ref, moved: int, data: str) -> list[dict]:
     """The one-launch prune + encode (``bitmap_cuda``, CUDA GPUs only) and its torch reference
     (``bitmap_torch``: sort-based pruning, then the torch encoder) on the dense ``raw`` tensor;
-    ``ref`` is the layout both must produce (bytes: dense read + layout written)."""
+    ``ref`` is the layout both must produce, ``moved`` its bytes (dense read + layout written)."""
     keep = keep_count(raw.shape[-1], sp)
-    moved = B.tensor_bytes(raw) + B.tensor_bytes(ref.nz, ref.bitmaps, ref.offsets)
     recs = []
     if fused.can_run_cuda(raw):
         got = fused.prune_encode(raw, kind, keep, backend="cuda")
-        same = same_layout(got, ref)
+        same = got.same_bytes(ref)
         del got
         tm = ctx.timer.time(lambda: fused.prune_encode(raw, kind, keep, backend="cuda")) if same else None
         recs.append(B.make_record(ctx.env, f"bitmap_prune_encode_{name}", "bitmap_cuda", shape, b, t, ctx.dtype, tm, moved,
