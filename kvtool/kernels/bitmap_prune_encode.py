@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvtool.core.errors import UsageError
+from kvtool.core.selection import magnitude_keep
 from kvtool.kernels.bitmap_compress import check_input, encode_torch
 from kvtool.kernels.bitmap_layout import TILE, BitmapTensor, align_elements
 from kvtool.kernels.common import cuda_extension, interpreting
@@ -40,19 +41,10 @@ CUDA_HEAD_DIMS = (64, 128, 256)
 _SOURCE = Path(__file__).with_name("bitmap_prune_encode.cu")
 
 
-def per_token_keep(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Bool ``[..., D]``: True at each token's ``keep`` largest ``|x|`` (ties: lower channel)."""
-    mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    if keep <= 0 or x.numel() == 0:
-        return mask
-    order = torch.sort(x.float().abs(), dim=-1, descending=True, stable=True).indices
-    return mask.scatter_(-1, order[..., :keep], True)
-
-
 def prune_encode_reference(x: torch.Tensor, kind: str, keep: int) -> BitmapTensor:
     """Torch reference: prune ``x`` ``[B, Hkv, Tc, D]`` to ``keep`` elements per token, then encode."""
     _check(x, kind, keep)
-    return encode_torch(x.masked_fill(~per_token_keep(x, keep), 0), kind)
+    return encode_torch(x.masked_fill(~magnitude_keep(x, keep), 0), kind)
 
 
 def _check(x: torch.Tensor, kind: str, keep: int) -> None:

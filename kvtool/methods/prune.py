@@ -37,17 +37,13 @@ from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, parse_indices
 from kvtool.core.errors import UsageError
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.selection import keep_count, topk_mask  # noqa: F401  (part of this module's API)
 from kvtool.core.attention import default_scale, expand_kv
 
 METHODS = ("per-token", "per-channel", "output-aware", "think", "2:4")
 QUERY_METHODS = ("output-aware", "think")
 GROUP_TOKENS = 32  # per-channel groups, output-aware horizon, ThinK observation window
 DEFAULT_WINDOW = 32
-
-
-def keep_count(n: int, sparsity: float) -> int:
-    """Elements kept of ``n`` at ``sparsity``: ``round((1 - s) * n)``, halves rounded up."""
-    return min(n, max(0, math.floor((1.0 - sparsity) * n + 0.5 + 1e-9)))
 
 
 def check_sparsity(value: float, what: str = "--sparsity") -> float:
@@ -74,20 +70,6 @@ def method_needs_queries(spec: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- building blocks
-
-
-def topk_mask(score: torch.Tensor, k: int, dim: int) -> torch.Tensor:
-    """Bool mask, True at the ``k`` largest entries of ``score`` along ``dim``; among equal scores
-    the lower index wins (a stable descending sort)."""
-    mask = torch.zeros(score.shape, dtype=torch.bool, device=score.device)
-    n = score.shape[dim]
-    if k <= 0 or n == 0:
-        return mask
-    if k >= n:
-        return torch.ones_like(mask)
-    order = torch.sort(score.float(), dim=dim, descending=True, stable=True).indices
-    top = order.narrow(dim, 0, k)
-    return mask.scatter(dim, top, True)
 
 
 def per_token_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:

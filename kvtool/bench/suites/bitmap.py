@@ -15,8 +15,7 @@ from kvtool.bench.suites.common import (
     timed,
 )
 from kvtool.bench.suites.retrieval import retrieval_encode_records
-from kvtool.kernels.bitmap_prune_encode import per_token_keep
-from kvtool.methods.prune import keep_count
+from kvtool.core.selection import keep_count, magnitude_keep
 
 def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.Tensor:
     """Per-token magnitude pruning (Mustafar's default, :func:`kvtool.methods.prune.per_token_mask`'s
@@ -27,7 +26,7 @@ def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.
     tc = x.shape[2] - window
     if tc > 0:
         part = out[:, :, :tc]
-        part.masked_fill_(~per_token_keep(part, keep_count(x.shape[-1], sparsity)), 0)
+        part.masked_fill_(~magnitude_keep(part, keep_count(x.shape[-1], sparsity)), 0)
     return out
 
 
