@@ -267,3 +267,41 @@ def test_layout_version_1_layers_still_decode_and_attend():
     enc2.meta["layout_version"] = 7
     with pytest.raises(BadDataError, match="layout version 7"):
         FMT.validate(enc2)
+
+
+def _same_tensors(a, b) -> None:
+    assert a.tensors.keys() == b.tensors.keys()
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert torch.equal(u.view(torch.uint8) if u.is_floating_point() else u, t.view(torch.uint8) if t.is_floating_point() else t), name
+
+
+def test_encode_backend_names_and_the_fused_path_choice():
+    cache = synthetic_cache(tokens=70, head_dim=64, heads=4, kv_heads=2)
+    layer = cache.layers[0]
+    params = make_params(FMT, {"sparsity": "0.7"})
+    with pytest.raises(UsageError, match="backend must be one of"):
+        FMT.encode(layer, params, backend="fast")
+    # on the CPU "cuda" and "auto" take the torch path: the same bytes as "torch"
+    _same_tensors(FMT.encode(layer, params, backend="torch"), FMT.encode(layer, params, backend="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("options", [
+    {"sparsity": "0.7"},
+    {"key_sparsity": "0.5", "value_sparsity": "0.7", "dense_window": "5"},
+    {"sparsity": "0", "dense_window": "0"},
+    {"sparsity": "0.7", "dense_window": "500"},  # everything in the window
+])
+def test_fused_gpu_encode_matches_torch_prune_then_encode(dtype, options):
+    cache = synthetic_cache(tokens=197, head_dim=128, heads=8, kv_heads=2)
+    layer = cache.layers[0]
+    layer = type(layer)(layer.keys.to("cuda", dtype), layer.values.to("cuda", dtype))
+    params = make_params(FMT, options)
+    fused = FMT.encode(layer, params)  # auto: one prune + encode launch per tensor
+    want = FMT.encode(layer, params, backend="triton")  # torch pruning, Triton encoder
+    _same_tensors(fused, want)
+    for key in ("achieved_key_sparsity", "achieved_value_sparsity"):
+        assert fused.meta[key] == pytest.approx(want.meta[key], abs=1e-6)
+    assert {k: v for k, v in fused.meta.items() if not k.startswith("achieved")} == {k: v for k, v in want.meta.items() if not k.startswith("achieved")}

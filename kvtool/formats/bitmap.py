@@ -26,11 +26,14 @@ import torch
 from kvtool.core.attention import attend_partial
 from kvtool.core.cache import KVCache, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.selection import keep_count
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.kernels.bitmap_prune_encode import can_run_cuda, prune_encode
 from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, BitmapCache, BitmapTensor, popcount64
 from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2
 from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
 
+ENCODE_BACKENDS = ("auto", "torch", "triton", "cuda")
 PARTS = ("nonzeros", "bitmaps", "offsets", "padding", "dense_window")
 
 
@@ -125,6 +128,31 @@ def paper_layout_bytes(bt: BitmapTensor) -> int:
     return int(tiles * 12 + ((pc + 7) // 8 * 8).sum() * item + bt.batch * bt.kv_heads * 8)
 
 
+def _fused_prune_encode(layer: LayerKV, params: BitmapParams, backend: str) -> bool:
+    """Whether :meth:`BitmapFormat.encode` prunes and encodes in one CUDA launch: per-token pruning
+    of keys and values, a tensor the kernel takes, and backend ``auto`` or ``cuda``."""
+    if backend not in ENCODE_BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(ENCODE_BACKENDS)}, got {backend!r}")
+    return backend in ("auto", "cuda") and parse_method(params.method) == ("per-token", "per-token") and can_run_cuda(layer.keys)
+
+
+def _prune_encode_per_token(layer: LayerKV, params: BitmapParams) -> tuple[BitmapCache, dict[str, Any]]:
+    """Per-token pruning + layout-v2 encoding of ``layer``'s compressed tokens on the GPU (the bytes
+    of :func:`~kvtool.methods.prune.prune_layer` + :func:`encode_cache_v2`), and the prune stats."""
+    t, d = layer.num_tokens, layer.keys.shape[-1]
+    window = min(params.dense_window, t)
+    tc = t - window
+    parts = []
+    achieved = []
+    for x, orient, sparsity in zip((layer.keys, layer.values), ORIENTATIONS[LAYOUT_V2], (params.keys, params.values)):
+        keep = keep_count(d, sparsity)
+        parts.append(prune_encode(x[:, :, :tc], orient, keep, backend="cuda"))
+        achieved.append(1.0 - keep / d if tc and sparsity > 0 else 0.0)
+    parts[0].label, parts[1].label = "keys", "values"
+    cache = BitmapCache(parts[0], parts[1], layer.keys[:, :, tc:].contiguous(), layer.values[:, :, tc:].contiguous(), version=LAYOUT_V2)
+    return cache, {"method": "per-token", "achieved_key_sparsity": achieved[0], "achieved_value_sparsity": achieved[1]}
+
+
 @register
 class BitmapFormat(Format):
     name = "bitmap"
@@ -162,26 +190,32 @@ class BitmapFormat(Format):
             raise BadDataError(f"bitmap stores float16, bfloat16 or float32 caches, got {layer.keys.dtype}")
 
     def encode(self, layer: LayerKV, params: FormatParams, backend: str = "auto") -> Encoded:
-        """Prune ``layer`` (keys/values ``[B, Hkv, T, D]``) and store it; ``backend`` picks the
-        torch or the Triton encoder (identical bytes); ``auto``: Triton for CUDA tensors."""
+        """Prune ``layer`` (keys/values ``[B, Hkv, T, D]``) and store it. ``backend`` (identical
+        bytes every way): ``torch``, ``triton`` (prune in torch, Triton encoder), ``cuda`` (per-token
+        pruning and encoding in one launch, :func:`~kvtool.kernels.bitmap_prune_encode.prune_encode`;
+        other methods fall back to ``triton``); ``auto``: cuda where it can run, else triton for CUDA
+        tensors, else torch."""
         assert isinstance(params, BitmapParams)
-        if backend == "auto":
-            backend = "triton" if layer.keys.is_cuda else "torch"
-        res = prune_layer(layer, params.keys, params.values, params.method, params.dense_window)
-        tc = layer.num_tokens - res.window
-        cache = encode_cache_v2(res.keys, res.values, window=res.window, backend=backend)
+        if _fused_prune_encode(layer, params, backend):
+            cache, stats = _prune_encode_per_token(layer, params)
+        else:
+            if backend in ("auto", "cuda"):
+                backend = "triton" if layer.keys.is_cuda else "torch"
+            res = prune_layer(layer, params.keys, params.values, params.method, params.dense_window)
+            cache = encode_cache_v2(res.keys, res.values, window=res.window, backend=backend)
+            stats = res.stats
         meta = {
             "layout_version": LAYOUT_V2,
             "tokens": layer.num_tokens,
-            "compressed_tokens": tc,
-            "window": res.window,
+            "compressed_tokens": cache.keys.tokens,
+            "window": cache.window_keys.shape[2],
             "head_dim": layer.keys.shape[-1],
             "dtype": dtype_name(layer.keys.dtype),
-            "method": res.stats["method"],
+            "method": stats["method"],
             "key_sparsity": params.keys,
             "value_sparsity": params.values,
-            "achieved_key_sparsity": res.stats["achieved_key_sparsity"],
-            "achieved_value_sparsity": res.stats["achieved_value_sparsity"],
+            "achieved_key_sparsity": stats["achieved_key_sparsity"],
+            "achieved_value_sparsity": stats["achieved_value_sparsity"],
         }
         return encoded_from_cache(cache, meta)
 
