@@ -1,13 +1,10 @@
-// Host entry of the CUDA backend (kernels: bitmap_sparse_attention.cuh, one .cu per dtype and
-// stage count).
+// Host entry of the CUDA backend (kernels: bitmap_sparse_attention.cuh, one .cu per dtype).
 #include <torch/extension.h>
 #include "bitmap_sparse_attention.cuh"
 
 // built in the per-dtype translation units
-extern template void dispatch<half, 1>(const Params&, int, int, dim3, size_t, cudaStream_t);
-extern template void dispatch<half, 2>(const Params&, int, int, dim3, size_t, cudaStream_t);
-extern template void dispatch<__nv_bfloat16, 1>(const Params&, int, int, dim3, size_t, cudaStream_t);
-extern template void dispatch<__nv_bfloat16, 2>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void dispatch<half>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void dispatch<__nv_bfloat16>(const Params&, int, int, dim3, size_t, cudaStream_t);
 
 // q [BH, R, D]; kbm int64 [BH, Tc, DT]; vbm int64 [BH, NB, D]; offsets int64; window [BH, W, D];
 // acc float [BH, S+1, RP, DP]; m, l float [BH, S+1, RP]. nr in {1, 2, 4, 8}: rows per program;
@@ -16,7 +13,7 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
                              torch::Tensor vbm, torch::Tensor vnz, torch::Tensor voff, torch::Tensor wk, torch::Tensor wv,
                              torch::Tensor acc, torch::Tensor m, torch::Tensor l, double scale_log2,
                              int64_t Tc, int64_t W, int64_t NB, int64_t BPS, int64_t S, int64_t kcap, int64_t vcap,
-                             int64_t nr, int64_t stages, int64_t half_tables, int64_t bits_global, int64_t stream) {
+                             int64_t nr, int64_t half_tables, int64_t bits_global, int64_t stream) {
   Params p;
   p.q = q.data_ptr(); p.kbm = reinterpret_cast<const uint64_t*>(kbm.data_ptr()); p.knz = knz.data_ptr();
   p.koff = koff.data_ptr<int64_t>(); p.vbm = reinterpret_cast<const uint64_t*>(vbm.data_ptr()); p.vnz = vnz.data_ptr();
@@ -35,15 +32,11 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   const size_t esz = q.element_size();
   size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
   size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
-  size_t smem = head + stage * (stages == 2 ? 2 : 1);
+  size_t smem = head + stage;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "float16 or bfloat16 only");
   const bool f16 = q.scalar_type() == at::kHalf;
-  if (stages == 2) {
-    if (f16) dispatch<half, 2>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16, 2>(p, (int)nr, cpt, grid, smem, s);
-  } else {
-    if (f16) dispatch<half, 1>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16, 1>(p, (int)nr, cpt, grid, smem, s);
-  }
+  if (f16) dispatch<half>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16>(p, (int)nr, cpt, grid, smem, s);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -6,8 +6,9 @@
 //
 // One program = (KV head bh, split, chunk of NR query rows), 128 threads. It walks its layout
 // blocks two at a time (128 tokens): cp.async stages the pair's bitmaps and packed elements into
-// shared memory (STAGES 2: pair i + 1 loads while pair i is computed; one stage is the default,
-// since two halve the programs per SM and lost more than the prefetch won), then
+// one shared-memory buffer as two load groups, keys and values; each half of the next pair is
+// requested as soon as this pair is done with that half, so loads overlap the other half's work
+// without a second buffer (two buffers halve the programs per SM and were slower), then
 //   keys   (token tiles, bits along channels): thread = token; score[r] += val * q[r][channel];
 //   softmax (one warp per row) turns the 128 scores into probabilities and rescales;
 //   values (channel tiles, bits along tokens): thread = channel; acc[r] += val * p[r][token].
@@ -255,29 +256,30 @@ struct Stage {
   }
 };
 
-template <typename T>
-__device__ __forceinline__ void stage_pair(const Params& p, char* st, int64_t bh, int blk, int nblk) {
+// A pair's key part (bits unless bits_global, packed elements) or value part into stage `st`.
+template <typename T, bool KEYS>
+__device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh, int blk, int nblk) {
   const Stage<T> L(p);
-  uint64_t* kb = reinterpret_cast<uint64_t*>(st);
-  uint64_t* vb = reinterpret_cast<uint64_t*>(st + L.vb);
-  T* ks = reinterpret_cast<T*>(st + L.ks);
-  T* vs = reinterpret_cast<T*>(st + L.vs);
-  if (!p.bits_global) {
-    const int tok0 = blk * 64;
-    const int ntok = min(nblk * 64, p.Tc - tok0);
-    const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
-    for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
-    const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
-    for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
-  }
-  const int64_t g = bh * p.NB + blk;
   constexpr int EPV = 16 / sizeof(T);
-  const int64_t k0 = p.koff[g], k1 = p.koff[g + nblk];
-  const T* kn = reinterpret_cast<const T*>(p.knz) + k0;
-  for (int i = threadIdx.x * EPV; i < (int)(k1 - k0); i += THREADS * EPV) cp16(ks + i, kn + i);
-  const int64_t v0 = p.voff[g], v1 = p.voff[g + nblk];
-  const T* vn = reinterpret_cast<const T*>(p.vnz) + v0;
-  for (int i = threadIdx.x * EPV; i < (int)(v1 - v0); i += THREADS * EPV) cp16(vs + i, vn + i);
+  const int64_t g = bh * p.NB + blk;
+  if (!p.bits_global) {
+    if (KEYS) {
+      const int tok0 = blk * 64;
+      const int ntok = min(nblk * 64, p.Tc - tok0);
+      uint64_t* kb = reinterpret_cast<uint64_t*>(st);
+      const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
+      for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
+    } else {
+      uint64_t* vb = reinterpret_cast<uint64_t*>(st + L.vb);
+      const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
+      for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
+    }
+  }
+  const int64_t* off = KEYS ? p.koff : p.voff;
+  const int64_t e0 = off[g], e1 = off[g + nblk];
+  T* dst = reinterpret_cast<T*>(st + (KEYS ? L.ks : L.vs));
+  const T* src = reinterpret_cast<const T*>(KEYS ? p.knz : p.vnz) + e0;
+  for (int i = threadIdx.x * EPV; i < (int)(e1 - e0); i += THREADS * EPV) cp16(dst + i, src + i);
 }
 
 // One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
@@ -315,7 +317,7 @@ __device__ __forceinline__ void softmax_step(const float* sc, TAB* ps, float* mr
 
 // TAB: type of the shared-memory tables gathered per stored element (query rows, probabilities):
 // half halves the gather's shared-memory wavefronts.
-template <typename T, typename TAB, int NR, int CPT, int STAGES, bool ACC16>
+template <typename T, typename TAB, int NR, int CPT, bool ACC16>
 __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params p) {
   extern __shared__ __align__(16) char smem[];
   const int64_t bh = blockIdx.x;
@@ -329,9 +331,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   int* scratch = reinterpret_cast<int*>(alpha + NR);      // [8]
   TAB* qs = reinterpret_cast<TAB*>(scratch + 8);          // [D][NR], scaled by scale * log2(e)
   TAB* ps = qs + p.D * NR;                                // [PAIR][NR] probabilities
-  char* stages = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
+  char* st = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
   const Stage<T> L(p);
-  const size_t stage_bytes = L.bytes;
 
   const T* q = reinterpret_cast<const T*>(p.q);
 #pragma unroll 4
@@ -349,23 +350,14 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   if (split < p.S) {
     const int b0 = split * p.BPS;
     const int b1 = min(p.NB, b0 + p.BPS);
-    if (b0 < b1) stage_pair<T>(p, stages, bh, b0, min(2, b1 - b0));
+    if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
     cp_commit();
-    int it = 0;
-    for (int blk = b0; blk < b1; blk += 2, ++it) {
+    if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));
+    cp_commit();
+    for (int blk = b0; blk < b1; blk += 2) {
       const int nblk = min(2, b1 - blk);
-      char* st = stages + (STAGES == 2 ? (it & 1) * stage_bytes : 0);
-      if (STAGES == 2) {
-        if (blk + 2 < b1) stage_pair<T>(p, stages + ((it + 1) & 1) * stage_bytes, bh, blk + 2, min(2, b1 - blk - 2));
-        cp_commit();
-        cp_wait_one();
-      } else {
-        if (it > 0) {
-          stage_pair<T>(p, stages, bh, blk, nblk);
-          cp_commit();
-        }
-        cp_wait_all();
-      }
+      const int nnext = min(2, b1 - blk - 2);  // blocks of the next pair (<= 0: none)
+      cp_wait_one();  // this pair's keys (its values may still be in flight)
       __syncthreads();
       const int tok0 = blk * 64;
       const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
@@ -395,7 +387,10 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
 #pragma unroll
       for (int r = 0; r < NR; ++r) sc[tid * NR + r] = has_tok ? s[r] : -INFINITY;
       __syncthreads();
+      if (nnext > 0) stage_half<T, true>(p, st, bh, blk + 2, nnext);  // key part free: next keys
+      cp_commit();
       softmax_step<NR>(sc, ps, mrow, lrow, alpha);
+      cp_wait_one();  // this pair's values (the next keys may still be in flight)
       __syncthreads();
       // values: thread = CPT channels; run = after the earlier channels of the same block
       int vc = 0;
@@ -424,6 +419,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         walk_word<T, TAB, NR, ACC16>((unsigned)(w1[i] >> 32), vs + p1, ps + 96 * NR, acc[i]);
       }
       __syncthreads();
+      if (nnext > 0) stage_half<T, false>(p, st, bh, blk + 2, nnext);
+      cp_commit();
     }
     cp_wait_all();
   } else {
@@ -492,36 +489,36 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   }
 }
 
-template <typename T, int NR, int CPT, int STAGES>
+template <typename T, int NR, int CPT>
 void launch(const Params& p, dim3 grid, size_t smem, cudaStream_t stream) {
-  auto kern = p.half_tables == 2 ? bitmap_sparse_attention_kernel<T, half, NR, CPT, STAGES, true>
-             : p.half_tables ? bitmap_sparse_attention_kernel<T, half, NR, CPT, STAGES, false>
-                             : bitmap_sparse_attention_kernel<T, float, NR, CPT, STAGES, false>;
+  auto kern = p.half_tables == 2 ? bitmap_sparse_attention_kernel<T, half, NR, CPT, true>
+             : p.half_tables ? bitmap_sparse_attention_kernel<T, half, NR, CPT, false>
+                             : bitmap_sparse_attention_kernel<T, float, NR, CPT, false>;
   if (smem > 48 * 1024) check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<grid, THREADS, smem, stream>>>(p);
   check(cudaGetLastError());
 }
 
-template <typename T, int CPT, int STAGES>
+template <typename T, int CPT>
 void dispatch_nr(const Params& p, int nr, dim3 grid, size_t smem, cudaStream_t s) {
   switch (nr) {
-    case 1: launch<T, 1, CPT, STAGES>(p, grid, smem, s); break;
-    case 2: launch<T, 2, CPT, STAGES>(p, grid, smem, s); break;
-    case 4: launch<T, 4, CPT, STAGES>(p, grid, smem, s); break;
-    default: launch<T, 8, CPT, STAGES>(p, grid, smem, s); break;
+    case 1: launch<T, 1, CPT>(p, grid, smem, s); break;
+    case 2: launch<T, 2, CPT>(p, grid, smem, s); break;
+    case 4: launch<T, 4, CPT>(p, grid, smem, s); break;
+    default: launch<T, 8, CPT>(p, grid, smem, s); break;
   }
 }
 
 }  // namespace bsa
 using namespace bsa;
 
-// One translation unit per (dtype, stages) so that ninja builds them in parallel.
-template <typename T, int STAGES>
+// One translation unit per dtype so that ninja builds them in parallel.
+template <typename T>
 void dispatch(const Params& p, int nr, int cpt, dim3 grid, size_t smem, cudaStream_t s) {
-  if (cpt == 1) dispatch_nr<T, 1, STAGES>(p, nr, grid, smem, s);
-  else dispatch_nr<T, 2, STAGES>(p, nr, grid, smem, s);
+  if (cpt == 1) dispatch_nr<T, 1>(p, nr, grid, smem, s);
+  else dispatch_nr<T, 2>(p, nr, grid, smem, s);
 }
 
-#define BSA_INSTANTIATE(T, STAGES) \
-  template void dispatch<T, STAGES>(const Params&, int, int, dim3, size_t, cudaStream_t);
+#define BSA_INSTANTIATE(T) \
+  template void dispatch<T>(const Params&, int, int, dim3, size_t, cudaStream_t);
 

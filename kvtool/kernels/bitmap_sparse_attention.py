@@ -19,7 +19,8 @@ Backends:
 
 - ``cuda`` (:file:`bitmap_sparse_attention.cu`, built on first use with
   ``torch.utils.cpp_extension.load`` under the kvtool cache): the walk above, per thread, with the
-  pair of 64-token blocks staged in shared memory by ``cp.async``. Its cost follows the stored
+  pair of 64-token blocks staged in shared memory by ``cp.async`` (keys and values as two load
+  groups, each requested for the next pair as soon as this pair is done with it). Its cost follows the stored
   elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
   variable number of set bits nor a register-to-shared gather at a run-time position, which is what
   this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
@@ -165,7 +166,7 @@ def _sparse_attention_kernel(
 
 def _cuda_extension():
     """The CUDA backend (:func:`kvtool.kernels.common.cuda_extension`: built on first use, cached)."""
-    sources = [_SOURCE] + [_SOURCE.with_name(f"bitmap_sparse_attention_{t}_s{n}.cu") for t in ("f16", "bf16") for n in (1, 2)]
+    sources = [_SOURCE] + [_SOURCE.with_name(f"bitmap_sparse_attention_{t}.cu") for t in ("f16", "bf16")]
     return cuda_extension("bitmap_sparse_attention", sources, ("-O3", "--use_fast_math"))
 
 
@@ -201,23 +202,23 @@ def stage_capacity(cache: BitmapCache) -> tuple[int, int]:
 
 
 def default_splits(bh: int, blocks: int, programs_per_split: int, device: torch.device, per_sm: int = 8) -> int:
-    """Token-axis splits per KV head, 1 on the CPU. ``per_sm`` programs fit on an SM at once (the
-    CUDA backend's shared memory allows 8), so ``per_sm * SMs`` run in one wave, and the launch
-    takes its waves times one program's time: a program walks pairs / splits pairs of blocks plus
-    about one pair's worth of fixed work (query table, partial store, its share of the merge). The
-    split count with the least of that wins (at most one split per pair): at batch 32 / 32k
-    (256 KV heads) 4 splits in one wave instead of 5 in 1.2 waves."""
+    """Token-axis splits per KV head, 1 on the CPU: :func:`plan_splits` with ``per_sm`` programs
+    resident per SM (the CUDA backend's shared memory allows 8)."""
     if blocks == 0 or device.type != "cuda":
         return 1
     return plan_splits(bh * programs_per_split, blocks, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
 
 
 def plan_splits(programs: int, blocks: int, wave: int) -> int:
-    """:func:`default_splits` without a device: ``programs`` per split (KV heads × row chunks),
-    ``blocks`` 64-token blocks per head, ``wave`` programs resident at once."""
+    """Splits per KV head for ``programs`` per split (KV heads × row chunks), ``blocks`` 64-token
+    blocks per head and ``wave`` programs resident at once: at most 4 pairs of blocks per program
+    (shorter programs balance the SMs better, and their loads and work overlap across programs),
+    but at least half a wave of programs (fewer leave SMs idle), at most one split per pair.
+    Measured on the H100 against the best of 4–256 splits: within 2% at batch 1–32, 4k and 32k
+    (docs/benchmarks.md)."""
     pairs = max(1, -(-blocks // 2))
     programs = max(programs, 1)
-    return min(range(1, pairs + 1), key=lambda s: -(-programs * s // wave) * (pairs / s + 1))
+    return min(pairs, max(-(-pairs // 4), -(-wave // (2 * programs))))
 
 
 def bitmap_sparse_attention(
@@ -229,7 +230,6 @@ def bitmap_sparse_attention(
     validate: bool = True,
     capacity: tuple[int, int] | None = None,
     rows_per_program: int | None = None,
-    stages: int = 1,
     half_tables: bool = True,
     bits_global: bool = False,
     num_warps: int = 4,
@@ -239,9 +239,9 @@ def bitmap_sparse_attention(
     window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). ``validate=False`` trusts
     a cache validated before. ``capacity``: :func:`stage_capacity` of the cache, computed here when
     None (pass it to keep the call free of host syncs, e.g. under CUDA graphs). ``num_splits``,
-    ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``stages`` (cuda: 1 or 2
-    shared-memory buffers), ``half_tables`` (cuda: fp16 gather tables), ``bits_global`` (cuda,
-    one stage: bitmap words read from global memory instead of staged) and ``num_warps`` (triton)
+    ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``half_tables`` (cuda:
+    fp16 gather tables), ``bits_global`` (cuda: bitmap words read from global memory instead of
+    staged) and ``num_warps`` (triton)
     are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
     tables; elsewhere the sums stay fp32): the products of each 32-element bitmap word are summed
     in fp16 before joining the fp32 sums (fewer instructions, about 8e-4 relative error on random
@@ -295,7 +295,7 @@ def bitmap_sparse_attention(
         vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
         _cuda_extension().bitmap_sparse_attention(
             qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, stages, 2 if half_tables and accumulate == "fp16" else int(half_tables), int(bits_global and stages == 1), torch.cuda.current_stream(q.device).cuda_stream,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, 2 if half_tables and accumulate == "fp16" else int(half_tables), int(bits_global), torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
         use_asm = q.is_cuda and not interpreting()

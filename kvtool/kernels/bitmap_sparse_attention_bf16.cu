@@ -1,0 +1,3 @@
+// bfloat16 kernels: see bitmap_sparse_attention.cuh
+#include "bitmap_sparse_attention.cuh"
+BSA_INSTANTIATE(__nv_bfloat16)

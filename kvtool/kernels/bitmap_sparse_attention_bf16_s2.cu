@@ -1,3 +1,0 @@
-// __nv_bfloat16 kernels, 2 shared-memory stage(s): see bitmap_sparse_attention.cuh
-#include "bitmap_sparse_attention.cuh"
-BSA_INSTANTIATE(__nv_bfloat16, 2)
