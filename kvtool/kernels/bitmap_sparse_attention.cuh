@@ -334,6 +334,13 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   char* st = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
   const Stage<T> L(p);
 
+  const int b0 = split * p.BPS;
+  const int b1 = split < p.S ? min(p.NB, b0 + p.BPS) : b0;
+  // the first pair is requested before the query table is read: the two waits overlap
+  if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
+  cp_commit();
+  if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));
+  cp_commit();
   const T* q = reinterpret_cast<const T*>(p.q);
 #pragma unroll 4
   for (int i = tid; i < p.D * NR; i += THREADS) {  // unrolled: the loads in flight together
@@ -348,12 +355,6 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
     for (int r = 0; r < NR; ++r) acc[i][r] = 0.f;
 
   if (split < p.S) {
-    const int b0 = split * p.BPS;
-    const int b1 = min(p.NB, b0 + p.BPS);
-    if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
-    cp_commit();
-    if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));
-    cp_commit();
     for (int blk = b0; blk < b1; blk += 2) {
       const int nblk = min(2, b1 - blk);
       const int nnext = min(2, b1 - blk - 2);  // blocks of the next pair (<= 0: none)
