@@ -28,13 +28,13 @@ PY
 }
 bench() {  # bench NAME SUB ARGS...
   local name=$1; shift
-  python3 -m kvtool bench "$@" --json "$OUT/$name.json" --plot "$OUT/$name.png" --force 2>&1 | tee "$OUT/$name.txt" | tee -a "$OUT/run.log"
+  python3 -m kvtool bench "$@" -o "$OUT/$name.json" --plot-output "$OUT/$name.png" --force 2>&1 | tee "$OUT/$name.txt" | tee -a "$OUT/run.log"
 }
 profile() {  # profile NAME KERNEL-REGEX ARGS... (ncu on the second launch of the kernel)
   local name=$1 regex=$2; shift 2
   ncu --kernel-name "regex:$regex" --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-      --section Occupancy --section LaunchStats --section WarpStateStats python3 scripts/profile_kernel.py "$@" > "$OUT/$name.ncu.txt" 2>&1
-  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Stall|L1/TEX Hit|L2 Hit|Theoretical Occ|Shared Memory Config|Dynamic Shared" "$OUT/$name.ncu.txt" | head -40
+      --section Occupancy --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats python3 scripts/profile_kernel.py "$@" > "$OUT/$name.ncu.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Grid Size|Block Size|Stall|L1/TEX Hit|L2 Hit|Theoretical Occ|Shared Memory Config|Dynamic Shared|Executed Instructions |Issue Slots Busy|Issued Ipc|Avg. Active Threads|Avg. Not Predicated" "$OUT/$name.ncu.txt" | head -50
 }
 breakdown() {  # breakdown NAME KERNEL BATCH SEQ PARAM (torch.profiler table of 10 calls)
   local name=$1; shift
