@@ -145,6 +145,7 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
         ref_out, ref_lse = sparse_attention_reference(q, cache)
         runs = [("triton", {})] + [("cuda", dict(half_tables=ht, bits_global=bg)) for ht, bg in ((True, False), (False, False), (True, True))]
+        runs += [("cuda", dict(paired=pr)) for pr in (True, False)]  # values one or two at a time
         runs.append(("cuda", dict(accumulate="fp16")))  # fp16 per-word sums (bfloat16 caches keep fp32)
         for backend, knobs in runs:
             out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
@@ -163,9 +164,20 @@ def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
         cache = encode_cache_v2(keys, values, window=w, backend="triton")
     q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
     ref_out, ref_lse = sparse_attention_reference(q, cache)
-    out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits)
-    assert rel_l2(out, ref_out) < 1e-2
-    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+    for knobs in (dict(paired=False), dict(paired=True), dict(accumulate="fp16")):
+        out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits, **knobs)
+        assert rel_l2(out, ref_out) < 1e-2, knobs
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_walk_mode_pairs_values_from_40_percent_density():
+    from kvtool.kernels.bitmap_sparse_attention import walk_mode
+
+    full = 2 * 64 * 128  # elements of a pair of blocks at head_dim 128
+    assert walk_mode(int(0.3 * full), int(0.3 * full), 128) == 0  # 70% sparsity: one value per load
+    assert walk_mode(int(0.5 * full), 100, 128) == 1  # 50%: pairs
+    assert walk_mode(10, 10, 128, paired=True) == 1 and walk_mode(full, full, 128, paired=False) == 0
+    assert walk_mode(0, 0, 128, accumulate="fp16") == 2
 
 
 def test_split_plan_short_programs_and_half_a_wave():

@@ -13,7 +13,7 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
                              torch::Tensor vbm, torch::Tensor vnz, torch::Tensor voff, torch::Tensor wk, torch::Tensor wv,
                              torch::Tensor acc, torch::Tensor m, torch::Tensor l, double scale_log2,
                              int64_t Tc, int64_t W, int64_t NB, int64_t BPS, int64_t S, int64_t kcap, int64_t vcap,
-                             int64_t nr, int64_t half_tables, int64_t bits_global, int64_t stream) {
+                             int64_t nr, int64_t half_tables, int64_t walk, int64_t bits_global, int64_t stream) {
   Params p;
   p.q = q.data_ptr(); p.kbm = reinterpret_cast<const uint64_t*>(kbm.data_ptr()); p.knz = knz.data_ptr();
   p.koff = koff.data_ptr<int64_t>(); p.vbm = reinterpret_cast<const uint64_t*>(vbm.data_ptr()); p.vnz = vnz.data_ptr();
@@ -22,7 +22,7 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   p.scale_log2 = (float)scale_log2;
   p.Tc = (int)Tc; p.W = (int)W; p.D = (int)q.size(2); p.DT = (p.D + 63) / 64; p.NB = (int)NB; p.R = (int)q.size(1);
   p.RP = (int)acc.size(2); p.DP = (int)acc.size(3); p.BPS = (int)BPS; p.S = (int)S;
-  p.KCAP = (int)kcap; p.VCAP = (int)vcap; p.half_tables = (int)half_tables;
+  p.KCAP = (int)kcap; p.VCAP = (int)vcap; p.half_tables = (int)half_tables; p.walk = (int)walk;
   p.bits_global = (int)bits_global;
   const int cpt = p.D <= THREADS ? 1 : 2;
   const int bh = (int)q.size(0);
