@@ -67,6 +67,13 @@ def test_round_trip_is_exact(s, shape, dtype):
         assert bt.nz.numel() % 8 == 0
 
 
+def _same_tensors(a, b) -> None:
+    assert a.tensors.keys() == b.tensors.keys()
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert torch.equal(u.view(torch.uint8) if u.is_floating_point() else u, t.view(torch.uint8) if t.is_floating_point() else t), name
+
+
 @pytest.mark.parametrize("window", [0, 5, 32, 100])
 def test_format_round_trip_and_bytes(window):
     cache = synthetic_cache(tokens=90, head_dim=80, heads=6, kv_heads=2)
@@ -91,9 +98,7 @@ def test_format_round_trip_and_bytes(window):
     align_max = 2 * 2 * nb * 7 * 2  # keys+values, 2 heads, <= 7 zero elements of 2 bytes per block
     assert pad_bitmap <= parts["padding"] <= pad_bitmap + align_max
     # the Triton encoder makes the same bytes
-    enc2 = FMT.encode(layer, params, backend="triton")
-    for name, t in enc.tensors.items():
-        assert torch.equal(enc2.tensors[name].view(torch.uint8) if t.is_floating_point() else enc2.tensors[name], t.view(torch.uint8) if t.is_floating_point() else t), name
+    _same_tensors(enc, FMT.encode(layer, params, backend="triton"))
 
 
 def test_params_bad_input():
@@ -267,13 +272,6 @@ def test_layout_version_1_layers_still_decode_and_attend():
     enc2.meta["layout_version"] = 7
     with pytest.raises(BadDataError, match="layout version 7"):
         FMT.validate(enc2)
-
-
-def _same_tensors(a, b) -> None:
-    assert a.tensors.keys() == b.tensors.keys()
-    for name, t in a.tensors.items():
-        u = b.tensors[name]
-        assert torch.equal(u.view(torch.uint8) if u.is_floating_point() else u, t.view(torch.uint8) if t.is_floating_point() else t), name
 
 
 def test_encode_backend_names_and_the_fused_path_choice():

@@ -190,6 +190,6 @@ def test_split_plan_short_programs_and_half_a_wave():
     assert plan_splits(8, 512, wave) == 66  # batch 1 / 32k: half a wave, 4 pairs per program
     assert plan_splits(8, 64, wave) == 32  # batch 1 / 4k: a pair per program, still under half a wave
     assert plan_splits(8, 1, wave) == 1  # one block: one split
-    for programs, blocks in ((3, 7), (64, 100), (500, 2048)):
-        s = plan_splits(programs, blocks, wave)
-        assert 1 <= s <= -(-blocks // 2)
+    assert plan_splits(3, 7, wave) == 4  # few programs: one split per pair, the cap
+    assert plan_splits(64, 100, wave) == 13  # 50 pairs: 4 pairs per program beats half a wave (9)
+    assert plan_splits(500, 2048, wave) == 256  # many programs: only the 4-pair rule binds

@@ -17,7 +17,7 @@
 // Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
 // by kvtool's Triton merge kernel.
 // Bound (docs/benchmarks.md): instruction issue and the shared-memory pipe together (the gathers
-// land on random banks: 40% of shared-load wavefronts are conflicts), not DRAM bytes.
+// land on random banks), not DRAM bytes.
 
 #pragma once
 #include <cuda_runtime.h>
@@ -157,7 +157,7 @@ __device__ __forceinline__ float bits_to_f(unsigned short x) {
   else return __bfloat162float(__ushort_as_bfloat16(x));
 }
 
-// acc[r] += v * table row (row b) for the 16-bit tables (NR halves at shared address base).
+// acc[r] += v * x[r], x an fp16 table row of NR halves loaded as NR / 2 half2 words.
 template <int NR>
 __device__ __forceinline__ void fma_row_f32(float* acc, float v, const unsigned* x) {
 #pragma unroll
@@ -168,11 +168,11 @@ __device__ __forceinline__ void fma_row_f32(float* acc, float v, const unsigned*
 }
 
 // acc[r] += run element * table row (bit) for each set bit of w, highest bit first: `vend` points
-// one past the word's packed run and steps down (take_one / take_two). Table rows and values are
-// read through 32-bit shared addresses (through the generic pointer the compiler rebuilt them from
-// the word's offset in three instructions; WALK_F32 reads values through `vend`), two elements per iteration with both rows and values
-// loaded before the first FMA, so a warp waits once per pair on shared-memory latency. An odd last
-// element pairs with a copy of its own row and a zero value.
+// one past the word's packed run and steps down (take_one / take_two). Table rows (and values,
+// except in WALK_F32) are read through 32-bit shared addresses: through the generic pointer the
+// compiler rebuilt them from the word's offset in three instructions. Two elements per iteration,
+// both rows and values loaded before the first FMA, so a warp waits once per pair on shared-memory
+// latency; an odd last element pairs with a copy of its own row and a zero value.
 template <typename T, typename TAB, int NR, int WALK>
 __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* table, float* acc) {
   if constexpr (sizeof(TAB) == 2 && NR >= 2) {
@@ -300,12 +300,11 @@ struct Params {
 // threads read their words from global memory), key elements [KCAP], value elements [VCAP].
 template <typename T>
 struct Stage {
-  size_t vb, ks, vs, bytes;
+  size_t vb, ks, vs;
   __device__ __forceinline__ explicit Stage(const Params& p) {
     vb = p.bits_global ? 0 : (size_t)PAIR * p.DT * 8;
     ks = vb + (p.bits_global ? 0 : (size_t)2 * p.D * 8);
     vs = ks + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16;
-    bytes = vs + ((size_t)p.VCAP * sizeof(T) + 15) / 16 * 16;
   }
 };
 

@@ -20,8 +20,8 @@ Backends:
 - ``cuda`` (:file:`bitmap_sparse_attention.cu`, built on first use with
   ``torch.utils.cpp_extension.load`` under the kvtool cache): the walk above, per thread, with the
   pair of 64-token blocks staged in shared memory by ``cp.async`` (keys and values as two load
-  groups, each requested for the next pair as soon as this pair is done with it). Its cost follows the stored
-  elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
+  groups, each requested for the next pair as soon as this pair is done with it). Its cost follows
+  the stored elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
   variable number of set bits nor a register-to-shared gather at a run-time position, which is what
   this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
 - ``triton``: expands each 64-token block to dense tiles (the helpers of :mod:`.bitmap_attention`
@@ -258,8 +258,7 @@ def bitmap_sparse_attention(
     ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``half_tables`` (cuda:
     fp16 gather tables), ``bits_global`` (cuda: bitmap words read from global memory instead of
     staged), ``paired`` (cuda, fp32 sums: values read two at a time; None: :func:`walk_mode`'s
-    choice) and ``num_warps`` (triton)
-    are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
+    choice) and ``num_warps`` (triton) are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
     tables; elsewhere the sums stay fp32): the products of each 32-element bitmap word are summed
     in fp16 before joining the fp32 sums (fewer instructions, about 8e-4 relative error on random
     data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in)."""

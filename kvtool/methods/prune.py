@@ -37,7 +37,7 @@ from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, parse_indices
 from kvtool.core.errors import UsageError
 from kvtool.core.progress import Progress, or_silent
-from kvtool.core.selection import keep_count, topk_mask  # noqa: F401  (part of this module's API)
+from kvtool.core.selection import keep_count, topk_mask
 from kvtool.core.attention import default_scale, expand_kv
 
 METHODS = ("per-token", "per-channel", "output-aware", "think", "2:4")
