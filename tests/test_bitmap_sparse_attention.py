@@ -144,9 +144,11 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         cache.validate()
         q = (torch.randn(b, hkv * g, tq, d, device="cuda") * 2).to(dtype)
         ref_out, ref_lse = sparse_attention_reference(q, cache)
-        runs = [("triton", {})] + [("cuda", dict(half_tables=ht, bits_global=bg)) for ht, bg in ((True, False), (False, False), (True, True))]
-        runs += [("cuda", dict(paired=pr)) for pr in (True, False)]  # values one or two at a time
-        runs.append(("cuda", dict(accumulate="fp16")))  # fp16 per-word sums (bfloat16 caches keep fp32)
+        # the scalar walk's knobs (this short launch would take the tensor cores), then the tensor cores
+        scalar = [dict(half_tables=ht, bits_global=bg) for ht, bg in ((True, False), (False, False), (True, True))]
+        scalar += [dict(paired=pr) for pr in (True, False)]  # values one or two at a time
+        scalar.append(dict(accumulate="fp16"))  # fp16 per-word sums (bfloat16 caches keep fp32)
+        runs = [("triton", {}), ("cuda", {}), ("cuda", dict(tensor_cores=True))] + [("cuda", dict(k, tensor_cores=False)) for k in scalar]
         for backend, knobs in runs:
             out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
             assert bool(torch.isfinite(out).all())
@@ -155,7 +157,8 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None)])
+@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None),
+                                                   (1, 3, 3, 333, 128, 7, 3), (1, 1, 12, 100, 128, 100, None), (2, 1, 1, 1, 128, 0, 1), (1, 2, 9, 4100, 128, 200, 7)])
 def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     cache, _, _ = make_cache(b, hkv, t, d, 0.6, torch.float16, w, device="cuda", backend="triton")
     if b == 2:  # variable counts per key row and per value tile
@@ -164,7 +167,10 @@ def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
         cache = encode_cache_v2(keys, values, window=w, backend="triton")
     q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
     ref_out, ref_lse = sparse_attention_reference(q, cache)
-    for knobs in (dict(paired=False), dict(paired=True), dict(accumulate="fp16")):
+    knobs_list = [dict(paired=False), dict(paired=True), dict(accumulate="fp16")]
+    if d == 128:  # the scalar walk forced (short launches take the tensor cores), then the tensor cores: 12 query rows take two programs
+        knobs_list = [dict(k, tensor_cores=False) for k in knobs_list] + [dict(tensor_cores=True)]
+    for knobs in knobs_list:
         out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits, **knobs)
         assert rel_l2(out, ref_out) < 1e-2, knobs
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
@@ -178,6 +184,20 @@ def test_walk_mode_pairs_values_from_40_percent_density():
     assert walk_mode(int(0.5 * full), 100, 128) == 1  # 50%: pairs
     assert walk_mode(10, 10, 128, paired=True) == 1 and walk_mode(full, full, 128, paired=False) == 0
     assert walk_mode(0, 0, 128, accumulate="fp16") == 2
+
+
+def test_tensor_cores_from_40_percent_density_or_in_short_launches():
+    from kvtool.kernels.bitmap_sparse_attention import use_tensor_cores
+
+    full = 2 * 64 * 128
+    assert use_tensor_cores(int(0.5 * full), 10, 128) and not use_tensor_cores(int(0.3 * full), int(0.3 * full), 128)
+    sparse = (int(0.3 * full), int(0.3 * full), 128)
+    assert use_tensor_cores(*sparse, launch_pairs=64 * 32)  # batch 8 / 4k: a short launch
+    assert not use_tensor_cores(*sparse, launch_pairs=64 * 256)  # batch 8 / 32k
+    assert not use_tensor_cores(full, full, 64) and not use_tensor_cores(full, full, 128, bits_global=True)
+    assert use_tensor_cores(0, 0, 128, tensor_cores=True) and not use_tensor_cores(full, full, 128, tensor_cores=False)
+    with pytest.raises(UsageError):
+        use_tensor_cores(full, full, 96, tensor_cores=True)
 
 
 def test_split_plan_short_programs_and_half_a_wave():

@@ -5,6 +5,8 @@
 // built in the per-dtype translation units
 extern template void dispatch<half>(const Params&, int, int, dim3, size_t, cudaStream_t);
 extern template void dispatch<__nv_bfloat16>(const Params&, int, int, dim3, size_t, cudaStream_t);
+extern template void bsa::launch_mma<half>(const Params&, dim3, size_t, cudaStream_t);
+extern template void bsa::launch_mma<__nv_bfloat16>(const Params&, dim3, size_t, cudaStream_t);
 
 // q [BH, R, D]; kbm int64 [BH, Tc, DT]; vbm int64 [BH, NB, D]; offsets int64; window [BH, W, D];
 // acc float [BH, S+1, RP, DP]; m, l float [BH, S+1, RP]. nr in {1, 2, 4, 8}: rows per program;
@@ -26,16 +28,23 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   p.bits_global = (int)bits_global;
   const int cpt = p.D <= THREADS ? 1 : 2;
   const int bh = (int)q.size(0);
+  const bool f16 = q.scalar_type() == at::kHalf;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "float16 or bfloat16 only");
+  // the shared-memory stage: bitmaps (unless read from global memory), then the packed elements
+  const size_t esz = q.element_size();
+  const size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
+  const size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
+  if (walk == WALK_MMA) {
+    TORCH_CHECK(p.D == 128 && !bits_global, "the tensor-core walk serves head_dim 128 with staged bits");
+    dim3 grid(bh, p.S + 1, (p.R + MMA_ROWS - 1) / MMA_ROWS);
+    if (f16) launch_mma<half>(p, grid, stage, s); else launch_mma<__nv_bfloat16>(p, grid, stage, s);
+    return;
+  }
   dim3 grid(bh, p.S + 1, (p.R + nr - 1) / nr);
   // the kernel's layout: scores, row state, scan scratch, then the query / probability tables
   size_t head = ((size_t)(PAIR * nr + 3 * nr + 8) * 4 + (size_t)(p.D * nr + PAIR * nr) * (half_tables ? 2 : 4) + 15) / 16 * 16;
-  const size_t esz = q.element_size();
-  size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
-  size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
   size_t smem = head + stage;
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "float16 or bfloat16 only");
-  const bool f16 = q.scalar_type() == at::kHalf;
   if (f16) dispatch<half>(p, (int)nr, cpt, grid, smem, s); else dispatch<__nv_bfloat16>(p, (int)nr, cpt, grid, smem, s);
 }
 

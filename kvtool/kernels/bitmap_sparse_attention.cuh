@@ -17,7 +17,8 @@
 // Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
 // by kvtool's Triton merge kernel.
 // Bound (docs/benchmarks.md): instruction issue and the shared-memory pipe together (the gathers
-// land on random banks), not DRAM bytes.
+// land on random banks), not DRAM bytes. The tensor-core walk (bitmap_sparse_attention_mma.cuh)
+// shares the staging, the scans and the split layout.
 
 #pragma once
 #include <cuda_runtime.h>
@@ -334,6 +335,19 @@ __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh
   for (int i = threadIdx.x * EPV; i < (int)(e1 - e0); i += THREADS * EPV) cp16(dst + i, src + i);
 }
 
+// The split's blocks [b0, b1) (none for the window program, split == S), its first pair requested
+// (keys, then values: two load groups) before the caller reads its query rows, so the waits overlap.
+template <typename T>
+__device__ __forceinline__ int2 stage_first_pair(const Params& p, char* st, int64_t bh, int split) {
+  const int b0 = split * p.BPS;
+  const int b1 = split < p.S ? min(p.NB, b0 + p.BPS) : b0;
+  if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
+  cp_commit();
+  if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));
+  cp_commit();
+  return make_int2(b0, b1);
+}
+
 // One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
 // max / sum updated, alpha[r] = rescale factor of the old accumulator.
 template <int NR, typename TAB>
@@ -386,13 +400,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
   char* st = smem + ((size_t)(PAIR * NR + 3 * NR + 8) * 4 + (size_t)(p.D * NR + PAIR * NR) * sizeof(TAB) + 15) / 16 * 16;
   const Stage<T> L(p);
 
-  const int b0 = split * p.BPS;
-  const int b1 = split < p.S ? min(p.NB, b0 + p.BPS) : b0;
-  // the first pair is requested before the query table is read: the two waits overlap
-  if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
-  cp_commit();
-  if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));
-  cp_commit();
+  const int2 range = stage_first_pair<T>(p, st, bh, split);
+  const int b0 = range.x, b1 = range.y;
   const T* q = reinterpret_cast<const T*>(p.q);
 #pragma unroll 4
   for (int i = tid; i < p.D * NR; i += THREADS) {  // unrolled: the loads in flight together
@@ -564,6 +573,7 @@ void dispatch_nr(const Params& p, int nr, dim3 grid, size_t smem, cudaStream_t s
 }
 
 }  // namespace bsa
+#include "bitmap_sparse_attention_mma.cuh"
 using namespace bsa;
 
 // One translation unit per dtype so that ninja builds them in parallel.
@@ -574,5 +584,6 @@ void dispatch(const Params& p, int nr, int cpt, dim3 grid, size_t smem, cudaStre
 }
 
 #define BSA_INSTANTIATE(T) \
-  template void dispatch<T>(const Params&, int, int, dim3, size_t, cudaStream_t);
+  template void dispatch<T>(const Params&, int, int, dim3, size_t, cudaStream_t); \
+  template void bsa::launch_mma<T>(const Params&, dim3, size_t, cudaStream_t);
 

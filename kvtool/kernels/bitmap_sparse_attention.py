@@ -24,14 +24,18 @@ Backends:
   the stored elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
   variable number of set bits nor a register-to-shared gather at a run-time position, which is what
   this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
+  At head_dim 128 it has a second, tensor-core walk (:file:`bitmap_sparse_attention_mma.cuh`,
+  :func:`use_tensor_cores`): each thread expands its bitmap word a nibble at a time straight into
+  an mma operand, a cost per dense element (about 7 instructions) that does not depend on the
+  density, which wins from 40% density and in short launches.
 - ``triton``: expands each 64-token block to dense tiles (the helpers of :mod:`.bitmap_attention`
   with the orientations swapped) and multiplies on the tensor cores; runs under the interpreter,
   for any head_dim and float32 caches.
 - ``auto``: cuda for CUDA tensors of 16-bit dtype and head_dim <= 256, else triton.
 
 Measured on the H100 (docs/benchmarks/attention.json, limits in docs/benchmarks.md): faster than
-cuBLAS q.K^T + P.V and FlashInfer at 70% sparsity from 4k tokens on, slower at 50%; the cuda backend
-is bound by its per-element loop (instructions, idle lanes, shared-memory latency), not by bytes.
+cuBLAS q.K^T + P.V and FlashInfer at 50% and 70% sparsity from batch 8 / 4k tokens on (batch 8 /
+32k: 1.31x and 1.56x cuBLAS); both walks are bound by instruction issue and the shared-memory pipe, not bytes.
 """
 
 from __future__ import annotations
@@ -236,6 +240,33 @@ def walk_mode(kcap: int, vcap: int, head_dim: int, accumulate: str = "fp32", pai
     return int(bool(paired))
 
 
+TENSOR_CORE_DENSITY = 0.4
+TENSOR_CORE_SHORT = 4096  # pairs of blocks in a whole launch (KV heads x pairs per head)
+MMA_ROWS = 8  # query rows per program of the tensor-core walk (the mma's N)
+WALK_MMA = 3
+
+
+def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | None = None, bits_global: bool = False,
+                     launch_pairs: int | None = None) -> bool:
+    """Whether the CUDA backend takes its tensor-core walk (``WALK_MMA``,
+    :file:`bitmap_sparse_attention_mma.cuh`), which serves head_dim 128 with staged bitmaps. None:
+    when the densest pair of blocks (:func:`stage_capacity`) stores at least
+    ``TENSOR_CORE_DENSITY`` of its elements, or when the launch walks at most
+    ``TENSOR_CORE_SHORT`` pairs of blocks (``launch_pairs``: KV heads x pairs per head). The tensor
+    cores' cost per dense element does not depend on the density, the scalar walk's follows the
+    stored elements; and a short launch is bound by the latency of each program, which the tensor
+    cores shorten. On the H100 at 50% sparsity, batch 8 / 32k, it takes about 3/4 of the scalar
+    walk's time; at 70% in long launches the scalar walk is faster (docs/benchmarks.md)."""
+    eligible = head_dim == 128 and not bits_global
+    if tensor_cores and not eligible:
+        raise UsageError("the tensor-core walk serves head_dim 128 with staged bitmaps (bits_global=False)")
+    if tensor_cores is None:
+        dense = max(kcap, vcap) >= TENSOR_CORE_DENSITY * 2 * TILE * head_dim
+        short = launch_pairs is not None and launch_pairs <= TENSOR_CORE_SHORT
+        return eligible and (dense or short)
+    return bool(tensor_cores)
+
+
 def bitmap_sparse_attention(
     q: torch.Tensor,
     cache: BitmapCache,
@@ -250,6 +281,7 @@ def bitmap_sparse_attention(
     paired: bool | None = None,
     num_warps: int = 4,
     accumulate: str = "fp32",
+    tensor_cores: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
     window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). ``validate=False`` trusts
@@ -261,7 +293,11 @@ def bitmap_sparse_attention(
     choice) and ``num_warps`` (triton) are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
     tables; elsewhere the sums stay fp32): the products of each 32-element bitmap word are summed
     in fp16 before joining the fp32 sums (fewer instructions, about 8e-4 relative error on random
-    data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in)."""
+    data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in). ``tensor_cores`` (cuda,
+    head_dim 128): the tensor-core walk (True), the scalar one (False) or :func:`use_tensor_cores`'s
+    choice (None); the tensor-core walk serves 8 query rows per program (``rows_per_program`` and
+    ``accumulate`` apply to the scalar walk) and sums in fp32 (about 1e-4 relative error on random
+    float16 data, 1e-3 on bfloat16, whose probabilities it rounds to bfloat16 as FlashAttention does)."""
     check_query(q, cache)
     check_device(q=q)
     if cache.version != LAYOUT_V2:
@@ -283,7 +319,9 @@ def bitmap_sparse_attention(
     if bh == 0 or rows == 0:
         return out, lse
     if which == "cuda":
-        nr = rows_per_program or min(8, triton.next_power_of_2(rows))
+        kcap, vcap = stage_capacity(cache) if capacity is None else capacity
+        mma = use_tensor_cores(kcap, vcap, d, tensor_cores, bits_global, launch_pairs=bh * -(-nb // 2))
+        nr = MMA_ROWS if mma else rows_per_program or min(8, triton.next_power_of_2(rows))
         if nr not in (1, 2, 4, 8):
             raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")
     else:
@@ -306,12 +344,11 @@ def bitmap_sparse_attention(
     wk = cache.window_keys.contiguous() if w else empty
     wv = cache.window_values.contiguous() if w else empty
     if which == "cuda":
-        kcap, vcap = stage_capacity(cache) if capacity is None else capacity
         knz = knz if knz.data_ptr() % 16 == 0 else knz.clone()
         vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
         _cuda_extension().bitmap_sparse_attention(
             qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, int(half_tables), walk_mode(kcap, vcap, d, accumulate, paired), int(bits_global), torch.cuda.current_stream(q.device).cuda_stream,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, int(half_tables), WALK_MMA if mma else walk_mode(kcap, vcap, d, accumulate, paired), int(bits_global), torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
         use_asm = q.is_cuda and not interpreting()

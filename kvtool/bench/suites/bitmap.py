@@ -45,7 +45,8 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense; layout v2, :mod:`kvtool.kernels.bitmap_sparse_attention` with
     ``ctx.backend``, reported as ``bitmap_triton`` with the backend that ran in ``backend``; on the
-    cuda backend with float16 also ``bitmap_fp16acc``, its opt-in fp16 per-word sums) vs the dense
+    cuda backend with float16 also ``bitmap_fp16acc``, the scalar walk's opt-in fp16 per-word sums,
+    and at head_dim 128 ``bitmap_tensor_cores``, the tensor-core walk whatever the density) vs the dense
     baselines on the unpruned tensors of the same shape."""
     att = require_kernel("bitmap_sparse_attention", "attention", ("bitmap_sparse_attention", "encode_cache_v2", "stage_capacity", "pick_backend"))
     backend = "triton" if ctx.env.device_type == "cuda" else "torch"
@@ -64,14 +65,17 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             cap = att.stage_capacity(cache) if which == "cuda" else None
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
-            # the layout was validated above, so the timed calls skip it; on cuda with float16 the
-            # opt-in fp16 per-word sums are timed beside the default
-            runs = [("bitmap_triton", "fp32")]
+            # the layout was validated above, so the timed calls skip it; on cuda the tensor-core
+            # walk (head_dim 128) and, with float16, the scalar walk's opt-in fp16 per-word sums are
+            # timed beside the default choice
+            runs = [("bitmap_triton", {})]
             if which == "cuda" and ctx.dtype == torch.float16:
-                runs.append(("bitmap_fp16acc", "fp16"))
-            for provider, acc in runs:
+                runs.append(("bitmap_fp16acc", dict(accumulate="fp16", tensor_cores=False)))
+            if which == "cuda" and shape.head_dim == 128:
+                runs.append(("bitmap_tensor_cores", dict(tensor_cores=True)))
+            for provider, knobs in runs:
                 ctx.step(f"{provider} b={b} T={t} sparsity={sp}")
-                fn = lambda cache=cache, cap=cap, which=which, acc=acc: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap, accumulate=acc)  # noqa: E731
+                fn = lambda cache=cache, cap=cap, which=which, knobs=knobs: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap, **knobs)  # noqa: E731
                 tm, rel, st = timed(ctx, fn, fn()[0], ref)
                 recs.append(B.make_record(ctx.env, "bitmap_attention", provider, shape, b, t, ctx.dtype, tm,
                                           _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,

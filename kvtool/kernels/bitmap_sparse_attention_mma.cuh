@@ -1,0 +1,359 @@
+// Tensor-core walk of the bitmap decode attention (WALK_MMA; head_dim 128, 16-bit caches): each
+// thread expands the stored elements of its own 32-bit bitmap words, four dense elements (a nibble)
+// at a time, straight into the A operand of an mma.m16n8k16, so that the products run on the
+// tensor cores and a dense element costs the same few instructions whatever the density.
+//
+// Fragments (g = lane / 4, q = lane % 4): the A operand's rows are the expanded rows (keys: 16
+// tokens; values: 16 channels), B holds the dense operand (q^T; P^T), N = 8 query rows. Thread q
+// holds the reduced-axis positions {2q, 2q+1, 2q+8, 2q+9} of each k-step, and that axis may be
+// ordered at will: k-step s of thread q is element 32q + 4s .. 32q + 4s + 3, i.e. nibble s of
+// bitmap word q (keys: a token's channels; values: a channel's tokens in the pair of blocks).
+// Probabilities pass through shared memory in the B operand's fragment order.
+#pragma once
+
+namespace bsa {
+
+constexpr int WALK_MMA = 3;
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  if constexpr (std::is_same<T, half>::value)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x = the 32-bit word at shared address a when on, else x unchanged (no shared-memory traffic).
+__device__ __forceinline__ void lds32_if(unsigned& x, unsigned a, bool on) {
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p ld.shared.b32 %0, [%1]; }" : "+r"(x) : "r"(a), "r"((unsigned)on));
+}
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// byte_perm selector placing, for the two bits m of a dense pair, the first stored halves of its
+// source where bits are set and zero (source bytes 4..7) where they are clear.
+__host__ __device__ constexpr unsigned pair_selector(unsigned m) {
+  return m == 0 ? 0x4444u : m == 1 ? 0x4410u : m == 2 ? 0x1044u : 0x3210u;
+}
+__host__ __device__ constexpr unsigned popc2(unsigned m) { return (m & 1u) + ((m >> 1) & 1u); }
+
+// The nibble table: for bits e, x = pair selector of bits 0-1 | (16 * their popcount) << 16 (prmt
+// reads only the low 16 bits of its selector), y = pair selector of bits 2-3.
+__device__ __forceinline__ void fill_nibble_table(uint2* lut) {
+  if (threadIdx.x < 16) {
+    const unsigned e = threadIdx.x;
+    lut[e] = make_uint2(pair_selector(e & 3u) | (popc2(e & 3u) << 20), pair_selector(e >> 2));
+  }
+}
+
+// Four dense elements (lo: elements 0, 1; hi: 2, 3) of a nibble whose stored elements start at
+// shared byte address a; n = its popcount, sel = its table entry. At most three 32-bit loads, one
+// per word the run touches.
+__device__ __forceinline__ void expand4(unsigned a, unsigned n, uint2 sel, unsigned& lo, unsigned& hi) {
+  const unsigned base = a & ~3u, odd = a & 2u;
+  const unsigned need = odd + 2u * n;  // bytes from base
+  unsigned w0 = 0, w1 = 0, w2 = 0;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w0) : "r"(base));  // most nibbles need it: no predicate
+  lds32_if(w1, base + 4, need > 4);
+  lds32_if(w2, base + 8, need > 8);
+  const unsigned sh = odd << 3;
+  const unsigned x0 = __funnelshift_r(w0, w1, sh), x1 = __funnelshift_r(w1, w2, sh);
+  lo = prmt(x0, 0u, sel.x);
+  const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);  // from the third bit's element
+  hi = prmt(z, 0u, sel.y);
+}
+
+// Walks the nibbles of one bitmap word: k-step s gives the dense elements 4s .. 4s + 3.
+struct WordWalk {
+  unsigned w, a;  // bits, shared byte address of the next stored element
+  __device__ __forceinline__ void step(int s, const uint2* lut, unsigned& lo, unsigned& hi) {
+    const unsigned e = (w >> (4 * s)) & 15u;
+    const unsigned n = __popc(e);
+    const uint2 sel = lut[e];  // a table load: selectors by ALU cost more than the load (303 against 262 us)
+    expand4(a, n, sel, lo, hi);
+    a += 2u * n;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ unsigned short to_bits(float x) {
+  if constexpr (std::is_same<T, half>::value) return __half_as_ushort(__float2half_rn(x));
+  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+constexpr int MMA_ROWS = 8;  // query rows per program (the mma's N)
+
+// Shared memory ahead of the stage: P^T fragments ushort [8 s][32 lanes][4], head maxima / sums
+// float [4 warps][8], nibble table uint2 [16], scan scratch int [8], key run starts int [128][4],
+// key words [128][4], value run starts int [128][4].
+__host__ __device__ constexpr size_t mma_head_bytes() {
+  return (size_t)8 * 32 * 8 + 4 * MMA_ROWS * 4 + 16 * 8 + 8 * 4 + 3 * PAIR * 4 * 4;
+}
+
+// The running state of the query rows (heads) 2q, 2q + 1 that a thread's fragments hold.
+struct MmaRows {
+  float m[2] = {-INFINITY, -INFINITY};  // running max (base 2), equal in all threads
+  float l[2] = {0.f, 0.f};              // this thread's share of the running sum
+};
+
+// One 128-token tile: S^T = K q^T over the warp's 32 tokens (m-tiles mt: tokens 32 warp + 16 mt +
+// row), softmax across warps, O^T += V^T P^T over the warp's 32 channels. kf(mt, half, s, lo, hi):
+// A operand rows g (half 0) and g + 8 (half 1) of key m-tile mt at k-step s; vf likewise for the
+// value m-tiles (channels 32 warp + 16 mt + row). valid(t): token t of the tile is attended.
+// issue() runs after the barrier that ends every warp's use of the key stage, ready() before the
+// values (it must end with a barrier).
+template <typename T, typename KF, typename VF, typename VALID, typename ISSUE, typename READY>
+__device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale_log2, MmaRows& st, float (&o)[2][4],
+                                         float* red, unsigned short* pfrag, KF kf, VF vf, VALID valid, ISSUE issue, READY ready) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  float sc[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[mt][i] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      unsigned a[4];
+      kf(mt, 0, s, a[0], a[2]);
+      kf(mt, 1, s, a[1], a[3]);
+      mma16816<T>(sc[mt], a, qb[s][0], qb[s][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // c0, c1: token row g, heads 2q, 2q + 1; c2, c3: row g + 8
+      const int t = 32 * warp + 16 * mt + g + 8 * (i >> 1);
+      sc[mt][i] = valid(t) ? sc[mt][i] * scale_log2 : -INFINITY;
+    }
+  }
+  float mx[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(fmaxf(sc[0][h], sc[0][h + 2]), fmaxf(sc[1][h], sc[1][h + 2]));
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1) mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], o2));
+  }
+  if (g == 0) { red[warp * MMA_ROWS + 2 * q] = mx[0]; red[warp * MMA_ROWS + 2 * q + 1] = mx[1]; }
+  __syncthreads();
+  issue();
+  float ms[2], alpha[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mn = st.m[h];
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) mn = fmaxf(mn, red[w * MMA_ROWS + 2 * q + h]);
+    ms[h] = mn == -INFINITY ? 0.f : mn;
+    alpha[h] = exp2f(st.m[h] - ms[h]);
+    st.m[h] = mn;
+    st.l[h] *= alpha[h];
+  }
+  // P^T in the B operand's fragment order: token t = 32 warp + 4 s + i of head h -> pfrag[s][4 h + warp][i]
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = i & 1;
+      const float pv = exp2f(sc[mt][i] - ms[h]);
+      st.l[h] += pv;
+      const int tt = 16 * mt + g + 8 * (i >> 1);  // token within the warp's 32
+      pfrag[((tt >> 2) * 32 + 4 * (2 * q + h) + warp) * 4 + (tt & 3)] = to_bits<T>(pv);
+    }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1];
+    o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
+  }
+  ready();
+  const uint2* pf = reinterpret_cast<const uint2*>(pfrag);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const uint2 b = pf[s * 32 + lane];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      unsigned a[4];
+      vf(mt, 0, s, a[0], a[2]);
+      vf(mt, 1, s, a[1], a[3]);
+      mma16816<T>(o[mt], a, b.x, b.y);
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Params p) {
+  extern __shared__ __align__(16) char smem[];
+  const int64_t bh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int r0 = blockIdx.z * MMA_ROWS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  unsigned short* pfrag = reinterpret_cast<unsigned short*>(smem);
+  float* red = reinterpret_cast<float*>(pfrag + 8 * 32 * 4);
+  uint2* lut = reinterpret_cast<uint2*>(red + 4 * MMA_ROWS);
+  int* scratch = reinterpret_cast<int*>(lut + 16);
+  int* kst = scratch + 8;
+  unsigned* kwd = reinterpret_cast<unsigned*>(kst + PAIR * 4);
+  int* vst = reinterpret_cast<int*>(kwd + PAIR * 4);
+  char* st = smem + mma_head_bytes();
+  const Stage<T> L(p);
+
+  const int2 range = stage_first_pair<T>(p, st, bh, split);
+  const int b0 = range.x, b1 = range.y;
+  fill_nibble_table(lut);
+
+  // q^T fragments: query row g, channels 32 q + 4 s .. + 3 for k-step s
+  unsigned qb[8][2];
+  {
+    const int r = r0 + g;
+    uint4 x[4];
+    const T* qr = reinterpret_cast<const T*>(p.q) + ((size_t)bh * p.R + r) * p.D + 32 * q;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = r < p.R ? reinterpret_cast<const uint4*>(qr)[i] : make_uint4(0u, 0u, 0u, 0u);
+    const unsigned* xw = reinterpret_cast<const unsigned*>(x);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) { qb[s][0] = xw[2 * s]; qb[s][1] = xw[2 * s + 1]; }
+  }
+  MmaRows rows;
+  float o[2][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
+
+  if (split < p.S) {
+    for (int blk = b0; blk < b1; blk += 2) {
+      const int nblk = min(2, b1 - blk);
+      const int nnext = min(2, b1 - blk - 2);
+      cp_wait_one();  // this pair's keys
+      __syncthreads();
+      const int ntok = min(nblk * 64, p.Tc - blk * 64);
+      {  // key rows: thread = token; run starts of its four words
+        const unsigned* kb = reinterpret_cast<const unsigned*>(st);
+        const bool has = tid < ntok;
+        unsigned h[4];
+        int cnt = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { h[i] = has ? kb[tid * 4 + i] : 0u; cnt += __popc(h[i]); }
+        int total;
+        const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
+        int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + (int)(p.koff[bh * p.NB + blk + 1] - p.koff[bh * p.NB + blk]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { kst[tid * 4 + i] = pos; kwd[tid * 4 + i] = h[i]; pos += __popc(h[i]); }
+      }
+      __syncthreads();
+      const unsigned ksa = (unsigned)__cvta_generic_to_shared(st + L.ks);
+      const unsigned vsa = (unsigned)__cvta_generic_to_shared(st + L.vs);
+      WordWalk kw[2][2], vw[2][2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int t = 32 * warp + 16 * mt + 8 * hf + g;
+          kw[mt][hf].w = kwd[t * 4 + q];
+          kw[mt][hf].a = ksa + 2u * kst[t * 4 + q];
+        }
+      const uint64_t* vb = reinterpret_cast<const uint64_t*>(st + L.vb);
+      mma_tile<T>(qb, p.scale_log2, rows, o, red, pfrag,
+          [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { kw[mt][hf].step(s, lut, lo, hi); },
+          [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { vw[mt][hf].step(s, lut, lo, hi); },
+          [&](int t) { return t < ntok; },
+          [&] {
+            if (nnext > 0) stage_half<T, true>(p, st, bh, blk + 2, nnext);  // key part free: next keys
+            cp_commit();
+          },
+          [&] {
+            cp_wait_one();  // this pair's values
+            __syncthreads();
+            {  // value tiles: thread = channel; run starts of its four 32-token words
+              const uint64_t x0 = vb[tid], x1 = nblk > 1 ? vb[p.D + tid] : 0;
+              int total;
+              const int packed = block_excl_scan(__popcll(x0) + (__popcll(x1) << 16), scratch, &total);
+              const int p0 = packed & 0xffff;
+              const int p1 = (packed >> 16) + (int)(p.voff[bh * p.NB + blk + 1] - p.voff[bh * p.NB + blk]);
+              vst[tid * 4 + 0] = p0;
+              vst[tid * 4 + 1] = p0 + __popc((unsigned)x0);
+              vst[tid * 4 + 2] = p1;
+              vst[tid * 4 + 3] = p1 + __popc((unsigned)x1);
+            }
+            __syncthreads();
+            const unsigned* vb32 = reinterpret_cast<const unsigned*>(vb);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+              for (int hf = 0; hf < 2; ++hf) {
+                const int d = 32 * warp + 16 * mt + 8 * hf + g;
+                vw[mt][hf].w = (q < 2 || nblk > 1) ? vb32[(q >> 1) * 2 * p.D + 2 * d + (q & 1)] : 0u;
+                vw[mt][hf].a = vsa + 2u * vst[d * 4 + q];
+              }
+          });
+      __syncthreads();
+      if (nnext > 0) stage_half<T, false>(p, st, bh, blk + 2, nnext);
+      cp_commit();
+    }
+    cp_wait_all();
+  } else {
+    const T* wk = reinterpret_cast<const T*>(p.wk) + (size_t)bh * p.W * p.D;
+    const unsigned short* wv = reinterpret_cast<const unsigned short*>(p.wv) + (size_t)bh * p.W * p.D;
+    __syncthreads();  // the nibble table (unused here) and a clean start
+    for (int w0 = 0; w0 < p.W; w0 += PAIR) {
+      mma_tile<T>(qb, p.scale_log2, rows, o, red, pfrag,
+          [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) {
+            const int t = w0 + 32 * warp + 16 * mt + 8 * hf + g;
+            const uint2 x = t < p.W ? *reinterpret_cast<const uint2*>(wk + (size_t)t * p.D + 32 * q + 4 * s) : make_uint2(0u, 0u);
+            lo = x.x; hi = x.y;
+          },
+          [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) {
+            const int d = 32 * warp + 16 * mt + 8 * hf + g;
+            unsigned e[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int t = w0 + 32 * q + 4 * s + i;
+              e[i] = t < p.W ? wv[(size_t)t * p.D + d] : 0u;
+            }
+            lo = e[0] | (e[1] << 16);
+            hi = e[2] | (e[3] << 16);
+          },
+          [&](int t) { return w0 + t < p.W; }, [] {}, [] { __syncthreads(); });
+      __syncthreads();
+    }
+  }
+  // the sums: the thread's share -> the eight token rows of its warp -> the four warps
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1) rows.l[h] += __shfl_xor_sync(0xffffffffu, rows.l[h], o2);
+  __syncthreads();
+  if (g == 0) { red[warp * MMA_ROWS + 2 * q] = rows.l[0]; red[warp * MMA_ROWS + 2 * q + 1] = rows.l[1]; }
+  __syncthreads();
+  const int64_t slot = bh * (p.S + 1) + split;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 2 * q + h;
+    if (r >= p.R) continue;
+    float* dst = p.acc + (slot * p.RP + r) * p.DP + 32 * warp + g;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      dst[16 * mt] = o[mt][h];
+      dst[16 * mt + 8] = o[mt][h + 2];
+    }
+    if (warp == 0 && g == 0) {
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < THREADS / 32; ++w) l += red[w * MMA_ROWS + 2 * q + h];
+      p.m[slot * p.RP + r] = rows.m[h];
+      p.l[slot * p.RP + r] = l;
+    }
+  }
+}
+
+template <typename T>
+void launch_mma(const Params& p, dim3 grid, size_t stage, cudaStream_t stream) {
+  auto kern = bitmap_sparse_attention_mma_kernel<T>;
+  const size_t smem = mma_head_bytes() + stage + 16;  // a nibble's first word may lie past the last run
+  if (smem > 48 * 1024) check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kern<<<grid, THREADS, smem, stream>>>(p);
+  check(cudaGetLastError());
+}
+
+}  // namespace bsa
