@@ -1,7 +1,7 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
 KERNEL: attention (layout-v2 bitmap attention, PARAM = sparsity; a 5th argument ``fp16`` for fp16
-per-word sums), heads (PARAM = k, grouped choice), compress /
+per-word sums, ``scalar`` / ``tensor_cores`` to force a walk), heads (PARAM = k, grouped choice), compress /
 compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2),
 prune_encode / prune_encode_values (the one-launch CUDA prune + encode of the layout-v2 keys /
 values, PARAM = sparsity), signvq / pages (PARAM = budget; a 5th argument ``breakdown`` prints a
@@ -32,7 +32,8 @@ def main() -> None:
         sp = 0.7 if param is None else param
         cache = bitmap_sparse_attention.encode_cache_v2(prune_per_token(k, sp, 32), prune_per_token(v, sp, 32), window=32, backend="triton")
         acc = "fp16" if "fp16" in sys.argv[5:] else "fp32"
-        fn = lambda: bitmap_sparse_attention.bitmap_sparse_attention(q[:, :, None], cache, validate=False, accumulate=acc)  # noqa: E731
+        tc = True if "tensor_cores" in sys.argv[5:] else False if "scalar" in sys.argv[5:] else None
+        fn = lambda: bitmap_sparse_attention.bitmap_sparse_attention(q[:, :, None], cache, validate=False, accumulate=acc, tensor_cores=tc)  # noqa: E731
     elif kernel == "heads":
         idx = head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
         fn = lambda: heads.selective_head_attention(q, k, v, idx, validate=False)  # noqa: E731
