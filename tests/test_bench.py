@@ -75,6 +75,18 @@ def test_add_speedups_by_configuration():
     assert recs[1]["bandwidth_gbps"] == pytest.approx(40.0) and recs[1]["bandwidth_fraction"] == pytest.approx(0.04)
 
 
+def test_plot_lines_one_colour_per_kernel_and_no_two_alike():
+    from kvtool.bench.plots import line_styles
+
+    labels = [f"bitmap_{k} sparsity={s}" for k in ("triton", "fp16acc", "tensor_cores") for s in (0.5, 0.7)]
+    labels += ["cublas_qk+pv", "flashinfer_batch", "flashinfer_batch_tc", "sdpa", "torch_dense"]
+    styles = line_styles(labels, ["c%d" % i for i in range(10)])
+    looks = {(st["color"], st["linestyle"]) for st in styles.values()}
+    assert len(looks) == len(labels)  # the default cycle repeats a colour past ten lines
+    assert styles["bitmap_triton sparsity=0.5"]["color"] == styles["bitmap_triton sparsity=0.7"]["color"]
+    assert styles["bitmap_triton sparsity=0.5"]["linestyle"] != styles["bitmap_triton sparsity=0.7"]["linestyle"]
+
+
 def test_no_cuda_without_interpreter_is_a_clear_usage_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -7,6 +7,23 @@ from typing import Any
 
 from kvtool.core import io
 
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def line_styles(labels: list[str], palette: list[Any]) -> dict[str, dict[str, Any]]:
+    """Plot keywords per label ``"<kernel> <rest>"``: one colour per kernel (the first word, in
+    sorted order, from ``palette``), one line style per distinct rest within a kernel, so that many
+    series stay told apart instead of the default ten-colour cycle repeating."""
+    kernels = sorted({label.partition(" ")[0] for label in labels})
+    seen: dict[str, list[str]] = {}
+    styles = {}
+    for label in sorted(labels):
+        kernel, _, rest = label.partition(" ")
+        seen.setdefault(kernel, []).append(rest)
+        styles[label] = dict(color=palette[kernels.index(kernel) % len(palette)],
+                             linestyle=LINE_STYLES[(len(seen[kernel]) - 1) % len(LINE_STYLES)])
+    return styles
+
 
 def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> Path:
     """Left: median µs vs seq (log-log), one line per (kernel/provider, param) for the largest batch.
@@ -24,6 +41,7 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
     if not env.get("timing_valid", True):
         title += " (CPU interpreter: timings meaningless)"
     fig.suptitle(title, fontsize=10)
+    palette = list(plt.get_cmap("tab10").colors)
     if recs:
         batch = max(r["batch"] for r in recs)
         lines: dict[str, list[tuple[int, float]]] = {}
@@ -32,9 +50,10 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
                 continue
             label = r["provider"] + "".join(f" {n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None)
             lines.setdefault(label, []).append((r["seq"], r["median_us"]))
+        styles = line_styles(list(lines), palette)
         for label, pts in sorted(lines.items()):
             pts.sort()
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **styles[label])
         ax1.set_xscale("log", base=2)
         ax1.set_yscale("log")
         ax1.set_xlabel("sequence length (tokens)")
@@ -54,9 +73,10 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
                 for base, val in r["speedup"].items():
                     if isinstance(val, float) and base in primary:
                         series.setdefault(f"{r['provider']} over {base}", []).append((r[param], val))
+            styles2 = line_styles(list(series), palette)
             for label, pts in sorted(series.items()):
                 pts.sort()
-                ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **styles2[label])
             ax2.axhline(1.0, color="grey", lw=0.8)
             ax2.set_xlabel(param)
             ax2.set_ylabel("speedup (baseline time / kernel time)")
@@ -69,7 +89,7 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
                 pts = sorted((r["seq"], r["bandwidth_fraction"]) for r in recs if r["batch"] == batch and r["bandwidth_fraction"] is not None
                              and r["provider"] + "".join(f" {n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None) == label)
                 if pts:
-                    ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                    ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, **styles[label])
             ax2.axhline(1.0, color="grey", lw=0.8)
             ax2.set_xscale("log", base=2)
             ax2.set_xlabel("sequence length (tokens)")
