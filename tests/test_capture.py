@@ -9,6 +9,7 @@ import torch
 
 import kvtool
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.hf.interface import output_cache
 
 from .conftest import make_tiny_llama
 
@@ -33,8 +34,8 @@ def test_keys_values_match_model_cache_and_queries_match_projection():
     cache = kvtool.capture(model=(model, None), input_ids=ids, hidden=True)
     ref = model(input_ids=ids, use_cache=True)
     for i in range(2):
-        assert torch.equal(cache.layers[i].keys, ref.past_key_values.layers[i].keys)
-        assert torch.equal(cache.layers[i].values, ref.past_key_values.layers[i].values)
+        assert torch.equal(cache.layers[i].keys, output_cache(ref).layers[i].keys)
+        assert torch.equal(cache.layers[i].values, output_cache(ref).layers[i].values)
     # queries: q_proj of the layer input, rotated with the same RoPE as the keys
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -77,7 +78,7 @@ def test_generate_appends_decode_steps():
     assert cache.num_tokens == 14 and cache.info["generated_tokens"] == 5
     assert cache.layers[0].queries.shape[2] == 14 and cache.layers[0].hidden.shape[1] == 14
     full = model(input_ids=cache.token_ids, use_cache=True)
-    torch.testing.assert_close(cache.layers[1].keys, full.past_key_values.layers[1].keys, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.layers[1].keys, output_cache(full).layers[1].keys, rtol=1e-4, atol=1e-5)
     expected = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(cache.token_ids, expected)
 

@@ -15,7 +15,7 @@ import kvtool
 from kvtool.core.cache import KVCache, LayerKV
 from kvtool.cli import app
 from kvtool.export.convert import export_file, load_npz, result_records
-from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, save_compressed
+from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, get_format, save_compressed
 from kvtool.export.paged import from_paged, load_paged, page_table, to_paged
 
 from .conftest import synthetic_cache
@@ -120,7 +120,7 @@ def test_npz_bfloat16_becomes_float32(tmp_path):
 
 def test_dense_export_of_a_compressed_file_matches_the_capture(tmp_path):
     cache = synthetic_cache(tokens=20)
-    fmt = FORMATS["dense"]
+    fmt = get_format("dense")
     comp = save_compressed(compress_cache(cache, fmt, fmt.Params(), heldout=4), tmp_path / "c.dense.safetensors")
     export_file(comp, "dense", tmp_path / "out.safetensors")
     back = kvtool.load(tmp_path / "out.safetensors")

@@ -15,8 +15,9 @@ from kvtool.hf import models
 from kvtool.cli import app
 from kvtool.export.convert import export_file
 from kvtool.core.cache import LayerKV
-from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, save_compressed
+from kvtool.formats.base import FORMATS, Encoded, Format, FormatParams, compress_cache, get_format, save_compressed
 from kvtool.hf.cache import continuation_ids, generate, to_hf_cache
+from kvtool.hf.interface import cache_kwargs, output_cache
 
 from .test_export import KeepLast, KeepLastParams
 
@@ -37,7 +38,7 @@ def tiny_cap(tiny_llama_dir, tmp_path_factory):
 
 
 def greedy(model, ids, cache=None, n=12):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False, output_logits=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1] :], torch.stack(out.logits)
 
 
@@ -45,9 +46,9 @@ def live_cache(model, cap):
     """The model's own cache for the capture's tokens, built as the capture ran: prefill, then one
     decode step per generated token."""
     n = cap.info["prefill_tokens"]
-    cache = model(input_ids=cap.token_ids[:, :n], use_cache=True).past_key_values
+    cache = output_cache(model(input_ids=cap.token_ids[:, :n], use_cache=True))
     for t in range(n, cap.num_tokens):
-        cache = model(input_ids=cap.token_ids[:, t : t + 1], past_key_values=cache, use_cache=True).past_key_values
+        cache = output_cache(model(input_ids=cap.token_ids[:, t : t + 1], use_cache=True, **cache_kwargs(model, cache)))
     return cache
 
 
@@ -77,9 +78,29 @@ def test_generate_library_and_empty_prompt(tiny, tiny_cap):
     assert result["mode"] == "dense" and result["prompt_tokens"] == 0
 
 
+def test_capture_and_generate_pass_the_cache_under_the_models_own_name(tiny, tiny_llama_dir, tiny_cap):
+    """transformers renamed ``past_key_values`` to ``cache`` (the old name warns, then goes away)."""
+    import warnings
+
+    model, tok = tiny
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kvtool.capture("kvtool export test", model=str(tiny_llama_dir), generate=2)
+        generate(tiny_cap, " more", max_new_tokens=3, loaded=(model, tok))
+    assert not [w for w in seen if "past_key_values" in str(w.message)]
+
+    class Old:
+        def forward(self, input_ids, past_key_values=None): ...
+
+    class New:
+        def forward(self, input_ids, cache=None): ...
+
+    assert cache_kwargs(Old(), 1) == {"past_key_values": 1} and cache_kwargs(New(), 1) == {"cache": 1}
+
+
 def test_attend_path_equals_dense_path_for_the_dense_format(tiny, tiny_cap, tmp_path):
     model, tok = tiny
-    fmt = FORMATS["dense"]
+    fmt = get_format("dense")
     cc = compress_cache(kvtool.load(tiny_cap), fmt, fmt.Params(), heldout=6)
     path = save_compressed(cc, tmp_path / "c.dense.safetensors")
     ids = continuation_ids(cc.token_ids, tok(" go", add_special_tokens=False)["input_ids"])
@@ -108,11 +129,11 @@ def test_evicting_format_attends_only_to_kept_tokens(tiny, tiny_cap, tmp_path):
         assert export_file(path, "hf", hf)["mode"] == "attend"
         new = torch.tensor([tok(" ok", add_special_tokens=False)["input_ids"]])
         t = cap.num_tokens
-        out = model(input_ids=new, past_key_values=to_hf_cache(hf, model), use_cache=True).logits
+        out = model(input_ids=new, use_cache=True, **cache_kwargs(model, to_hf_cache(hf, model))).logits
         kept = [(torch.cat([cc.layers[i].tensors["keys"], cc.tails[i].keys], 2), torch.cat([cc.layers[i].tensors["values"], cc.tails[i].values], 2)) for i in range(2)]
-        ref = model(input_ids=new, past_key_values=DynamicCache(ddp_cache_data=kept, config=model.config), position_ids=torch.arange(t, t + new.shape[1])[None], use_cache=True).logits
+        ref = model(input_ids=new, position_ids=torch.arange(t, t + new.shape[1])[None], use_cache=True, **cache_kwargs(model, DynamicCache(ddp_cache_data=kept, config=model.config))).logits
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-        full = model(input_ids=new, past_key_values=to_hf_cache(tiny_cap, model), use_cache=True).logits
+        full = model(input_ids=new, use_cache=True, **cache_kwargs(model, to_hf_cache(tiny_cap, model))).logits
         assert (full - ref).abs().max() > 1e-3  # eviction changed the answer: the check above has teeth
     finally:
         FORMATS.pop(KeepLast.name)
@@ -231,13 +252,13 @@ def test_ring_cache_writes_new_tokens_into_the_ring(tiny, ring_file):
     # the 4 held-out tokens went through the ring: it holds positions t-6..t-1
     assert sorted(layer.ring.enc.tensors["positions"][0, 0].tolist()) == list(range(t - 6, t))
     new = torch.tensor([tok("!", add_special_tokens=False)["input_ids"]])
-    out = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+    out = model(input_ids=new, use_cache=True, **cache_kwargs(model, cache)).logits
     assert layer.keys.shape[2] == 6 and cache.get_seq_length() == t + 1  # fixed size, one more position
     # reference: the slots the new token did not overwrite, in a plain cache, new token at position t
     slots = [s for s in range(6) if s != t % 6]
     before = to_hf_cache(path, model).layers
     kept = [(before[i].ring.enc.tensors["keys"][:, :, slots], before[i].ring.enc.tensors["values"][:, :, slots]) for i in range(2)]
-    ref = model(input_ids=new, past_key_values=DynamicCache(ddp_cache_data=kept, config=model.config), position_ids=torch.tensor([[t]]), use_cache=True).logits
+    ref = model(input_ids=new, position_ids=torch.tensor([[t]]), use_cache=True, **cache_kwargs(model, DynamicCache(ddp_cache_data=kept, config=model.config))).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -245,9 +266,9 @@ def test_ring_chunk_equals_token_by_token(tiny, ring_file):
     model, tok = tiny
     _, path = ring_file
     new = torch.tensor([tok("abcdefgh", add_special_tokens=False)["input_ids"]])
-    chunk = model(input_ids=new, past_key_values=to_hf_cache(path, model), use_cache=True).logits
+    chunk = model(input_ids=new, use_cache=True, **cache_kwargs(model, to_hf_cache(path, model))).logits
     cache = to_hf_cache(path, model)
-    steps = torch.cat([model(input_ids=new[:, j : j + 1], past_key_values=cache, use_cache=True).logits for j in range(new.shape[1])], 1)
+    steps = torch.cat([model(input_ids=new[:, j : j + 1], use_cache=True, **cache_kwargs(model, cache)).logits for j in range(new.shape[1])], 1)
     torch.testing.assert_close(chunk, steps, rtol=1e-4, atol=1e-4)
 
 
@@ -284,8 +305,8 @@ def test_snapstream_continues_through_its_ring(tiny, tiny_cap, tmp_path):
     keep = [s for s in range(40) if s != victim and int(pos[s]) >= 0]
     kept = [(cache.layers[i].ring.enc.tensors["keys"][:, :, keep].float(), cache.layers[i].ring.enc.tensors["values"][:, :, keep].float()) for i in range(2)]
     new = torch.tensor([tok("?", add_special_tokens=False)["input_ids"]])
-    ref = model(input_ids=new, past_key_values=DynamicCache(ddp_cache_data=kept, config=model.config), position_ids=torch.tensor([[t]]), use_cache=True).logits
-    out = model(input_ids=new, past_key_values=cache, use_cache=True).logits
+    ref = model(input_ids=new, position_ids=torch.tensor([[t]]), use_cache=True, **cache_kwargs(model, DynamicCache(ddp_cache_data=kept, config=model.config))).logits
+    out = model(input_ids=new, use_cache=True, **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert int(cache.layers[0].ring.enc.tensors["positions"][0, 0, victim]) == t and cache.layers[0].keys.shape[2] == 40
     result = generate(path, "", max_new_tokens=4, loaded=(model, tok))

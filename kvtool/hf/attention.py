@@ -181,7 +181,7 @@ def prefill(model: Any, prefix_ids: torch.Tensor) -> dict[int, LayerKV]:
     keys/values ``[B, Hkv, P, D]`` in the model's dtype, on the model's device."""
     device = next(model.parameters()).device
     out = model(input_ids=prefix_ids.to(device), use_cache=True)
-    cache = out.past_key_values
+    cache = hfinterface.output_cache(out)
     return {i: LayerKV(keys=layer.keys, values=layer.values) for i, layer in enumerate(cache.layers)}
 
 
@@ -220,7 +220,7 @@ def forward(model: Any, cache: Any, token_ids: torch.Tensor) -> torch.Tensor:
     """Run ``token_ids`` ``[B, N]`` after the tokens already in ``cache`` (positions continue from
     the cache length) and return logits ``[B, N, V]`` float32 on the CPU. ``cache`` grows by N."""
     device = next(model.parameters()).device
-    out = model(input_ids=token_ids.to(device), past_key_values=cache, use_cache=True)
+    out = model(input_ids=token_ids.to(device), use_cache=True, **hfinterface.cache_kwargs(model, cache))
     return out.logits.float().cpu()
 
 

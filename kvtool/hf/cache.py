@@ -1,7 +1,7 @@
 """kvtool files as transformers caches, and generation from them (``kvtool generate``).
 
 :func:`to_hf_cache` turns a capture, a compressed file or an ``kvtool export --to hf`` file into a
-cache that ``model.generate(input_ids, past_key_values=cache)`` accepts; ``input_ids`` must start
+cache that ``model.generate(input_ids, cache=cache)`` accepts (``past_key_values=`` before transformers renamed it); ``input_ids`` must start
 with the file's ``token_ids`` (:func:`continuation_ids` builds them), as with any transformers cache.
 
 - Captures and formats whose decode keeps every token: a ``DynamicCache`` holding, per layer,
@@ -36,6 +36,7 @@ from kvtool.core.errors import UsageError
 from kvtool.formats.files import check_all_layers, dense_of, needs_attention, read_kv_file
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.hf.attention import CompressedPrefix, hand_over, use_kvtool_attention
+from kvtool.hf.interface import cache_kwargs
 
 
 @dataclass
@@ -235,7 +236,7 @@ def to_hf_cache(path: str | Path, model: Any, mode: str = "auto", hold_last: boo
 
     Keys/values come out ``[B, Hkv, T, D]`` in the model's dtype on its device, for every layer
     (a capture that lacks layers is refused). Continue with
-    ``model.generate(continuation_ids(path, new_ids), past_key_values=cache)``. For selection
+    ``model.generate(continuation_ids(path, new_ids), cache=cache)`` (``past_key_values=`` on older transformers). For selection
     formats the model is switched to kvtool's attention function (module docstring)."""
     return cache_from(read_kv_file(Path(path)), model, path, mode, hold_last)
 
@@ -314,7 +315,7 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
     out = mdl.generate(
         ids.to(dev),
         attention_mask=torch.ones_like(ids).to(dev),
-        past_key_values=cache,
+        **cache_kwargs(mdl, cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,

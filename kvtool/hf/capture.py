@@ -24,7 +24,7 @@ from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name, parse_indice
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.streaming import StreamingWriter
 from kvtool.hf import models
-from kvtool.hf.interface import attention_implementation, register_attention
+from kvtool.hf.interface import attention_implementation, cache_kwargs, output_cache, register_attention
 
 ATTN_NAME = "kvtool_capture"
 
@@ -279,8 +279,8 @@ def _run(plan: _Plan, sink: Any, generate: int, hidden: bool, chunk_size: int | 
                 c1 = min(t, c0 + chunk)
                 rec.position = c0
                 am = None if full_mask is None else full_mask[:, :c1]
-                out = _forward(mdl, input_ids=ids[:, c0:c1], attention_mask=am, past_key_values=past, use_cache=True, output_hidden_states=hidden)
-                past = out.past_key_values
+                out = _forward(mdl, input_ids=ids[:, c0:c1], attention_mask=am, use_cache=True, output_hidden_states=hidden, **cache_kwargs(mdl, past))
+                past = output_cache(out)
                 if hidden:
                     for i in kept:
                         sink.hidden(i, c0, out.hidden_states[i].detach())
@@ -293,8 +293,8 @@ def _run(plan: _Plan, sink: Any, generate: int, hidden: bool, chunk_size: int | 
                 if am is not None:
                     am = torch.cat([am, torch.ones_like(nxt)], dim=1)
                 rec.position = pos
-                out = _forward(mdl, input_ids=nxt, attention_mask=am, past_key_values=past, use_cache=True, output_hidden_states=hidden)
-                past = out.past_key_values
+                out = _forward(mdl, input_ids=nxt, attention_mask=am, use_cache=True, output_hidden_states=hidden, **cache_kwargs(mdl, past))
+                past = output_cache(out)
                 if hidden:
                     for i in kept:
                         sink.hidden(i, pos, out.hidden_states[i].detach())

@@ -2,12 +2,28 @@
 
 transformers (5.x) dispatches every attention layer through ``AttentionInterface`` by the name in
 ``model.config._attn_implementation``; kvtool registers its functions there (capture, compressed
-prefixes, exported caches) together with an SDPA-style mask builder under the same name."""
+prefixes, exported caches) together with an SDPA-style mask builder under the same name. The
+cache argument's name (``past_key_values``, ``cache`` from 5.24 on) is chosen here too."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for ``model(...)`` and ``model.generate(...)``: ``cache`` where the
+    model's forward takes it (transformers renamed ``past_key_values``, deprecated, to be removed
+    in 5.40), else ``past_key_values``."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a forward returned (``out.cache``, ``out.past_key_values`` before the rename)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def register_attention(name: str, fn: Callable[..., Any]) -> None:
