@@ -421,8 +421,8 @@ def info(path: PathLike) -> InfoResult:
 
 @_python_errors
 def to_hf_cache(path: PathLike, model: Any, mode: str = "auto", hold_last: bool = False) -> Any:
-    """A transformers cache (``model.generate(..., cache=cache)``, ``past_key_values=`` on older transformers) from a kvtool file; see
-    :func:`kvtool.hf.cache.to_hf_cache`."""
+    """A transformers cache (``model.generate(..., cache=cache)``, ``past_key_values=`` on older
+    transformers) from a kvtool file; see :func:`kvtool.hf.cache.to_hf_cache`."""
     from kvtool.hf.cache import to_hf_cache as _to_hf_cache  # deferred: transformers loads only when asked for
 
     return _to_hf_cache(_path(path), model, mode=mode, hold_last=hold_last)

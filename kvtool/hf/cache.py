@@ -1,8 +1,9 @@
 """kvtool files as transformers caches, and generation from them (``kvtool generate``).
 
 :func:`to_hf_cache` turns a capture, a compressed file or an ``kvtool export --to hf`` file into a
-cache that ``model.generate(input_ids, cache=cache)`` accepts (``past_key_values=`` before transformers renamed it); ``input_ids`` must start
-with the file's ``token_ids`` (:func:`continuation_ids` builds them), as with any transformers cache.
+cache that ``model.generate(input_ids, cache=cache)`` accepts (``past_key_values=`` on older
+transformers); ``input_ids`` must start with the file's ``token_ids`` (:func:`continuation_ids`
+builds them), as with any transformers cache.
 
 - Captures and formats whose decode keeps every token: a ``DynamicCache`` holding, per layer,
   keys/values ``[B, Hkv, T, D]`` in the model's dtype and device (lossy formats decoded).
@@ -236,8 +237,9 @@ def to_hf_cache(path: str | Path, model: Any, mode: str = "auto", hold_last: boo
 
     Keys/values come out ``[B, Hkv, T, D]`` in the model's dtype on its device, for every layer
     (a capture that lacks layers is refused). Continue with
-    ``model.generate(continuation_ids(path, new_ids), cache=cache)`` (``past_key_values=`` on older transformers). For selection
-    formats the model is switched to kvtool's attention function (module docstring)."""
+    ``model.generate(continuation_ids(path, new_ids), cache=cache)`` (``past_key_values=`` on
+    older transformers). For selection formats the model is switched to kvtool's attention
+    function (module docstring)."""
     return cache_from(read_kv_file(Path(path)), model, path, mode, hold_last)
 
 

@@ -24,7 +24,7 @@ from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name, parse_indice
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.streaming import StreamingWriter
 from kvtool.hf import models
-from kvtool.hf.interface import attention_implementation, cache_kwargs, output_cache, register_attention
+from kvtool.hf.interface import attention_implementation, cache_kwargs, forward_takes, output_cache, register_attention
 
 ATTN_NAME = "kvtool_capture"
 
@@ -238,9 +238,7 @@ def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tok
 def _forward(mdl: Any, **kwargs: Any) -> Any:
     """The model's forward, computing logits for the last position only when the model allows it
     (full logits of a long prompt would be [B, T, vocab])."""
-    import inspect
-
-    if "logits_to_keep" in inspect.signature(mdl.forward).parameters:
+    if forward_takes(mdl, "logits_to_keep"):
         kwargs["logits_to_keep"] = 1
     return mdl(**kwargs)
 

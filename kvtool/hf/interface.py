@@ -8,16 +8,26 @@ cache argument's name (``past_key_values``, ``cache`` from 5.24 on) is chosen he
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any, Callable, Iterator
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(model_type: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_type.forward).parameters)
+
+
+def forward_takes(model: Any, name: str) -> bool:
+    """Whether ``model``'s forward takes the keyword ``name`` (inspected once per model class)."""
+    return name in _forward_parameters(type(model))
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` for ``model(...)`` and ``model.generate(...)``: ``cache`` where the
     model's forward takes it (transformers renamed ``past_key_values``, deprecated, to be removed
     in 5.40), else ``past_key_values``."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {"cache" if forward_takes(model, "cache") else "past_key_values": cache}
 
 
 def output_cache(out: Any) -> Any:
