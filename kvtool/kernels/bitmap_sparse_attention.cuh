@@ -150,12 +150,18 @@ __device__ __forceinline__ bool take_two(unsigned& w, unsigned& b0, unsigned& b1
 //   WALK_F16    as WALK_PAIRED, each word's products summed by half2 FMAs (float16 caches; bfloat16
 //               ones take WALK_PAIRED) and added to the fp32 sums once per word: 2 instead of 9
 //               arithmetic instructions per element.
-enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2 };
+//   WALK_MMA    the tensor-core walk of bitmap_sparse_attention_mma.cuh (head_dim 128).
+enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2, WALK_MMA = 3 };
 
 template <typename T>
 __device__ __forceinline__ float bits_to_f(unsigned short x) {
   if constexpr (std::is_same<T, half>::value) return __half2float(__ushort_as_half(x));
   else return __bfloat162float(__ushort_as_bfloat16(x));
+}
+template <typename T>
+__device__ __forceinline__ unsigned short f_to_bits(float x) {
+  if constexpr (std::is_same<T, half>::value) return __half_as_ushort(__float2half_rn(x));
+  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
 // acc[r] += v * x[r], x an fp16 table row of NR halves loaded as NR / 2 half2 words.

@@ -13,8 +13,6 @@
 
 namespace bsa {
 
-constexpr int WALK_MMA = 3;
-
 template <typename T>
 __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
   if constexpr (std::is_same<T, half>::value)
@@ -79,12 +77,6 @@ struct WordWalk {
     a += 2u * n;
   }
 };
-
-template <typename T>
-__device__ __forceinline__ unsigned short to_bits(float x) {
-  if constexpr (std::is_same<T, half>::value) return __half_as_ushort(__float2half_rn(x));
-  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
 
 constexpr int MMA_ROWS = 8;  // query rows per program (the mma's N)
 
@@ -159,7 +151,7 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
       const float pv = exp2f(sc[mt][i] - ms[h]);
       st.l[h] += pv;
       const int tt = 16 * mt + g + 8 * (i >> 1);  // token within the warp's 32
-      pfrag[((tt >> 2) * 32 + 4 * (2 * q + h) + warp) * 4 + (tt & 3)] = to_bits<T>(pv);
+      pfrag[((tt >> 2) * 32 + 4 * (2 * q + h) + warp) * 4 + (tt & 3)] = f_to_bits<T>(pv);
     }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
