@@ -23,10 +23,6 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// x = the 32-bit word at shared address a when on, else x unchanged (no shared-memory traffic).
-__device__ __forceinline__ void lds32_if(unsigned& x, unsigned a, bool on) {
-  asm volatile("{ .reg .pred p; setp.ne.b32 p, %2, 0; @p ld.shared.b32 %0, [%1]; }" : "+r"(x) : "r"(a), "r"((unsigned)on));
-}
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
   unsigned d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -49,18 +45,24 @@ __device__ __forceinline__ void fill_nibble_table(uint2* lut) {
   }
 }
 
-// Four dense elements (lo: elements 0, 1; hi: 2, 3) of a nibble whose stored elements start at
-// shared byte address a; n = its popcount, sel = its table entry. At most three 32-bit loads, one
-// per word the run touches.
-__device__ __forceinline__ void expand4(unsigned a, unsigned n, uint2 sel, unsigned& lo, unsigned& hi) {
-  const unsigned base = a & ~3u, odd = a & 2u;
-  const unsigned need = odd + 2u * n;  // bytes from base
-  unsigned w0 = 0, w1 = 0, w2 = 0;
+// The four bytes of {hi:lo} from byte (c & 3) on: a funnel shift by whole bytes.
+__device__ __forceinline__ unsigned bytes_from(unsigned lo, unsigned hi, unsigned c) {
+  unsigned d;
+  asm("prmt.b32.f4e %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(c));
+  return d;
+}
+
+// Four dense elements (lo: elements 0, 1; hi: 2, 3) of a nibble whose stored elements are the
+// shared bytes [a, end); sel = its table entry. At most three 32-bit loads, one per word the run
+// touches. A word the run does not touch is not read: its register keeps a dead value (the byte
+// count, the address), whose bytes the selectors never pick, so that no instruction zeroes it.
+__device__ __forceinline__ void expand4(unsigned a, unsigned end, uint2 sel, unsigned& lo, unsigned& hi) {
+  const unsigned base = a & ~3u;
+  unsigned w0, w1 = end - base, w2 = base;  // w1: the bytes needed from base
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w0) : "r"(base));  // most nibbles need it: no predicate
-  lds32_if(w1, base + 4, need > 4);
-  lds32_if(w2, base + 8, need > 8);
-  const unsigned sh = odd << 3;
-  const unsigned x0 = __funnelshift_r(w0, w1, sh), x1 = __funnelshift_r(w1, w2, sh);
+  asm volatile("{ .reg .pred p, q; setp.gt.u32 p, %0, 4; setp.gt.u32 q, %0, 8;\n"
+               " @p ld.shared.b32 %0, [%1+4]; @q ld.shared.b32 %1, [%1+8]; }" : "+r"(w1), "+r"(w2));
+  const unsigned x0 = bytes_from(w0, w1, a), x1 = bytes_from(w1, w2, a);
   lo = prmt(x0, 0u, sel.x);
   const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);  // from the third bit's element
   hi = prmt(z, 0u, sel.y);
@@ -70,10 +72,12 @@ __device__ __forceinline__ void expand4(unsigned a, unsigned n, uint2 sel, unsig
 struct WordWalk {
   unsigned w, a;  // bits, shared byte address of the next stored element
   __device__ __forceinline__ void step(int s, const uint2* lut, unsigned& lo, unsigned& hi) {
-    const unsigned e = (w >> (4 * s)) & 15u;
-    const unsigned n = __popc(e);
-    const uint2 sel = lut[e];  // a table load: selectors by ALU cost more than the load (303 against 262 us)
-    expand4(a, n, sel, lo, hi);
+    const unsigned m = w & (15u << (4 * s));  // the nibble in place
+    const unsigned n = __popc(m);
+    // a table load (selectors by ALU cost more than the load: 303 against 262 us); the byte offset of
+    // entry m >> 4s is m shifted by one instruction
+    const uint2 sel = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + (s == 0 ? m << 3 : m >> (4 * s - 3)));
+    expand4(a, a + 2u * n, sel, lo, hi);
     a += 2u * n;
   }
 };
