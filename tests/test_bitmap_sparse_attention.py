@@ -186,12 +186,14 @@ def test_walk_mode_pairs_values_from_40_percent_density():
     assert walk_mode(0, 0, 128, accumulate="fp16") == 2
 
 
-def test_tensor_cores_from_40_percent_density_or_in_short_launches():
+def test_tensor_cores_from_25_percent_density_or_in_short_launches():
     from kvtool.kernels.bitmap_sparse_attention import use_tensor_cores
 
     full = 2 * 64 * 128
-    assert use_tensor_cores(int(0.5 * full), 10, 128) and not use_tensor_cores(int(0.3 * full), int(0.3 * full), 128)
-    sparse = (int(0.3 * full), int(0.3 * full), 128)
+    keep_38 = 128 * 38  # 70% per-token pruning of 128 channels: 38 kept per token
+    assert use_tensor_cores(int(0.5 * full), 10, 128) and use_tensor_cores(keep_38, keep_38, 128)
+    sparse = (int(0.2 * full), int(0.2 * full), 128)  # 80%
+    assert not use_tensor_cores(*sparse)
     assert use_tensor_cores(*sparse, launch_pairs=64 * 32)  # batch 8 / 4k: a short launch
     assert not use_tensor_cores(*sparse, launch_pairs=64 * 256)  # batch 8 / 32k
     assert not use_tensor_cores(full, full, 64) and not use_tensor_cores(full, full, 128, bits_global=True)

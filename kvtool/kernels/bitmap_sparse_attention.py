@@ -26,8 +26,8 @@ Backends:
   this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
   At head_dim 128 it has a second, tensor-core walk (:file:`bitmap_sparse_attention_mma.cuh`,
   :func:`use_tensor_cores`): each thread expands its bitmap word a nibble at a time straight into
-  an mma operand, a cost per dense element (about 7 instructions) that does not depend on the
-  density, which wins from 40% density and in short launches.
+  an mma operand, a cost per dense element (about 5 instructions) that does not depend on the
+  density, which wins from 25% density and in short launches.
 - ``triton``: expands each 64-token block to dense tiles (the helpers of :mod:`.bitmap_attention`
   with the orientations swapped) and multiplies on the tensor cores; runs under the interpreter,
   for any head_dim and float32 caches.
@@ -241,7 +241,7 @@ def walk_mode(kcap: int, vcap: int, head_dim: int, accumulate: str = "fp32", pai
     return int(bool(paired))
 
 
-TENSOR_CORE_DENSITY = 0.4
+TENSOR_CORE_DENSITY = 0.25
 TENSOR_CORE_SHORT = 4096  # pairs of blocks in a whole launch (KV heads x pairs per head)
 MMA_ROWS = 8  # query rows per program of the tensor-core walk (the mma's N)
 WALK_MMA = 3
@@ -256,8 +256,8 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     ``TENSOR_CORE_SHORT`` pairs of blocks (``launch_pairs``: KV heads x pairs per head). The tensor
     cores' cost per dense element does not depend on the density, the scalar walk's follows the
     stored elements; and a short launch is bound by the latency of each program, which the tensor
-    cores shorten. On the H100 at 50% sparsity, batch 8 / 32k, it takes about 3/4 of the scalar
-    walk's time; at 70% in long launches the scalar walk is faster (docs/benchmarks.md)."""
+    cores shorten. On the H100 at batch 8 / 32k it takes 0.71x the scalar walk's time at 50%
+    sparsity, 0.98x at 70% (1.0x at batch 32) and 1.13x at 80% (docs/benchmarks.md)."""
     eligible = head_dim == 128 and not bits_global
     if tensor_cores and not eligible:
         raise UsageError("the tensor-core walk serves head_dim 128 with staged bitmaps (bits_global=False)")
