@@ -315,12 +315,11 @@ struct Stage {
   }
 };
 
-// A pair's key part (bits unless bits_global, packed elements) or value part into stage `st`.
+// A pair's key part (bits unless bits_global, packed elements [e0, e1)) or value part into stage `st`.
 template <typename T, bool KEYS>
-__device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh, int blk, int nblk) {
+__device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh, int blk, int nblk, int64_t e0, int64_t e1) {
   const Stage<T> L(p);
   constexpr int EPV = 16 / sizeof(T);
-  const int64_t g = bh * p.NB + blk;
   if (!p.bits_global) {
     if (KEYS) {
       const int tok0 = blk * 64;
@@ -334,11 +333,15 @@ __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh
       for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
     }
   }
-  const int64_t* off = KEYS ? p.koff : p.voff;
-  const int64_t e0 = off[g], e1 = off[g + nblk];
   T* dst = reinterpret_cast<T*>(st + (KEYS ? L.ks : L.vs));
   const T* src = reinterpret_cast<const T*>(KEYS ? p.knz : p.vnz) + e0;
   for (int i = threadIdx.x * EPV; i < (int)(e1 - e0); i += THREADS * EPV) cp16(dst + i, src + i);
+}
+
+template <typename T, bool KEYS>
+__device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh, int blk, int nblk) {
+  const int64_t* off = (KEYS ? p.koff : p.voff) + bh * p.NB + blk;
+  stage_half<T, KEYS>(p, st, bh, blk, nblk, off[0], off[nblk]);
 }
 
 // The split's blocks [b0, b1) (none for the window program, split == S), its first pair requested
@@ -353,6 +356,11 @@ __device__ __forceinline__ int2 stage_first_pair(const Params& p, char* st, int6
   cp_commit();
   return make_int2(b0, b1);
 }
+
+// The first block's run in a pair's stage: its element count (the low half of a packed scan total)
+// padded to 16 bytes (8 elements of a 16-bit cache), as the layout stores it (validated), so that
+// no offset is read from global memory between a pair's barriers.
+__device__ __forceinline__ int padded_run(int packed_total) { return ((packed_total & 0xffff) + 7) & ~7; }
 
 // One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
 // max / sum updated, alpha[r] = rescale factor of the old accumulator.
@@ -445,7 +453,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       }
       int total;
       const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
-      int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + (int)(p.koff[bh * p.NB + blk + 1] - p.koff[bh * p.NB + blk]);
+      int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + padded_run(total);
       float s[NR];
 #pragma unroll
       for (int r = 0; r < NR; ++r) s[r] = 0.f;
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       }
       const int vpacked = block_excl_scan(vc, scratch, &total);
       int p0 = vpacked & 0xffff;
-      int p1 = (vpacked >> 16) + (int)(p.voff[bh * p.NB + blk + 1] - p.voff[bh * p.NB + blk]);
+      int p1 = (vpacked >> 16) + padded_run(total);
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
 #pragma unroll

@@ -221,6 +221,11 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
     for (int blk = b0; blk < b1; blk += 2) {
       const int nblk = min(2, b1 - blk);
       const int nnext = min(2, b1 - blk - 2);
+      int64_t next[4] = {0, 0, 0, 0};  // the next pair's key and value runs, loaded while this pair waits
+      if (nnext > 0) {
+        const int64_t g = bh * p.NB + blk + 2;
+        next[0] = p.koff[g]; next[1] = p.koff[g + nnext]; next[2] = p.voff[g]; next[3] = p.voff[g + nnext];
+      }
       cp_wait_one();  // this pair's keys
       __syncthreads();
       const int ntok = min(nblk * 64, p.Tc - blk * 64);
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
         for (int i = 0; i < 4; ++i) { h[i] = has ? kb[tid * 4 + i] : 0u; cnt += __popc(h[i]); }
         int total;
         const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
-        int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + (int)(p.koff[bh * p.NB + blk + 1] - p.koff[bh * p.NB + blk]);
+        int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + padded_run(total);
 #pragma unroll
         for (int i = 0; i < 4; ++i) { kst[tid * 4 + i] = pos; kwd[tid * 4 + i] = h[i]; pos += __popc(h[i]); }
       }
@@ -255,7 +260,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { vw[mt][hf].step(s, lut, lo, hi); },
           [&](int t) { return t < ntok; },
           [&] {
-            if (nnext > 0) stage_half<T, true>(p, st, bh, blk + 2, nnext);  // key part free: next keys
+            if (nnext > 0) stage_half<T, true>(p, st, bh, blk + 2, nnext, next[0], next[1]);  // key part free: next keys
             cp_commit();
           },
           [&] {
@@ -266,7 +271,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
               int total;
               const int packed = block_excl_scan(__popcll(x0) + (__popcll(x1) << 16), scratch, &total);
               const int p0 = packed & 0xffff;
-              const int p1 = (packed >> 16) + (int)(p.voff[bh * p.NB + blk + 1] - p.voff[bh * p.NB + blk]);
+              const int p1 = (packed >> 16) + padded_run(total);
               vst[tid * 4 + 0] = p0;
               vst[tid * 4 + 1] = p0 + __popc((unsigned)x0);
               vst[tid * 4 + 2] = p1;
@@ -284,7 +289,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
               }
           });
       __syncthreads();
-      if (nnext > 0) stage_half<T, false>(p, st, bh, blk + 2, nnext);
+      if (nnext > 0) stage_half<T, false>(p, st, bh, blk + 2, nnext, next[2], next[3]);
       cp_commit();
     }
     cp_wait_all();
