@@ -35,8 +35,8 @@ Backends:
 
 Measured on the H100 (docs/benchmarks/attention.json, limits in docs/benchmarks.md): faster than
 cuBLAS q.K^T + P.V and FlashInfer at 50% and 70% sparsity from batch 8 / 4k tokens on (batch 8 /
-32k: 1.31x and 1.56x cuBLAS); both walks are bound by instruction issue and the shared-memory
-pipe, not bytes.
+32k: 1.35x and 1.61x cuBLAS); both walks are bound by the shared-memory pipe and instruction
+issue, not bytes.
 """
 
 from __future__ import annotations
