@@ -357,10 +357,15 @@ __device__ __forceinline__ int2 stage_first_pair(const Params& p, char* st, int6
   return make_int2(b0, b1);
 }
 
-// The first block's run in a pair's stage: its element count (the low half of a packed scan total)
-// padded to 16 bytes (8 elements of a 16-bit cache), as the layout stores it (validated), so that
-// no offset is read from global memory between a pair's barriers.
-__device__ __forceinline__ int padded_run(int packed_total) { return ((packed_total & 0xffff) + 7) & ~7; }
+// Where a thread's runs start in a pair's stage, in elements: (first block, second block), from its
+// element counts in the two blocks packed as c0 + (c1 << 16), by one block-wide scan of both. The
+// second block's runs follow the first block's run padded to 16 bytes (8 elements of a 16-bit
+// cache), as the layout stores it (validated), so no offset is read from global memory here.
+__device__ __forceinline__ int2 pair_run_starts(int packed_counts, int* scratch) {
+  int total;
+  const int packed = block_excl_scan(packed_counts, scratch, &total);
+  return make_int2(packed & 0xffff, (packed >> 16) + (((total & 0xffff) + 7) & ~7));
+}
 
 // One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
 // max / sum updated, alpha[r] = rescale factor of the old accumulator.
@@ -451,9 +456,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         h[i] = has_tok && i < 2 * p.DT ? reinterpret_cast<const unsigned*>(kb)[tid * 2 * p.DT + i] : 0u;
         cnt += __popc(h[i]);
       }
-      int total;
-      const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
-      int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + padded_run(total);
+      const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch);
+      int pos = tid < 64 ? starts.x : starts.y;
       float s[NR];
 #pragma unroll
       for (int r = 0; r < NR; ++r) s[r] = 0.f;
@@ -478,9 +482,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         w1[i] = c < p.D && nblk > 1 ? vb[p.D + c] : 0;
         vc += __popcll(w0[i]) + (__popcll(w1[i]) << 16);
       }
-      const int vpacked = block_excl_scan(vc, scratch, &total);
-      int p0 = vpacked & 0xffff;
-      int p1 = (vpacked >> 16) + padded_run(total);
+      const int2 vstarts = pair_run_starts(vc, scratch);
+      int p0 = vstarts.x, p1 = vstarts.y;
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
 #pragma unroll

@@ -236,9 +236,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
         int cnt = 0;
 #pragma unroll
         for (int i = 0; i < 4; ++i) { h[i] = has ? kb[tid * 4 + i] : 0u; cnt += __popc(h[i]); }
-        int total;
-        const int packed = block_excl_scan(tid < 64 ? cnt : cnt << 16, scratch, &total);
-        int pos = tid < 64 ? (packed & 0xffff) : (packed >> 16) + padded_run(total);
+        const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch);
+        int pos = tid < 64 ? starts.x : starts.y;
 #pragma unroll
         for (int i = 0; i < 4; ++i) { kst[tid * 4 + i] = pos; kwd[tid * 4 + i] = h[i]; pos += __popc(h[i]); }
       }
@@ -268,10 +267,8 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
             __syncthreads();
             {  // value tiles: thread = channel; run starts of its four 32-token words
               const uint64_t x0 = vb[tid], x1 = nblk > 1 ? vb[p.D + tid] : 0;
-              int total;
-              const int packed = block_excl_scan(__popcll(x0) + (__popcll(x1) << 16), scratch, &total);
-              const int p0 = packed & 0xffff;
-              const int p1 = (packed >> 16) + padded_run(total);
+              const int2 starts = pair_run_starts(__popcll(x0) + (__popcll(x1) << 16), scratch);
+              const int p0 = starts.x, p1 = starts.y;
               vst[tid * 4 + 0] = p0;
               vst[tid * 4 + 1] = p0 + __popc((unsigned)x0);
               vst[tid * 4 + 2] = p1;
