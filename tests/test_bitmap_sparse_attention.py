@@ -148,7 +148,8 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         scalar = [dict(half_tables=ht, bits_global=bg) for ht, bg in ((True, False), (False, False), (True, True))]
         scalar += [dict(paired=pr) for pr in (True, False)]  # values one or two at a time
         scalar.append(dict(accumulate="fp16"))  # fp16 per-word sums (bfloat16 caches keep fp32)
-        runs = [("triton", {}), ("cuda", {}), ("cuda", dict(tensor_cores=True))] + [("cuda", dict(k, tensor_cores=False)) for k in scalar]
+        mma = [dict(tensor_cores=True, bulk_copies=bulk) for bulk in (False, True)]  # staged by cp.async, by bulk copies
+        runs = [("triton", {}), ("cuda", {})] + [("cuda", k) for k in mma] + [("cuda", dict(k, tensor_cores=False)) for k in scalar]
         for backend, knobs in runs:
             out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
             assert bool(torch.isfinite(out).all())
@@ -169,11 +170,30 @@ def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     ref_out, ref_lse = sparse_attention_reference(q, cache)
     knobs_list = [dict(paired=False), dict(paired=True), dict(accumulate="fp16")]
     if d == 128:  # the scalar walk forced (short launches take the tensor cores), then the tensor cores: 12 query rows take two programs
-        knobs_list = [dict(k, tensor_cores=False) for k in knobs_list] + [dict(tensor_cores=True)]
+        knobs_list = [dict(k, tensor_cores=False) for k in knobs_list] + [dict(tensor_cores=True, bulk_copies=bulk) for bulk in (False, True)]
     for knobs in knobs_list:
         out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits, **knobs)
         assert rel_l2(out, ref_out) < 1e-2, knobs
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_bulk_copies_on_sm90_in_long_launches():
+    from kvtool.kernels.bitmap_sparse_attention import use_bulk_copies
+
+    assert use_bulk_copies(64 * 256, (9, 0)) and not use_bulk_copies(64 * 256, (8, 0))  # batch 8 / 32k
+    assert not use_bulk_copies(64 * 32, (9, 0)) and not use_bulk_copies(8 * 256, (9, 0))  # batch 8 / 4k, batch 1 / 32k
+    assert use_bulk_copies(1, (9, 0), bulk_copies=True) and not use_bulk_copies(10**6, (9, 0), bulk_copies=False)
+    with pytest.raises(UsageError, match="sm_90"):
+        use_bulk_copies(1, (8, 6), bulk_copies=True)
+
+
+def test_window_walk_for_dense_stages_with_bulk_copies():
+    from kvtool.kernels.bitmap_sparse_attention import WALK_MMA, WALK_MMA_WINDOW, mma_walk
+
+    full = 2 * 64 * 128
+    assert mma_walk(full // 2, 100, 128, bulk=True) == WALK_MMA_WINDOW  # 50% sparsity
+    assert mma_walk(128 * 38, 128 * 38, 128, bulk=True) == WALK_MMA  # 70%
+    assert mma_walk(full, full, 128, bulk=False) == WALK_MMA  # cp.async staging keeps the word walk
 
 
 def test_walk_mode_pairs_values_from_40_percent_density():

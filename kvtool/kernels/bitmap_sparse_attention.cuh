@@ -150,8 +150,9 @@ __device__ __forceinline__ bool take_two(unsigned& w, unsigned& b0, unsigned& b1
 //   WALK_F16    as WALK_PAIRED, each word's products summed by half2 FMAs (float16 caches; bfloat16
 //               ones take WALK_PAIRED) and added to the fp32 sums once per word: 2 instead of 9
 //               arithmetic instructions per element.
-//   WALK_MMA    the tensor-core walk of bitmap_sparse_attention_mma.cuh (head_dim 128).
-enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2, WALK_MMA = 3 };
+//   WALK_MMA    the tensor-core walk of bitmap_sparse_attention_mma.cuh (head_dim 128);
+//   WALK_MMA_WINDOW  the same, reading each run through a two-word window (dense stages).
+enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2, WALK_MMA = 3, WALK_MMA_WINDOW = 4 };
 
 template <typename T>
 __device__ __forceinline__ float bits_to_f(unsigned short x) {
@@ -300,7 +301,7 @@ struct Params {
   const void* q; const uint64_t* kbm; const void* knz; const int64_t* koff;
   const uint64_t* vbm; const void* vnz; const int64_t* voff; const void* wk; const void* wv;
   float* acc; float* m; float* l;
-  float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables, walk, bits_global;
+  float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables, walk, bits_global, bulk;
 };
 
 // One shared-memory stage: key bits [PAIR * DT] and value bits [2 * D] (unless bits_global: then

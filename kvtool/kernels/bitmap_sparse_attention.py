@@ -245,6 +245,8 @@ TENSOR_CORE_DENSITY = 0.25
 TENSOR_CORE_SHORT = 4096  # pairs of blocks in a whole launch (KV heads x pairs per head)
 MMA_ROWS = 8  # query rows per program of the tensor-core walk (the mma's N)
 WALK_MMA = 3
+WALK_MMA_WINDOW = 4  # the tensor-core walk reading each run through a two-word window
+WINDOW_DENSITY = 0.4
 
 
 def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | None = None, bits_global: bool = False,
@@ -268,6 +270,30 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     return bool(tensor_cores)
 
 
+def use_bulk_copies(launch_pairs: int, capability: tuple[int, int], bulk_copies: bool | None = None) -> bool:
+    """Whether the tensor-core walk stages its pairs with bulk copies (``cp.async.bulk``, sm_90+: one
+    thread, one mbarrier per half) instead of cp.async by every thread. None: on sm_90+ when the
+    launch walks more than ``TENSOR_CORE_SHORT`` pairs of blocks. Bulk copies drop the staging's
+    per-thread address arithmetic, but their loads land later: on the H100 they take batch 8 / 32k
+    at 70% sparsity from 242 to 220 us and batch 32 from 888 to 780 us, while the short launches of
+    batch 8 / 4k (43 -> 47 us) and batch 1 / 32k (46 -> 49 us) are slower (docs/benchmarks.md)."""
+    able = tuple(capability) >= (9, 0)
+    if bulk_copies and not able:
+        raise UsageError(f"bulk copies need an sm_90 or newer GPU (this one is sm_{capability[0]}{capability[1]})")
+    if bulk_copies is None:
+        return able and launch_pairs > TENSOR_CORE_SHORT
+    return bool(bulk_copies)
+
+
+def mma_walk(kcap: int, vcap: int, head_dim: int, bulk: bool) -> int:
+    """The tensor-core walk's mode: ``WALK_MMA_WINDOW`` (with bulk staging, where it was measured)
+    when the densest pair of blocks (:func:`stage_capacity`) stores at least ``WINDOW_DENSITY`` of
+    its elements, else ``WALK_MMA``. The window reads each staged word once per walk instead of once
+    per nibble that touches it, for more instructions: on the H100 at batch 8 / 32k it takes 50%
+    sparsity from 278 to 270 us but 70% from 220 to 230 us (docs/benchmarks.md)."""
+    return WALK_MMA_WINDOW if bulk and max(kcap, vcap) >= WINDOW_DENSITY * 2 * TILE * head_dim else WALK_MMA
+
+
 def bitmap_sparse_attention(
     q: torch.Tensor,
     cache: BitmapCache,
@@ -283,6 +309,7 @@ def bitmap_sparse_attention(
     num_warps: int = 4,
     accumulate: str = "fp32",
     tensor_cores: bool | None = None,
+    bulk_copies: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
     window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). ``validate=False`` trusts
@@ -298,7 +325,8 @@ def bitmap_sparse_attention(
     head_dim 128): the tensor-core walk (True), the scalar one (False) or :func:`use_tensor_cores`'s
     choice (None); the tensor-core walk serves 8 query rows per program (``rows_per_program`` and
     ``accumulate`` apply to the scalar walk) and sums in fp32 (about 1e-4 relative error on random
-    float16 data, 1e-3 on bfloat16, whose probabilities it rounds to bfloat16 as FlashAttention does)."""
+    float16 data, 1e-3 on bfloat16, whose probabilities it rounds to bfloat16 as FlashAttention does);
+    ``bulk_copies`` (cuda, tensor-core walk, sm_90+): how it stages the cache, :func:`use_bulk_copies`."""
     check_query(q, cache)
     check_device(q=q)
     if cache.version != LAYOUT_V2:
@@ -321,7 +349,9 @@ def bitmap_sparse_attention(
         return out, lse
     if which == "cuda":
         kcap, vcap = stage_capacity(cache) if capacity is None else capacity
-        mma = use_tensor_cores(kcap, vcap, d, tensor_cores, bits_global, launch_pairs=bh * -(-nb // 2))
+        launch_pairs = bh * -(-nb // 2)
+        mma = use_tensor_cores(kcap, vcap, d, tensor_cores, bits_global, launch_pairs=launch_pairs)
+        bulk = mma and use_bulk_copies(launch_pairs, torch.cuda.get_device_capability(q.device), bulk_copies)
         nr = MMA_ROWS if mma else rows_per_program or min(8, triton.next_power_of_2(rows))
         if nr not in (1, 2, 4, 8):
             raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")
@@ -345,11 +375,12 @@ def bitmap_sparse_attention(
     wk = cache.window_keys.contiguous() if w else empty
     wv = cache.window_values.contiguous() if w else empty
     if which == "cuda":
-        knz = knz if knz.data_ptr() % 16 == 0 else knz.clone()
-        vnz = vnz if vnz.data_ptr() % 16 == 0 else vnz.clone()
+        # the stage is copied in 16-byte units (cp.async, bulk copies): 16-byte aligned sources
+        knz, vnz, kbm, vbm = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (knz, vnz, k.bitmaps, v.bitmaps))
         _cuda_extension().bitmap_sparse_attention(
-            qc.view(bh, rows, d), k.bitmaps, knz, k.offsets, v.bitmaps, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, int(half_tables), WALK_MMA if mma else walk_mode(kcap, vcap, d, accumulate, paired), int(bits_global), torch.cuda.current_stream(q.device).cuda_stream,
+            qc.view(bh, rows, d), kbm, knz, k.offsets, vbm, vnz, v.offsets, wk, wv, acc, m, l,
+            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, int(half_tables), mma_walk(kcap, vcap, d, bulk) if mma else walk_mode(kcap, vcap, d, accumulate, paired), int(bits_global), int(bulk),
+            torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
         use_asm = q.is_cuda and not interpreting()
