@@ -187,11 +187,11 @@ def test_bulk_copies_on_sm90_in_long_launches():
         use_bulk_copies(1, (8, 6), bulk_copies=True)
 
 
-def test_window_walk_for_dense_stages_with_bulk_copies():
-    from kvtool.kernels.bitmap_sparse_attention import WALK_MMA, WALK_MMA_WINDOW, mma_walk
+def test_buffered_walk_for_dense_stages_with_bulk_copies():
+    from kvtool.kernels.bitmap_sparse_attention import WALK_MMA, WALK_MMA_BUFFERED, mma_walk
 
     full = 2 * 64 * 128
-    assert mma_walk(full // 2, 100, 128, bulk=True) == WALK_MMA_WINDOW  # 50% sparsity
+    assert mma_walk(full // 2, 100, 128, bulk=True) == WALK_MMA_BUFFERED  # 50% sparsity
     assert mma_walk(128 * 38, 128 * 38, 128, bulk=True) == WALK_MMA  # 70%
     assert mma_walk(full, full, 128, bulk=False) == WALK_MMA  # cp.async staging keeps the word walk
 

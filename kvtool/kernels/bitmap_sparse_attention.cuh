@@ -18,7 +18,8 @@
 // by kvtool's Triton merge kernel.
 // Bound (docs/benchmarks.md): instruction issue and the shared-memory pipe together (the gathers
 // land on random banks), not DRAM bytes. The tensor-core walk (bitmap_sparse_attention_mma.cuh)
-// shares the staging, the scans and the split layout.
+// shares the stage layout, the scans and the split layout; in long launches on sm_90 it stages
+// with bulk copies instead.
 
 #pragma once
 #include <cuda_runtime.h>
@@ -151,8 +152,8 @@ __device__ __forceinline__ bool take_two(unsigned& w, unsigned& b0, unsigned& b1
 //               ones take WALK_PAIRED) and added to the fp32 sums once per word: 2 instead of 9
 //               arithmetic instructions per element.
 //   WALK_MMA    the tensor-core walk of bitmap_sparse_attention_mma.cuh (head_dim 128);
-//   WALK_MMA_WINDOW  the same, reading each run through a two-word window (dense stages).
-enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2, WALK_MMA = 3, WALK_MMA_WINDOW = 4 };
+//   WALK_MMA_BUFFERED  the same, reading each run through a two-word buffer (dense stages).
+enum Walk { WALK_F32 = 0, WALK_PAIRED = 1, WALK_F16 = 2, WALK_MMA = 3, WALK_MMA_BUFFERED = 4 };
 
 template <typename T>
 __device__ __forceinline__ float bits_to_f(unsigned short x) {

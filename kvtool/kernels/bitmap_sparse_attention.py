@@ -245,8 +245,8 @@ TENSOR_CORE_DENSITY = 0.25
 TENSOR_CORE_SHORT = 4096  # pairs of blocks in a whole launch (KV heads x pairs per head)
 MMA_ROWS = 8  # query rows per program of the tensor-core walk (the mma's N)
 WALK_MMA = 3
-WALK_MMA_WINDOW = 4  # the tensor-core walk reading each run through a two-word window
-WINDOW_DENSITY = 0.4
+WALK_MMA_BUFFERED = 4  # the tensor-core walk reading each run through a two-word buffer
+BUFFERED_DENSITY = 0.4
 
 
 def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | None = None, bits_global: bool = False,
@@ -258,8 +258,8 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     ``TENSOR_CORE_SHORT`` pairs of blocks (``launch_pairs``: KV heads x pairs per head). The tensor
     cores' cost per dense element does not depend on the density, the scalar walk's follows the
     stored elements; and a short launch is bound by the latency of each program, which the tensor
-    cores shorten. On the H100 at batch 8 / 32k it takes 0.71x the scalar walk's time at 50%
-    sparsity, 0.98x at 70% (1.0x at batch 32) and 1.13x at 80% (docs/benchmarks.md)."""
+    cores shorten. On the H100 at batch 8 / 32k (bulk copies) it takes 0.78x the scalar walk's time
+    at 75% sparsity, 1.01x at 80% (1.03x at batch 32) and 1.27x at 90% (docs/benchmarks.md)."""
     eligible = head_dim == 128 and not bits_global
     if tensor_cores and not eligible:
         raise UsageError("the tensor-core walk serves head_dim 128 with staged bitmaps (bits_global=False)")
@@ -286,12 +286,12 @@ def use_bulk_copies(launch_pairs: int, capability: tuple[int, int], bulk_copies:
 
 
 def mma_walk(kcap: int, vcap: int, head_dim: int, bulk: bool) -> int:
-    """The tensor-core walk's mode: ``WALK_MMA_WINDOW`` (with bulk staging, where it was measured)
-    when the densest pair of blocks (:func:`stage_capacity`) stores at least ``WINDOW_DENSITY`` of
-    its elements, else ``WALK_MMA``. The window reads each staged word once per walk instead of once
+    """The tensor-core walk's mode: ``WALK_MMA_BUFFERED`` (with bulk staging, where it was measured)
+    when the densest pair of blocks (:func:`stage_capacity`) stores at least ``BUFFERED_DENSITY`` of
+    its elements, else ``WALK_MMA``. The buffer reads each staged word once per walk instead of once
     per nibble that touches it, for more instructions: on the H100 at batch 8 / 32k it takes 50%
     sparsity from 278 to 270 us but 70% from 220 to 230 us (docs/benchmarks.md)."""
-    return WALK_MMA_WINDOW if bulk and max(kcap, vcap) >= WINDOW_DENSITY * 2 * TILE * head_dim else WALK_MMA
+    return WALK_MMA_BUFFERED if bulk and max(kcap, vcap) >= BUFFERED_DENSITY * 2 * TILE * head_dim else WALK_MMA
 
 
 def bitmap_sparse_attention(

@@ -82,10 +82,10 @@ struct WordWalk {
   }
 };
 
-// The same walk through a two-word window of the run (r0, r1: the words at a & ~3 and the next),
+// The same walk through a two-word buffer of the run (r0, r1: the words at a & ~3 and the next),
 // so that each staged word is read once per walk instead of once per nibble that touches it: 20%
-// fewer shared-memory requests for more instructions, a gain where the stage is dense (WINDOW).
-struct WindowWalk {
+// fewer shared-memory requests for more instructions, a gain where the stage is dense (BUFFERED).
+struct BufferedWalk {
   unsigned w, a;  // bits, shared byte address of the next stored element
   unsigned r0, r1;
   __device__ __forceinline__ void step(int s, const uint2* lut, unsigned& lo, unsigned& hi) {
@@ -94,7 +94,7 @@ struct WindowWalk {
     const unsigned m = w & (15u << (4 * s));
     const unsigned n = __popc(m);
     const uint2 sel = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + (s == 0 ? m << 3 : m >> (4 * s - 3)));
-    const unsigned t = (a & 3u) + 2u * n;  // bytes the nibble needs from the window's first word
+    const unsigned t = (a & 3u) + 2u * n;  // bytes the nibble needs from the buffer's first word
     unsigned r2 = a;  // the third word, read only when needed: a dead value otherwise, never selected
     asm volatile("{ .reg .pred p; setp.ge.u32 p, %1, 8; @p ld.shared.b32 %0, [%2+8]; }" : "+r"(r2) : "r"(t), "r"(a & ~3u));
     const unsigned x0 = bytes_from(r0, r1, a), x1 = bytes_from(r1, r2, a);
@@ -102,7 +102,7 @@ struct WindowWalk {
     const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);
     hi = prmt(z, 0u, sel.y);
     a += 2u * n;
-    if (s < 7) {  // slide the window to the word of the next element
+    if (s < 7) {  // slide the buffer to the word of the next element
       r0 = t >= 8 ? r2 : t >= 4 ? r1 : r0;
       asm volatile("{ .reg .pred p; setp.ge.u32 p, %1, 4; @p ld.shared.b32 %0, [%2+4]; }" : "+r"(r1) : "r"(t), "r"(a & ~3u));
     }
@@ -290,7 +290,7 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
   }
 }
 
-template <typename T, bool BULK, bool WINDOW>
+template <typename T, bool BULK, bool BUFFERED>
 __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Params p) {
   extern __shared__ __align__(16) char smem[];
   const int64_t bh = blockIdx.x;
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
       __syncthreads();
       const unsigned ksa = (unsigned)__cvta_generic_to_shared(st + L.ks);
       const unsigned vsa = (unsigned)__cvta_generic_to_shared(st + L.vs);
-      std::conditional_t<WINDOW, WindowWalk, WordWalk> kw[2][2], vw[2][2];
+      std::conditional_t<BUFFERED, BufferedWalk, WordWalk> kw[2][2], vw[2][2];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
           kw[mt][hf].a = ksa + 2u * kst[t * 4 + q];
         }
       const uint64_t* vb = reinterpret_cast<const uint64_t*>(st + L.vb);
-      mma_tile<T, BULK && !WINDOW>(qb, p.scale_log2, rows, o, red, pfrag,
+      mma_tile<T, BULK && !BUFFERED>(qb, p.scale_log2, rows, o, red, pfrag,
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { kw[mt][hf].step(s, lut, lo, hi); },
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { vw[mt][hf].step(s, lut, lo, hi); },
           [&](int t) { return t < ntok; },
@@ -427,7 +427,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
     const unsigned short* wv = reinterpret_cast<const unsigned short*>(p.wv) + (size_t)bh * p.W * p.D;
     __syncthreads();  // the nibble table (unused here) and a clean start
     for (int w0 = 0; w0 < p.W; w0 += PAIR) {
-      mma_tile<T, BULK && !WINDOW>(qb, p.scale_log2, rows, o, red, pfrag,
+      mma_tile<T, BULK && !BUFFERED>(qb, p.scale_log2, rows, o, red, pfrag,
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) {
             const int t = w0 + 32 * warp + 16 * mt + 8 * hf + g;
             const uint2 x = t < p.W ? *reinterpret_cast<const uint2*>(wk + (size_t)t * p.D + 32 * q + 4 * s) : make_uint2(0u, 0u);
@@ -479,9 +479,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
 
 template <typename T>
 void launch_mma(const Params& p, dim3 grid, size_t stage, cudaStream_t stream) {
-  // window walks stage in bulk (where they were measured)
+  // buffered walks stage in bulk (where they were measured)
   auto kern = !p.bulk ? bitmap_sparse_attention_mma_kernel<T, false, false>
-              : p.walk == WALK_MMA_WINDOW ? bitmap_sparse_attention_mma_kernel<T, true, true> : bitmap_sparse_attention_mma_kernel<T, true, false>;
+              : p.walk == WALK_MMA_BUFFERED ? bitmap_sparse_attention_mma_kernel<T, true, true> : bitmap_sparse_attention_mma_kernel<T, true, false>;
   const size_t smem = mma_head_bytes(p.bulk) + stage + 16;  // a nibble's first word may lie past the last run
   if (smem > 48 * 1024) check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<grid, THREADS, smem, stream>>>(p);
