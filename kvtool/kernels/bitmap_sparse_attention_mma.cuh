@@ -52,31 +52,41 @@ __device__ __forceinline__ unsigned bytes_from(unsigned lo, unsigned hi, unsigne
   return d;
 }
 
-// Four dense elements (lo: elements 0, 1; hi: 2, 3) of a nibble whose stored elements are the
-// shared bytes [a, end); sel = its table entry. At most three 32-bit loads, one per word the run
-// touches. A word the run does not touch is not read: its register keeps a dead value (the byte
-// count, the address), whose bytes the selectors never pick, so that no instruction zeroes it.
+// Four dense elements (lo: elements 0, 1; hi: 2, 3) of a nibble from the eight bytes x0, x1 that
+// start at its first stored element; sel = its table entry.
+__device__ __forceinline__ void select4(unsigned x0, unsigned x1, uint2 sel, unsigned& lo, unsigned& hi) {
+  lo = prmt(x0, 0u, sel.x);
+  const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);  // from the third bit's element
+  hi = prmt(z, 0u, sel.y);
+}
+
+// Four dense elements of a nibble whose stored elements are the shared bytes [a, end). At most
+// three 32-bit loads, one per word the run touches. A word the run does not touch is not read: its
+// register keeps a dead value (the byte count, the address), whose bytes the selectors never pick,
+// so that no instruction zeroes it.
 __device__ __forceinline__ void expand4(unsigned a, unsigned end, uint2 sel, unsigned& lo, unsigned& hi) {
   const unsigned base = a & ~3u;
   unsigned w0, w1 = end - base, w2 = base;  // w1: the bytes needed from base
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(w0) : "r"(base));  // most nibbles need it: no predicate
   asm volatile("{ .reg .pred p, q; setp.gt.u32 p, %0, 4; setp.gt.u32 q, %0, 8;\n"
                " @p ld.shared.b32 %0, [%1+4]; @q ld.shared.b32 %1, [%1+8]; }" : "+r"(w1), "+r"(w2));
-  const unsigned x0 = bytes_from(w0, w1, a), x1 = bytes_from(w1, w2, a);
-  lo = prmt(x0, 0u, sel.x);
-  const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);  // from the third bit's element
-  hi = prmt(z, 0u, sel.y);
+  select4(bytes_from(w0, w1, a), bytes_from(w1, w2, a), sel, lo, hi);
+}
+
+// Nibble s of bitmap word w: its stored elements (n) and its selector-table entry. A table load
+// (selectors by ALU were 16% slower); the byte offset of entry m >> 4s is m shifted by one instruction.
+__device__ __forceinline__ uint2 nibble_entry(unsigned w, int s, const uint2* lut, unsigned& n) {
+  const unsigned m = w & (15u << (4 * s));  // the nibble in place
+  n = __popc(m);
+  return *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + (s == 0 ? m << 3 : m >> (4 * s - 3)));
 }
 
 // Walks the nibbles of one bitmap word: k-step s gives the dense elements 4s .. 4s + 3.
 struct WordWalk {
   unsigned w, a;  // bits, shared byte address of the next stored element
   __device__ __forceinline__ void step(int s, const uint2* lut, unsigned& lo, unsigned& hi) {
-    const unsigned m = w & (15u << (4 * s));  // the nibble in place
-    const unsigned n = __popc(m);
-    // a table load (selectors by ALU were 16% slower); the byte offset of entry m >> 4s is m
-    // shifted by one instruction
-    const uint2 sel = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + (s == 0 ? m << 3 : m >> (4 * s - 3)));
+    unsigned n;
+    const uint2 sel = nibble_entry(w, s, lut, n);
     expand4(a, a + 2u * n, sel, lo, hi);
     a += 2u * n;
   }
@@ -91,16 +101,12 @@ struct BufferedWalk {
   __device__ __forceinline__ void step(int s, const uint2* lut, unsigned& lo, unsigned& hi) {
     if (s == 0)
       asm volatile("ld.shared.b32 %0, [%2]; ld.shared.b32 %1, [%2+4];" : "=r"(r0), "=r"(r1) : "r"(a & ~3u));
-    const unsigned m = w & (15u << (4 * s));
-    const unsigned n = __popc(m);
-    const uint2 sel = *reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(lut) + (s == 0 ? m << 3 : m >> (4 * s - 3)));
+    unsigned n;
+    const uint2 sel = nibble_entry(w, s, lut, n);
     const unsigned t = (a & 3u) + 2u * n;  // bytes the nibble needs from the buffer's first word
     unsigned r2 = a;  // the third word, read only when needed: a dead value otherwise, never selected
     asm volatile("{ .reg .pred p; setp.ge.u32 p, %1, 8; @p ld.shared.b32 %0, [%2+8]; }" : "+r"(r2) : "r"(t), "r"(a & ~3u));
-    const unsigned x0 = bytes_from(r0, r1, a), x1 = bytes_from(r1, r2, a);
-    lo = prmt(x0, 0u, sel.x);
-    const unsigned z = __funnelshift_rc(x0, x1, sel.x >> 16);
-    hi = prmt(z, 0u, sel.y);
+    select4(bytes_from(r0, r1, a), bytes_from(r1, r2, a), sel, lo, hi);
     a += 2u * n;
     if (s < 7) {  // slide the buffer to the word of the next element
       r0 = t >= 8 ? r2 : t >= 4 ? r1 : r0;
