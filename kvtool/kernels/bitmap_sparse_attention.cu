@@ -10,7 +10,8 @@ extern template void bsa::launch_mma<__nv_bfloat16>(const Params&, dim3, size_t,
 
 // q [BH, R, D]; kbm int64 [BH, Tc, DT]; vbm int64 [BH, NB, D]; offsets int64; window [BH, W, D];
 // acc float [BH, S+1, RP, DP]; m, l float [BH, S+1, RP]. nr in {1, 2, 4, 8}: rows per program;
-// bulk: the tensor-core walk stages with bulk copies (sm_90); stream: the cudaStream_t to launch on (torch's current stream, from Python).
+// bulk: the tensor-core walk stages with bulk copies (sm_90); stream: the cudaStream_t to launch on
+// (torch's current stream, from Python).
 void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor knz, torch::Tensor koff,
                              torch::Tensor vbm, torch::Tensor vnz, torch::Tensor voff, torch::Tensor wk, torch::Tensor wv,
                              torch::Tensor acc, torch::Tensor m, torch::Tensor l, double scale_log2,

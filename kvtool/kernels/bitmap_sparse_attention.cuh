@@ -346,12 +346,18 @@ __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh
   stage_half<T, KEYS>(p, st, bh, blk, nblk, off[0], off[nblk]);
 }
 
-// The split's blocks [b0, b1) (none for the window program, split == S), its first pair requested
-// (keys, then values: two load groups) before the caller reads its query rows, so the waits overlap.
+// The blocks [b0, b1) of a split (none for the window program, split == S).
+__device__ __forceinline__ int2 split_blocks(const Params& p, int split) {
+  const int b0 = split * p.BPS;
+  return make_int2(b0, split < p.S ? min(p.NB, b0 + p.BPS) : b0);
+}
+
+// The split's blocks, its first pair requested (keys, then values: two load groups) before the
+// caller reads its query rows, so the waits overlap.
 template <typename T>
 __device__ __forceinline__ int2 stage_first_pair(const Params& p, char* st, int64_t bh, int split) {
-  const int b0 = split * p.BPS;
-  const int b1 = split < p.S ? min(p.NB, b0 + p.BPS) : b0;
+  const int2 range = split_blocks(p, split);
+  const int b0 = range.x, b1 = range.y;
   if (b0 < b1) stage_half<T, true>(p, st, bh, b0, min(2, b1 - b0));
   cp_commit();
   if (b0 < b1) stage_half<T, false>(p, st, bh, b0, min(2, b1 - b0));

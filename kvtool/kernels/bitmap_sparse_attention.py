@@ -35,7 +35,7 @@ Backends:
 
 Measured on the H100 (docs/benchmarks/attention.json, limits in docs/benchmarks.md): faster than
 cuBLAS q.K^T + P.V and FlashInfer at 50% and 70% sparsity from batch 8 / 4k tokens on (batch 8 /
-32k: 1.35x and 1.61x cuBLAS); both walks are bound by the shared-memory pipe and instruction
+32k: 1.44x and 1.81x cuBLAS); both walks are bound by the shared-memory pipe and instruction
 issue, not bytes.
 """
 
@@ -229,6 +229,12 @@ def plan_splits(programs: int, blocks: int, wave: int) -> int:
 PAIRED_DENSITY = 0.4
 
 
+def stage_density(kcap: int, vcap: int, head_dim: int) -> float:
+    """The fraction of its elements that the densest pair of blocks stores (:func:`stage_capacity`'s
+    ``kcap``, ``vcap`` over the 2 x 64 x head_dim elements of a pair): what the walk choices test."""
+    return max(kcap, vcap) / (2 * TILE * head_dim)
+
+
 def walk_mode(kcap: int, vcap: int, head_dim: int, accumulate: str = "fp32", paired: bool | None = None) -> int:
     """The CUDA walk (``Walk`` in :file:`bitmap_sparse_attention.cuh`): 2 for fp16 sums, else 1
     (values read as aligned pairs) when ``paired`` or, for None, when the densest pair of blocks
@@ -237,7 +243,7 @@ def walk_mode(kcap: int, vcap: int, head_dim: int, accumulate: str = "fp32", pai
     if accumulate == "fp16":
         return 2
     if paired is None:
-        paired = max(kcap, vcap) >= PAIRED_DENSITY * 2 * TILE * head_dim
+        paired = stage_density(kcap, vcap, head_dim) >= PAIRED_DENSITY
     return int(bool(paired))
 
 
@@ -264,7 +270,7 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     if tensor_cores and not eligible:
         raise UsageError("the tensor-core walk serves head_dim 128 with staged bitmaps (bits_global=False)")
     if tensor_cores is None:
-        dense = max(kcap, vcap) >= TENSOR_CORE_DENSITY * 2 * TILE * head_dim
+        dense = stage_density(kcap, vcap, head_dim) >= TENSOR_CORE_DENSITY
         short = launch_pairs is not None and launch_pairs <= TENSOR_CORE_SHORT
         return eligible and (dense or short)
     return bool(tensor_cores)
@@ -291,7 +297,7 @@ def mma_walk(kcap: int, vcap: int, head_dim: int, bulk: bool) -> int:
     its elements, else ``WALK_MMA``. The buffer reads each staged word once per walk instead of once
     per nibble that touches it, for more instructions: on the H100 at batch 8 / 32k it takes 50%
     sparsity from 278 to 270 us but 70% from 220 to 230 us (docs/benchmarks.md)."""
-    return WALK_MMA_BUFFERED if bulk and max(kcap, vcap) >= BUFFERED_DENSITY * 2 * TILE * head_dim else WALK_MMA
+    return WALK_MMA_BUFFERED if bulk and stage_density(kcap, vcap, head_dim) >= BUFFERED_DENSITY else WALK_MMA
 
 
 def bitmap_sparse_attention(

@@ -317,8 +317,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
   // the split's blocks [b0, b1) (none for the window program), its first pair requested at once
   int b0, b1;
   if constexpr (BULK && BSA_BULK) {
-    b0 = split * p.BPS;
-    b1 = split < p.S ? min(p.NB, b0 + p.BPS) : b0;
+    const int2 range = split_blocks(p, split);
+    b0 = range.x;
+    b1 = range.y;
     if (tid == 0) {
       mbar_init(&bars[0]);
       mbar_init(&bars[1]);
