@@ -373,7 +373,7 @@ def stats(
     progress: Progress | None = None,
 ) -> StatsResult:
     """Statistics of a capture per layer and KV head (``kvtool stats``)."""
-    from kvtool.analysis.reports import stats_file  # deferred: start-up time (torch)
+    from kvtool.analysis.file_drivers import stats_file  # deferred: start-up time (torch)
     from kvtool.analysis.stats import StatsSettings  # deferred: start-up time (torch)
 
     src = _path(capture)

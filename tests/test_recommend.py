@@ -13,7 +13,7 @@ import torch
 from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.analysis.modelcheck import interval
-from kvtool.analysis.recommend import (
+from kvtool.analysis.allocation import (
     allocate,
     measure_sensitivity,
     menu,
@@ -126,7 +126,7 @@ def test_recommend_cli_no_model(sample_capture, tmp_path):
 @pytest.mark.model
 @pytest.mark.slow
 def test_recommend_with_model_beats_uniform(sample_capture, tmp_path):
-    from kvtool.analysis.advisor import recommend_capture
+    from kvtool.analysis.recommendation import recommend_capture
 
     res = recommend_capture(sample_capture, ["20%"], heldout=32, families=["quant", "evict"], use_texts=False, uniform_checks=1)
     b = res["budgets"][0]

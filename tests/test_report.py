@@ -12,7 +12,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from kvtool.cli import app
-from kvtool.analysis.report import SECTIONS
+from kvtool.analysis.html_report import SECTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = {

@@ -206,7 +206,7 @@ def _add_report(bench_app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.bench.report import markdown  # deferred: start-up time
+        from kvtool.bench.tables import markdown  # deferred: start-up time
         from kvtool.bench.runner import read_bench_json  # deferred: start-up time
         from kvtool.core import io  # deferred: start-up time
 

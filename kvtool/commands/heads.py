@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.analysis.reports import heads_file  # deferred: start-up time
+        from kvtool.analysis.file_drivers import heads_file  # deferred: start-up time
 
         for old, new, value in (("--k", "--top-k", k_old), ("--router-out", "--output", router_out_old), ("--plot", "--plot-output", plot_old)):
             if value is not None:

@@ -27,7 +27,7 @@ from kvtool.commands._common import (
 ORDER = 35
 SHORT_HELP = "Heatmaps, channel profiles, histograms, attention and head figures"
 
-# kvtool.analysis.plots.KINDS and the image types kvtool.analysis.reports.plot_file writes, named
+# kvtool.analysis.plots.KINDS and the image types kvtool.analysis.file_drivers.plot_file writes, named
 # here so that --help needs no torch or matplotlib (tests/test_cli.py checks they agree)
 KIND_NAMES = ("heatmap", "profile", "histogram", "outliers", "concentration", "heads")
 IMAGE_TYPES = ("png", "svg", "pdf")
@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.analysis.reports import plot_file  # deferred: start-up time
+        from kvtool.analysis.file_drivers import plot_file  # deferred: start-up time
         from kvtool.analysis.stats import StatsSettings  # deferred: start-up time
 
         if out_old is not None:

@@ -161,7 +161,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.analysis.advisor import recommend_capture  # deferred: start-up time
+        from kvtool.analysis.recommendation import recommend_capture  # deferred: start-up time
         from kvtool.formats.plan import save_plan  # deferred: start-up time
         from kvtool.core import io  # deferred: start-up time
 

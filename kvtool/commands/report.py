@@ -1,4 +1,4 @@
-"""``kvtool report``: one self-contained HTML report of a capture (see :mod:`kvtool.analysis.report`)."""
+"""``kvtool report``: one self-contained HTML report of a capture (see :mod:`kvtool.analysis.html_report`)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.analysis.report import build_report  # deferred: start-up time
+        from kvtool.analysis.html_report import build_report  # deferred: start-up time
         from kvtool.core import io  # deferred: start-up time
 
         if not capture.exists():

@@ -35,7 +35,7 @@ def _channels(chans: list[int], limit: int = 6) -> str:
 
 
 def print_stats(result: dict[str, Any]) -> None:
-    """The rich tables of :func:`kvtool.analysis.reports.stats_file`'s result."""
+    """The rich tables of :func:`kvtool.analysis.file_drivers.stats_file`'s result."""
     from kvtool.core.cache import format_indices  # deferred: start-up time
 
     m = result["model"]
@@ -163,7 +163,7 @@ def register(app: typer.Typer) -> None:
         quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
-        from kvtool.analysis.reports import stats_file  # deferred: start-up time
+        from kvtool.analysis.file_drivers import stats_file  # deferred: start-up time
         from kvtool.analysis.stats import StatsSettings  # deferred: start-up time
 
         settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)

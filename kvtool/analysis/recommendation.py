@@ -1,7 +1,7 @@
 """``kvtool recommend`` end to end: sensitivity -> plan per budget -> model-level check against the
 best uniform setting, over the capture's own continuation and held-out texts.
 
-:func:`recommend_capture` measures the capture's sensitivity once (:mod:`kvtool.analysis.recommend`), solves
+:func:`recommend_capture` measures the capture's sensitivity once (:mod:`kvtool.analysis.allocation`), solves
 the allocation for each budget, and (with the model) scores each plan and a shortlist of uniform
 settings that fit the same budget (the ``uniform_checks`` with the lowest predicted loss) on the
 capture's continuation; the uniform setting with the lowest NLL there is the *best uniform*. Plan
@@ -18,7 +18,7 @@ from typing import Any, Callable
 from kvtool.core import io
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
-from kvtool.analysis.recommend import allocate, measure_sensitivity, menu, parse_budget, uniform_options
+from kvtool.analysis.allocation import allocate, measure_sensitivity, menu, parse_budget, uniform_options
 from kvtool.core.cache import KVCache
 from kvtool.analysis.fidelity import dense_reference, model_fidelity
 from kvtool.formats.plan import compress_plan
@@ -67,7 +67,7 @@ def layer_weights(model: Any, cache, sens, heldout: int, probe: str = WEIGHT_PRO
 
 
 def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000, tries: int = 4) -> tuple[Plan, dict[str, float]]:
-    """:func:`~kvtool.analysis.recommend.allocate`, then compress the plan and count its bytes exactly (a KV
+    """:func:`~kvtool.analysis.allocation.allocate`, then compress the plan and count its bytes exactly (a KV
     head's bytes in the sensitivity table are its share of the layer's); when they exceed the budget,
     solve again with the budget lowered by the excess. ``predicted`` gains ``exact_bytes`` and
     ``exact_ratio``."""

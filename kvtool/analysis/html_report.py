@@ -43,7 +43,7 @@ outlier_ratios,
 token_mask,
 )
 from kvtool.core import io
-from kvtool.analysis.advisor import recommend_capture
+from kvtool.analysis.recommendation import recommend_capture
 from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
 from kvtool.analysis.frontier import plot_frontier
 
