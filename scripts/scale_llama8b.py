@@ -1,13 +1,13 @@
 """Streaming capture of a Llama-3-8B-shaped model with random weights, for docs/scale.md.
 
-Builds the model on the GPU with transformers (hidden 4096, 32 heads, 8 KV heads, head_dim 128,
-intermediate 14336, 32 layers, bf16, seeded random weights), captures random token ids with
+Builds the model on the GPU with :func:`kvtool.hf.shapes.build_model` (shape ``llama3-8b``: hidden 4096,
+32 heads, 8 KV heads, head_dim 128, intermediate 14336, 32 layers, bf16, seeded random weights), captures random token ids with
 :func:`kvtool.hf.capture.capture_to_file` (chunked prefill, every layer streamed to disk) and prints
 one JSON line: tokens, seconds, tokens/s, bytes written, bytes/s and the process's peak host RSS.
 
     python scripts/scale_llama8b.py --tokens 131072 --chunk-size 8192 --query-layers 31 -o /tmp/cap.safetensors
 
-``--small`` shrinks the model (2 layers, hidden 256) to try the script on a CPU.
+``--small`` uses the ``tiny`` shape (hidden 64, float32) to try the script on a CPU.
 """
 
 from __future__ import annotations
@@ -22,44 +22,21 @@ from pathlib import Path
 import torch
 
 
-def make_model(small: bool, device: str, layers: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    if small:
-        cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=8,
-                          num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 18, rope_theta=500000.0)
-        dtype = torch.float32
-    else:
-        cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 18, rope_theta=500000.0)
-        dtype = torch.bfloat16
-    cfg._name_or_path = "llama3-8b-shaped-random"
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    return model.eval()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--chunk-size", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all of the shape)")
     ap.add_argument("--query-layers", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("-o", "--output", type=Path, required=True)
     args = ap.parse_args()
     from kvtool.hf.capture import capture_to_file
+    from kvtool.hf.shapes import build_model
 
     t0 = time.perf_counter()
-    model = make_model(args.small, args.device, args.layers)
+    model = build_model("tiny" if args.small else "llama3-8b", device=args.device, layers=args.layers)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     build_s = time.perf_counter() - t0

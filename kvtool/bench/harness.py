@@ -31,6 +31,7 @@ import torch
 from kvtool.kernels.common import interpreting
 from kvtool.core.errors import UsageError
 from kvtool.core import io
+from kvtool.hf.shapes import SHAPES
 
 RECORD_FIELDS = (
     "kernel", "provider", "device", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype",
@@ -39,11 +40,8 @@ RECORD_FIELDS = (
     "method", "versions", "data", "backend",
 )
 
-MODEL_SHAPES = {
-    "llama3-8b": (32, 8, 128),
-    "llama2-7b": (32, 32, 128),
-    "smollm2": (9, 3, 64),
-}
+# attention part (heads, KV heads, head_dim) of kvtool's one table of model shapes
+MODEL_SHAPES = {name: (s.heads, s.kv_heads, s.head_dim) for name, s in SHAPES.items()}
 
 # Largest configuration the CPU interpreter path accepts (elements of one K tensor).
 INTERPRET_MAX_ELEMENTS = 1 << 17
@@ -70,7 +68,7 @@ class ModelShape:
 
 
 def model_shape(name: str, heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None) -> ModelShape:
-    """A named shape (``llama3-8b``, ``llama2-7b``, ``smollm2``) or ``custom`` with all three given.
+    """A named shape (:data:`kvtool.hf.shapes.SHAPES`: ``llama3-8b``, ``llama3-70b``, ...) or ``custom`` with all three given.
     Explicit ``heads`` / ``kv_heads`` / ``head_dim`` override a named shape."""
     if name == "custom":
         if None in (heads, kv_heads, head_dim):

@@ -126,7 +126,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
     @bench_app.command(sub, help=suite.summary, epilog=example_epilog(suite.example, CPU_EXAMPLE))
     @kvtool_command
     def command(
-        model_shape: Annotated[str, typer.Option("--model-shape", help="llama3-8b (32 heads, 8 KV, 128), llama2-7b (32, 32, 128), smollm2 (9, 3, 64) or custom.")] = "llama3-8b",
+        model_shape: Annotated[str, typer.Option("--model-shape", help="llama3-8b (32 heads, 8 KV, 128), llama3-70b (64, 8, 128), llama2-7b (32, 32, 128), smollm2 (9, 3, 64), tiny (4, 2, 16) or custom.")] = "llama3-8b",
         heads: Annotated[int | None, typer.Option("--heads", help="Query heads (custom shape, or override).")] = None,
         kv_heads: Annotated[int | None, typer.Option("--kv-heads", help="KV heads (custom shape, or override).")] = None,
         head_dim: Annotated[int | None, typer.Option("--head-dim", help="Head dimension (custom shape, or override).")] = None,

