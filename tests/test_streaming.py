@@ -114,7 +114,26 @@ def test_writer_refuses_unwritten_and_misplaced_blocks(tmp_path):
         w.write("a", 1, x[:, 1:])
         w.write("a", 0, x[:, :1])
     with safe_open(str(tmp_path / "w"), framework="pt") as fh:
-        assert torch.equal(fh.get_tensor("a"), x) and fh.metadata() == {"k": "v"}
+        assert torch.equal(fh.get_tensor("a"), x) and fh.metadata()["k"] == "v"
+    assert io.verify_checksums(tmp_path / "w")  # blocks out of token order: the CRC is read back
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_writer_checksums_match_the_tensors_as_stored(tmp_path, dtype):
+    """Running CRCs per row, combined: the same CRC-32 as the whole tensor's bytes, for blocks of any size."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 37, 8, generator=gen).to(dtype)
+    h = torch.randn(2, 37, 5, generator=gen).to(dtype)
+    specs = [("k", dtype, list(k.shape), 2), ("h", dtype, list(h.shape), 1), ("empty", dtype, [2, 0, 4], 1)]
+    with StreamingWriter(tmp_path / "w", specs, {"k": "v"}) as w:
+        for start, stop in ((0, 1), (1, 20), (20, 21), (21, 37)):
+            w.write("k", start, k[:, :, start:stop])
+            w.write("h", start, h[:, start:stop])
+    table = json.loads(io.read_header(tmp_path / "w")[0][io.CHECKSUM_KEY])
+    assert table["tensors"] == {"k": f"{io.tensor_crc32(k):08x}", "h": f"{io.tensor_crc32(h):08x}", "empty": "00000000"}
+    assert io.verify_checksums(tmp_path / "w")
+    meta = io.read_header(tmp_path / "w")[0]
+    assert table["metadata"] == f"{io.metadata_crc32(meta):08x}"
 
 
 def test_lazy_capture_reads_one_layer_at_a_time(model, tmp_path, monkeypatch):

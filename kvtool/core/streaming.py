@@ -7,10 +7,14 @@ front: the writer lays the tensors out contiguously in that order, reserves room
 (its JSON padded with spaces, which the format allows), and writes each block of tokens straight
 to its place in the file as the forward pass produces it (``os.pwrite``, one call per outer row;
 the tokens axis is not the outermost one, so a block of ``n`` tokens lands in ``B * H`` pieces).
-Host memory holds one block at a time. On success the final header (metadata known only at the
-end: generated tokens, timings) is written into the reserved room, every byte is checked to be
-written, and the temporary file is fsynced and renamed onto the output (:func:`kvtool.io.atomic_path`);
-on any error the output is untouched. The result is an ordinary capture file: every loader reads it.
+Host memory holds one block at a time. Each tensor's CRC-32 (``kvtool.checksums``, as every kvtool
+writer stores it) is computed from the blocks as they are written: one running CRC per outer row
+while blocks arrive in token order, the rows' CRCs then combined (:func:`crc32_combine`); a tensor
+whose blocks came in another order is read back from the file once instead. On success the final
+header (metadata known only at the end: generated tokens, timings, the checksums) is written into
+the reserved room, every byte is checked to be written, and the temporary file is fsynced and
+renamed onto the output (:func:`kvtool.io.atomic_path`); on any error the output is untouched. The
+result is an ordinary capture file: every loader reads and checks it.
 
 Reading (:class:`LazyCapture`). :func:`open_capture` checks the header like :func:`kvtool.io.load`
 and returns an object with the :class:`~kvtool.cache.KVCache` attributes whose ``layers[i]`` reads
@@ -20,9 +24,11 @@ places them on a device, so commands stream a long capture through a GPU one lay
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,6 +41,49 @@ from kvtool.core.errors import BadDataError, UsageError
 
 ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 HEADER_SLACK = 64 * 1024  # room for metadata known only at the end (timings, generated tokens)
+READ_BACK_CHUNK = 4 << 20
+
+
+# ----------------------------------------------------------------------------- CRC-32 of pieces
+
+
+def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
+    out, i = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[i]
+        vector >>= 1
+        i += 1
+    return out
+
+
+def _gf2_compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The operator "apply b, then a"."""
+    return tuple(_gf2_times(a, column) for column in b)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple[int, ...]:
+    """The linear map (32 columns over GF(2)) that advances a raw CRC-32 register by ``nbytes`` zero bytes."""
+    bit = (0xEDB88320,) + tuple(1 << n for n in range(31))  # one zero bit, the reflected polynomial
+    power = bit
+    for _ in range(3):  # one zero byte = 8 zero bits
+        power = _gf2_compose(power, power)
+    result = tuple(1 << n for n in range(32))
+    while nbytes:
+        if nbytes & 1:
+            result = _gf2_compose(power, result)
+        nbytes >>= 1
+        if nbytes:
+            power = _gf2_compose(power, power)
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's CRC-32 of ``A + B`` from ``crc1`` = CRC of A, ``crc2`` = CRC of B and ``len2`` = len(B)."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
 
 
 class StreamingWriter:
@@ -58,9 +107,12 @@ class StreamingWriter:
             if dtype not in ST_NAMES:
                 raise UsageError(f"{name}: dtype {dtype} cannot be streamed")
             nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            self.entries[name] = {"dtype": dtype, "shape": list(shape), "axis": axis, "begin": offset, "end": offset + nbytes, "written": 0}
+            self.entries[name] = {"dtype": dtype, "shape": list(shape), "axis": axis, "begin": offset, "end": offset + nbytes, "written": 0,
+                                  "row_crcs": [0] * math.prod(shape[:axis]), "next_token": 0, "in_order": True}
             offset += nbytes
         self.data_bytes = offset
+        # room for the final checksum table too (the same length whatever the CRCs are)
+        self.metadata[io.CHECKSUM_KEY] = self._checksums_json({name: 0 for name in self.entries})
         self.header_room = len(self._header_json()) + HEADER_SLACK
         self.header_room += (-(8 + self.header_room)) % 8  # data starts 8-byte aligned
         self.fd = -1
@@ -91,9 +143,38 @@ class StreamingWriter:
         inner = math.prod(shape[axis + 1:]) * host.element_size()
         raw = host.reshape(-1).view(torch.uint8).numpy().reshape(rows, n * inner)
         base = 8 + self.header_room + e["begin"]
+        in_order = e["in_order"] and start == e["next_token"]
         for r in range(rows):
             os.pwrite(self.fd, raw[r].data, base + (r * shape[axis] + start) * inner)
+            if in_order:
+                e["row_crcs"][r] = zlib.crc32(raw[r], e["row_crcs"][r])
+        e["in_order"] = in_order
+        e["next_token"] = start + n
         e["written"] += raw.nbytes
+
+    def _checksums_json(self, crcs: dict[str, int]) -> str:
+        rest = {k: v for k, v in self.metadata.items() if k != io.CHECKSUM_KEY}
+        return json.dumps({"algorithm": io.CHECKSUM_ALGORITHM, "metadata": f"{io.metadata_crc32(rest):08x}",
+                           "tensors": {name: f"{crc:08x}" for name, crc in crcs.items()}})
+
+    def tensor_crc32(self, name: str) -> int:
+        """CRC-32 of tensor ``name``'s bytes as written: combined from the rows' running CRCs, or read
+        back from the file when its blocks did not arrive in token order."""
+        e = self.entries[name]
+        if e["in_order"] and e["next_token"] == e["shape"][e["axis"]]:
+            row_bytes = (e["end"] - e["begin"]) // max(len(e["row_crcs"]), 1)
+            crc = 0
+            for row_crc in e["row_crcs"]:
+                crc = crc32_combine(crc, row_crc, row_bytes)
+            return crc
+        crc, at, end = 0, 8 + self.header_room + e["begin"], 8 + self.header_room + e["end"]
+        while at < end:
+            chunk = os.pread(self.fd, min(READ_BACK_CHUNK, end - at), at)
+            if not chunk:
+                raise BadDataError(f"{self.path}: {name} could not be read back for its checksum")
+            crc = zlib.crc32(chunk, crc)
+            at += len(chunk)
+        return crc
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
@@ -101,6 +182,8 @@ class StreamingWriter:
                 short = [n for n, e in self.entries.items() if e["written"] != e["end"] - e["begin"]]
                 if short:
                     raise BadDataError(f"{short[0]}: {self.entries[short[0]]['written']} of {self.entries[short[0]]['end'] - self.entries[short[0]]['begin']} bytes were produced")
+                self.metadata.pop(io.CHECKSUM_KEY, None)
+                self.metadata[io.CHECKSUM_KEY] = self._checksums_json({name: self.tensor_crc32(name) for name in self.entries})
                 header = self._header_json()
                 if len(header) > self.header_room:
                     raise BadDataError(f"the capture's metadata ({len(header)} bytes) outgrew the room reserved for it")
