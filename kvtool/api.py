@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope
 from kvtool.core.names import canonical_dtype
+from kvtool.core.outputs import output_beside
 from kvtool.core.progress import Progress
 from kvtool.core.sample import SAMPLE_PATH, resolve_sample
 
@@ -277,8 +278,8 @@ def decompress(compressed: PathLike, output: PathLike | None = None, *, force: b
 
     src = _path(compressed)
     cc = load_compressed(src)
-    out = Path(output) if output is not None else src.with_name(f"{src.stem}.dense.safetensors")
-    io.check_output(out, force)
+    out = Path(output) if output is not None else io.output_beside(src, f"{src.stem}.dense.safetensors")
+    io.check_output(out, force, inputs=(src,))
     cache = decompress_cache(cc)
     cache.info = {"decompressed_from": str(src), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
     path = io.save(cache, out, force=force)
@@ -339,7 +340,7 @@ def evaluate(
     paths = [_path(c) for c in items]
     if out_dir is None:
         first = paths[0]
-        out_dir = Path(f"{first.stem}.eval") if first == SAMPLE_PATH else first.with_name(f"{first.stem}.eval")
+        out_dir = output_beside(first, f"{first.stem}.eval")
     specs = list(formats)
     use_paper = (not specs) if paper is None else paper
     result = run_eval(paths, specs, Path(out_dir), use_paper, heldout, backend, model, use_model, generate, metric, x, recompute,

@@ -187,7 +187,7 @@ def test_eval_sweep_resumes(tiny_capture, tiny_llama_dir, tmp_path, test_formats
         table = list(csv.DictReader(fh))
     assert [t["format"] for t in table] == ["dense", "test-noisy", "test-noisy"]
     again = runner.invoke(app, args)
-    assert again.exit_code == 0 and "resumed: 3 finished points" in again.output
+    assert again.exit_code == 0 and "resumed: 3 finished points" in again.output, again.output
 
 
 def test_eval_bad_input(tiny_capture, tmp_path):

@@ -78,7 +78,7 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path, metric: str, x_key: st
     if not own_fig:
         return None
     fig.tight_layout()
-    with atomic_path(path) as tmp:
+    with atomic_path(path, force=True) as tmp:  # eval's own figure in its folder, redrawn on every run
         fig.savefig(tmp, dpi=130, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

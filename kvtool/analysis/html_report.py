@@ -29,7 +29,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
+from kvtool.core.documents import check_eval_points, read_bench_document
 from kvtool.core.errors import UsageError
+from kvtool.core.limits import read_json_input
 from kvtool.analysis.palette import format_color, spec_format
 from kvtool.analysis.frontier import place_labels
 from kvtool.analysis.stats import (
@@ -255,26 +257,19 @@ def cut_summary(cache: Any, max_queries: int = 32) -> dict[str, Any]:
 
 
 def read_eval(folder: Path) -> list[dict[str, Any]]:
+    """The points of ``FOLDER/eval.json`` that were run (checked: :mod:`kvtool.core.documents`)."""
     path = Path(folder) / "eval.json"
     if not path.exists():
         raise UsageError(f"--eval {folder}: no eval.json there (run kvtool eval CAPTURE -o {folder} first)")
-    try:
-        return [p for p in json.loads(path.read_text()).get("points", []) if not p.get("skipped")]
-    except (json.JSONDecodeError, AttributeError):
-        raise UsageError(f"--eval {folder}: eval.json is not a kvtool eval result") from None
+    points = check_eval_points(read_json_input(path, f"--eval {path}"), f"--eval {path}")
+    return [p for p in points if not p.get("skipped")]
 
 
 def read_bench(paths: list[Path]) -> list[dict[str, Any]]:
+    """The ``--bench`` documents, each checked field by field (:mod:`kvtool.core.documents`)."""
     docs = []
     for p in paths:
-        if not Path(p).is_file():
-            raise UsageError(f"--bench {p}: no such file")
-        try:
-            doc = json.loads(Path(p).read_text())
-        except json.JSONDecodeError:
-            raise UsageError(f"--bench {p}: not JSON (write it with kvtool bench ... --json FILE)") from None
-        if not isinstance(doc, dict) or "records" not in doc:
-            raise UsageError(f"--bench {p}: not a kvtool bench result (no records)")
+        doc = read_bench_document(p, f"--bench {p}", tables=False)
         doc["_path"] = str(p)
         docs.append(doc)
     return docs

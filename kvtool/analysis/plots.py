@@ -183,9 +183,10 @@ def head_importance_figure(att: LayerAttention, facts: ModelFacts, layer: int, m
     return fig
 
 
-def save_figure(fig: Figure, path: Path, fmt: str) -> Path:
-    """Write ``fig`` to ``path`` in ``fmt`` (png/svg/pdf) atomically, at DPI, without cropping."""
-    with io.atomic_path(path) as tmp:
+def save_figure(fig: Figure, path: Path, fmt: str, force: bool = False) -> Path:
+    """Write ``fig`` to ``path`` in ``fmt`` (png/svg/pdf) atomically, at DPI, without cropping
+    (replacing an existing file only with ``force``)."""
+    with io.atomic_path(path, force) as tmp:
         fig.savefig(tmp, format=fmt, dpi=DPI)
     return path
 
@@ -313,7 +314,7 @@ def write_plot_set(
             else:
                 raise UsageError(f"unknown plot kind {spec.kind!r}: choose from {', '.join(KINDS)}")
             existed = path.exists()
-            save_figure(fig, path, fmt)
+            save_figure(fig, path, fmt, force)
             if not existed:
                 created.append(path)
             written.append({"path": str(path), "kind": spec.kind, "layer": l, "head": h, "part": spec.part, "title": fig_title(fig)})

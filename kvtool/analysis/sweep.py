@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtool.core.documents import check_eval_points
 from kvtool.core.errors import UsageError
+from kvtool.core.limits import read_json_input
 from kvtool.formats.base import FORMATS, get_format, make_params
 from kvtool.formats import load_all
 
@@ -113,11 +115,10 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
     """Finished points from an earlier run's JSON (``{"points": [{"key": ..., ...}]}``), by key."""
     if not path.exists():
         return {}
-    try:
-        data = json.loads(path.read_text())
-        return {p["key"]: p for p in data.get("points", []) if "key" in p}
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-        raise UsageError(f"{path} is not a kvtool eval result; pass --force to start afresh or use another --out") from None
+    hint = f"{path} (pass --force to start afresh or use another --out-dir)"
+    # eval's own state, rewritten by this run: read with the bounds, not recorded as an input
+    data = read_json_input(path, hint, error=UsageError, record=False)
+    return {p["key"]: p for p in check_eval_points(data, hint, UsageError) if isinstance(p.get("key"), str)}
 
 
 def summarize(att: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
             ax2.grid(True, alpha=0.3)
     fig.tight_layout()
     path = Path(path)
-    with io.atomic_path(path) as tmp:
+    with io.atomic_path(path, force) as tmp:
         fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path

@@ -14,6 +14,7 @@ import torch
 
 from kvtool.bench import harness as B
 from kvtool.bench.suites import BenchContext, load_suites
+from kvtool.core.documents import read_bench_document
 from kvtool.core.errors import BadDataError, UsageError
 
 DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
@@ -117,14 +118,9 @@ def _shape_of(ctx, records: list[dict]) -> dict[str, Any]:
 
 
 def read_bench_json(path: Path) -> dict[str, Any]:
-    """A ``kvtool bench --json`` document (BadDataError naming the file when it is not one)."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadDataError(f"{path}: not a kvtool bench JSON file ({exc})") from None
-    if not isinstance(doc, dict) or not {"subcommand", "env", "records"} <= set(doc):
-        raise BadDataError(f"{path}: not a kvtool bench JSON file (no subcommand, env and records)")
-    return doc
+    """A ``kvtool bench -o`` document, checked field by field (BadDataError naming the file and the
+    field when it is not one; :func:`kvtool.core.documents.check_bench_document`)."""
+    return read_bench_document(path)
 
 
 def source_commit(folder: Path | None = None) -> str | None:

@@ -31,6 +31,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool._version import __version__
+from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import Progress as LibraryProgress
@@ -146,9 +147,9 @@ def kvtool_command(fn: Callable) -> Callable:
         debug = debug_enabled(bool(kwargs.get("debug", False)))
         json_mode = kwargs.get("json_out") is True
         _current.update(command=_command_name(), json=json_mode, quiet=bool(kwargs.get("quiet", False)) or _global["quiet"])
-        kwargs = {k: [resolve_sample(x) for x in v] if isinstance(v, list) else resolve_sample(v) for k, v in kwargs.items()}
         try:
-            return fn(*args, **kwargs)
+            with outputs.command_inputs():
+                return fn(*args, **declare_files(kwargs))
         except typer.Exit:
             raise
         except click.ClickException as exc:  # a parameter checked inside the command
@@ -166,6 +167,32 @@ def kvtool_command(fn: Callable) -> Callable:
             _fail(type(exc).__name__, f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, json_mode)
 
     return wrapper
+
+
+# the parameters (in every command) that name files or folders the command writes; every other path
+# argument is an input, which no output may be (tests/test_trust.py checks every command's options)
+OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "router_out", "router_out_old"})
+
+
+def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The command's arguments with ``sample:`` resolved, after recording every path argument that is
+    not an output as an input of the command (:func:`kvtool.core.outputs.note_input`) and checking
+    that no output is ``sample:`` or one of those inputs: the one output check then knows every input
+    before any work starts, and refuses the same again when the file is written."""
+    resolved = {}
+    for key, value in kwargs.items():
+        items = value if isinstance(value, list) else [value]
+        if key in OUTPUT_PARAMS:
+            resolved[key] = value
+            continue
+        items = [resolve_sample(x) for x in items]
+        for item in items:
+            outputs.note_input(item)
+        resolved[key] = items if isinstance(value, list) else items[0]
+    for key in OUTPUT_PARAMS & kwargs.keys():
+        if kwargs[key] is not None:
+            outputs.refuse_input(kwargs[key])
+    return resolved
 
 
 def example_epilog(*examples: str) -> str:

@@ -178,7 +178,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
         if plot is not None:
             from kvtool.bench.plots import plot_records  # deferred: matplotlib loads only with --plot-output
 
-            plot_records(doc, plot)
+            plot_records(doc, plot, force=force)
         if json_out:
             emit_json(doc, input=str(capture) if capture else None, output=output)
         else:

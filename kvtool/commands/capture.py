@@ -36,15 +36,13 @@ def read_prompts(prompt: str | None, prompt_file: Path | None, batch: bool) -> l
     if prompt is not None and prompt_file is not None:
         raise UsageError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
+        from kvtool.core.limits import read_stream_text, read_text_input  # deferred: start-up time
+
+        # a regular file of at most 64 MiB (never a FIFO or device: nothing blocks or reads forever)
         if str(prompt_file) == "-":
-            text = sys.stdin.read()
+            text = read_stream_text(sys.stdin, "--prompt-file -")
         else:
-            try:
-                text = prompt_file.read_text(encoding="utf-8")
-            except FileNotFoundError:
-                raise UsageError(f"--prompt-file {prompt_file}: no such file") from None
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UsageError(f"--prompt-file {prompt_file}: cannot read ({exc})") from None
+            text = read_text_input(prompt_file, f"--prompt-file {prompt_file}", error=UsageError)
     elif prompt is not None:
         text = prompt
     else:

@@ -171,8 +171,9 @@ def register(app: typer.Typer) -> None:
             out_dir = out_dir or out_old
         if out_dir is None:
             # next to the capture; for the bundled sample in the current folder (never inside the package)
-            bundled = captures[0].resolve() == resolve_sample("sample:")
-            out_dir = Path(f"{captures[0].stem}.eval") if bundled else captures[0].with_name(f"{captures[0].stem}.eval")
+            from kvtool.core.outputs import output_beside  # deferred: start-up time
+
+            out_dir = output_beside(captures[0], f"{captures[0].stem}.eval")
         with library_progress(json_out) as progress:
             result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force,
                               progress=progress, debug=debug_enabled(debug), layers=layers, device=device, threads=threads, texts=texts)

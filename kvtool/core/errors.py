@@ -31,5 +31,5 @@ class UsageError(KvtoolError):
 class OutputExistsError(UsageError):
     """An output file exists and ``--force`` was not given."""
 
-    def __init__(self, path) -> None:
-        super().__init__(f"{path} exists; pass --force to overwrite it")
+    def __init__(self, path, why: str = "exists; pass --force to overwrite it") -> None:
+        super().__init__(f"{path} {why}")

@@ -20,20 +20,13 @@ docs/formats.md is the byte-level specification.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import glob
 import hashlib
 import json
 import os
-import signal
 import stat
-import tempfile
-import threading
-import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -41,8 +34,10 @@ from safetensors import safe_open
 from kvtool._version import __version__
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
 from kvtool.core import settings
-from kvtool.core.errors import BadDataError, OutputExistsError, UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.cache import format_indices
+# the output check and atomic writes (torch-free, so the CLI uses them at start-up); re-exported here
+from kvtool.core.outputs import atomic_path, atomic_write_bytes, atomic_write_text, check_output, note_input, output_beside, remove_stale_temps  # noqa: F401
 
 CAPTURE_SCHEMA = "kvtool.capture"
 COMPRESSED_SCHEMA = "kvtool.compressed"
@@ -50,164 +45,6 @@ SCHEMA_VERSION = "1"
 PAGED_SCHEMA = "kvtool.paged"  # written by kvtool.paged (kvtool export --to paged)
 KNOWN_SCHEMAS = (CAPTURE_SCHEMA, COMPRESSED_SCHEMA, PAGED_SCHEMA)
 LAYER_PARTS = ("keys", "values", "queries", "hidden")
-
-
-# ----------------------------------------------------------------------------- atomic writes
-
-
-def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None, ...] | list = ()) -> Path:
-    """Check that ``path`` may be written; return it as a Path.
-
-    Refused with UsageError (exit 2), ``force`` or not: an output that is one of ``inputs`` (the same
-    file by device and inode, so a symlink or hard link to an input counts), an existing destination
-    that is not a regular file (a folder, FIFO, device, socket), a missing or read-only folder. An
-    existing regular file is refused (OutputExistsError) unless ``force``."""
-    path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        st = None
-    except OSError as exc:
-        raise UsageError(f"cannot check the output {path} ({exc.strerror or exc})") from None
-    if st is not None:
-        for source in inputs:
-            if source is None:
-                continue
-            try:
-                other = os.stat(source)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino):
-                raise UsageError(f"the output {path} is the input {source} (the same file); choose another output")
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError(f"{path} is a folder, not a file")
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{path} exists and is not a regular file (a FIFO, device or socket); choose another output")
-        if not force:
-            raise OutputExistsError(path)
-    elif path.is_symlink():
-        raise UsageError(f"{path} is a symlink to a missing file; choose another output")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
-        raise UsageError(f"the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"the folder {parent} is not writable")
-    return path
-
-
-_PROCESS_START = time.time()
-_ACTIVE_TEMPS: set[Path] = set()
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
-
-
-def _remove_temps_and_die(signum: int, frame: Any) -> None:
-    """SIGTERM while a temp file is open: remove every temp file, then die of the signal as usual."""
-    for tmp in list(_ACTIVE_TEMPS):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-
-
-def _install_sigterm_cleanup() -> None:
-    """Clean up temp files on SIGTERM, unless the program set its own handler (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, _remove_temps_and_die)
-
-
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Remove the temp files earlier writes to ``path`` left behind when they were killed
-    (SIGKILL, power loss): ``.NAME.PID.*.tmp`` whose process is gone, and older ``.NAME.*.tmp``
-    files without a PID that are older than this process. Returns what was removed."""
-    removed = []
-    folder = path.parent if str(path.parent) else Path(".")
-    with contextlib.suppress(OSError):
-        for tmp in folder.glob(f".{glob.escape(path.name)}.*.tmp"):
-            middle = tmp.name[len(path.name) + 2 : -len(".tmp")]
-            pid = middle.split(".", 1)[0]
-            try:
-                if pid.isdigit() and "." in middle:
-                    if int(pid) == os.getpid() or _process_alive(int(pid)):
-                        continue
-                elif tmp.stat().st_mtime >= _PROCESS_START:
-                    continue
-                if stat.S_ISREG(tmp.lstat().st_mode):
-                    tmp.unlink()
-                    removed.append(tmp)
-            except OSError:
-                continue
-    return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path in the same folder; on success fsync it and rename it onto ``path``.
-
-    The temp file is ``.NAME.PID.RANDOM.tmp``. On any exception (Ctrl-C included) and on SIGTERM it
-    is removed and ``path`` is untouched; temp files of killed earlier writes are removed first. A
-    full disk (or quota, read-only file system, I/O error) is a BadDataError naming ``path``."""
-    path = Path(path)
-    remove_stale_temps(path)
-    _install_sigterm_cleanup()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent or ".")
-    except OSError as exc:
-        raise BadDataError(f"cannot write {path} ({exc.strerror or exc})") from None
-    os.close(fd)
-    tmp_path = Path(tmp)
-    _ACTIVE_TEMPS.add(tmp_path)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-    try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as fh:
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp_path, path)
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(path.parent or ".", os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-    except OSError as exc:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
-        if exc.errno in _WRITE_ERRNOS:
-            raise BadDataError(f"cannot write {path}: {exc.strerror or exc}") from exc
-        raise
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
-        raise
-    finally:
-        _ACTIVE_TEMPS.discard(tmp_path)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes, force: bool = False) -> Path:
-    """Write ``data`` to ``path`` atomically (never a half-written file)."""
-    path = check_output(path, force)
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
-    return path
-
-
-def atomic_write_text(path: str | Path, text: str, force: bool = False) -> Path:
-    return atomic_write_bytes(path, text.encode(), force=force)
 
 
 CHECKSUM_KEY = "kvtool.checksums"
@@ -286,7 +123,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     checks = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "metadata": f"{metadata_crc32(metadata):08x}", "tensors": crcs})
     header = json.dumps({"__metadata__": {**metadata, CHECKSUM_KEY: checks}, **entries}, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    with atomic_path(path, force, inputs) as tmp, open(tmp, "wb") as fh:
         fh.write(len(header).to_bytes(8, "little"))
         fh.write(header)
         for name, t in clean.items():
@@ -345,6 +182,7 @@ def check_regular_file(path: str | Path) -> int:
         raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not stat.S_ISREG(st.st_mode):
         raise BadDataError(f"{path}: not a regular file")
+    note_input(path)  # an input of the running command: no output may be it
     return st.st_size
 
 

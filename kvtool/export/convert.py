@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvtool.core import io
+from kvtool.core.limits import read_json_input
 from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, save_compressed
@@ -42,12 +43,13 @@ TABLE_TARGETS = ("csv", "json")
 
 
 def default_output(source: Path, target: str) -> Path:
-    """``cap.safetensors`` -> ``cap.paged.safetensors`` etc. (next to the input)."""
+    """``cap.safetensors`` -> ``cap.paged.safetensors`` etc. (next to the input; for the bundled
+    sample, in the current folder)."""
     stem = source.name
     for ext in (".safetensors", ".json"):
         if stem.endswith(ext):
             stem = stem[: -len(ext)]
-    return source.with_name(stem + SUFFIX[target])
+    return io.output_beside(source, stem + SUFFIX[target])
 
 
 def export_hf(obj: KVCache | CompressedCache, source: Path, output: Path, force: bool = False) -> dict[str, Any]:
@@ -90,7 +92,7 @@ def save_npz(cache: KVCache, output: Path, force: bool = False) -> Path:
     """Write ``cache`` as an uncompressed ``.npz`` atomically (readable with ``np.load(path)``)."""
     io.check_output(output, force)
     arrays = npz_arrays(cache)
-    with io.atomic_path(output) as tmp, open(tmp, "wb") as fh:
+    with io.atomic_path(output, force) as tmp, open(tmp, "wb") as fh:
         np.savez(fh, **arrays)
     return output
 
@@ -168,16 +170,9 @@ def records_csv(records: list[dict[str, Any]]) -> str:
 
 def export_table(source: Path, target: str, output: Path, force: bool = False) -> dict[str, Any]:
     """csv/json: records of a JSON result, or a kvtool file's tensor table / description."""
-    io.check_output(output, force)
+    io.check_output(output, force, inputs=(source,))
     if source.suffix.lower() == ".json":
-        try:
-            data = json.loads(source.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise BadDataError(f"{source}: no such file") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadDataError(f"{source}: not a JSON file ({exc})") from None
-        except RecursionError:
-            raise BadDataError(f"{source}: the JSON nests too deeply") from None
+        data = read_json_input(source, str(source))
         try:
             where, records = result_records(data)
         except BadDataError as exc:
@@ -204,8 +199,6 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
     if target not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}, got {target!r}")
     output = Path(output) if output is not None else default_output(source, target)
-    if output.resolve() == source.resolve():
-        raise UsageError(f"the output {output} is the input; choose another -o")
     io.check_output(output, force, inputs=(source,))
     if target == "paged":
         layout = check_layout(page_size, layout)

@@ -19,7 +19,8 @@ from kvtool.formats.plan import compress_plan, load_plan
 
 
 def default_output(capture: Path, fmt: str) -> Path:
-    return capture.with_name(f"{capture.stem}.{fmt}.safetensors")
+    """``CAPTURE.FORMAT.safetensors`` beside the capture (for the bundled sample: in the current folder)."""
+    return io.output_beside(capture, f"{capture.stem}.{fmt}.safetensors")
 
 
 def compress_file(
@@ -141,7 +142,7 @@ def decompress_cache(cc: CompressedCache) -> KVCache:
 def decompress_file(compressed: Path, output: Path | None = None, force: bool = False) -> tuple[KVCache, Path]:
     """Decode a compressed file and write the dense capture (default ``NAME.dense.safetensors``);
     returns (capture, path). The output may not be the input, ``force`` or not."""
-    output = output or compressed.with_name(f"{compressed.stem}.dense.safetensors")
+    output = output or io.output_beside(compressed, f"{compressed.stem}.dense.safetensors")
     io.check_output(output, force, inputs=(compressed,))
     cc = load_compressed(compressed)
     cache = decompress_cache(cc)

@@ -457,7 +457,7 @@ def capture_to_file(
         "kvtool.layers": json.dumps(plan.layers),
         "kvtool.info": json.dumps(_info(plan, generate, hidden, chunk_size) | (info_extra or {})),
     }
-    with io.atomic_path(path) as tmp, StreamingWriter(tmp, specs, meta) as writer:
+    with io.atomic_path(path, force) as tmp, StreamingWriter(tmp, specs, meta) as writer:
         all_ids = _run(plan, _FileSink(writer), generate, hidden, chunk_size, progress)
         writer.write("token_ids", 0, all_ids)
         if plan.mask is not None:

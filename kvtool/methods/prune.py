@@ -307,7 +307,7 @@ def prune_file(
     parse_method(method)
     if dense_window < 0:
         raise UsageError(f"--dense-window must be at least 0, got {dense_window}")
-    output = output or capture.with_name(f"{capture.stem}.pruned.safetensors")
+    output = output or io.output_beside(capture, f"{capture.stem}.pruned.safetensors")
     io.check_output(output, force, inputs=(capture,))
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)

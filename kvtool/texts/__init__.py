@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvtool.core.errors import UsageError
+from kvtool.core.limits import read_text_input
 
 NAMES = ("prose", "code", "dialogue")
 
@@ -23,9 +24,8 @@ def read_files(paths: list[Path]) -> list[tuple[str, str]]:
     out = []
     for p in paths:
         p = Path(p)
-        if not p.is_file():
-            raise UsageError(f"--texts {p}: no such file")
-        text = p.read_text(encoding="utf-8", errors="replace")
+        # a regular file of bounded size (never a FIFO or device), UTF-8
+        text = read_text_input(p, f"--texts {p}", error=UsageError)
         if not text.strip():
             raise UsageError(f"--texts {p} is empty")
         out.append((p.stem, text))
