@@ -10,48 +10,57 @@ function loads what it needs when called:
 >>> cache.layers[7].keys.shape          # [batch, kv_heads, tokens, head_dim]
 >>> result = kvtool.compress("sample:", "bitmap:sparsity=0.7", "bitmap.safetensors")
 >>> result.storage_ratio, result.to_dict()["output"]
->>> kvtool.verify("bitmap.safetensors", model=False).rel_l2
+>>> kvtool.verify("bitmap.safetensors", model=False).rel_l2   # attention level only: the model is not run
+>>> plan = kvtool.recommend("sample:", budget="15%", model=False, output="plan.json")
+>>> kvtool.stats("sample:", progress=lambda stage, done, total: print(stage, done, total))
 
 See :class:`kvtool.core.cache.KVCache` for the container.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 from kvtool._version import __version__
 from kvtool.core.errors import BadDataError, KvtoolError, UsageError
 
-# public name -> module that defines it (imported on first use)
+# public name -> module that defines it (imported on first use; tests/test_api.py checks the API's are all here)
 _LAZY = {
     "KVCache": "kvtool.core.cache",
     "LayerKV": "kvtool.core.cache",
     "ModelFacts": "kvtool.core.cache",
-    "load": "kvtool.api",
-    "save": "kvtool.api",
-    "capture": "kvtool.api",
-    "compress": "kvtool.api",
-    "decompress": "kvtool.api",
-    "verify": "kvtool.api",
-    "evaluate": "kvtool.api",
-    "export": "kvtool.api",
-    "stats": "kvtool.api",
-    "prune": "kvtool.api",
-    "info": "kvtool.api",
-    "to_hf_cache": "kvtool.api",
-    "sample_path": "kvtool.api",
-    "CaptureResult": "kvtool.api",
-    "CompressResult": "kvtool.api",
-    "DecompressResult": "kvtool.api",
-    "VerifyResult": "kvtool.api",
-    "EvalResult": "kvtool.api",
-    "ExportResult": "kvtool.api",
-    "StatsResult": "kvtool.api",
-    "PruneResult": "kvtool.api",
-    "InfoResult": "kvtool.api",
+    "Progress": "kvtool.core.progress",
+    **{name: "kvtool.api" for name in (
+        # functions: one per command (built from its declaration), and the few written by hand
+        "info", "stats", "plot", "prune", "compress", "decompress", "heads", "verify", "recommend", "evaluate", "report",
+        "export", "generate", "env", "version", "capture", "load", "save", "to_hf_cache", "sample_path",
+        # their results
+        "Result", "CompressResult", "DecompressResult", "VerifyResult", "EvalResult", "ExportResult", "StatsResult",
+        "PruneResult", "InfoResult", "PlotResult", "HeadsResult", "RecommendResult", "ReportResult", "GenerateResult",
+    )},
 }
 
 __all__ = ["__version__", "KvtoolError", "BadDataError", "UsageError", *_LAZY]
+
+
+class _Package(types.ModuleType):
+    """The ``kvtool`` module: ``kvtool.export`` is the API function even after the subpackage
+    ``kvtool.export`` (export layouts) is imported, which would otherwise replace the attribute with
+    the subpackage (``import kvtool.export.convert`` still works: it goes through ``sys.modules``)."""
+
+    @property
+    def export(self) -> Any:
+        return __getattr__("export")
+
+    @export.setter
+    def export(self, value: Any) -> None:
+        if not isinstance(value, types.ModuleType):  # the import system sets the subpackage here: ignore it
+            raise AttributeError("kvtool.export is the API function")
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

@@ -1,31 +1,51 @@
-"""The Python API: one function per CLI command, with the same parameters and the same results.
+"""The Python API: one function per CLI command, built from the command's own declaration.
 
-Each function is a thin wrapper over the library function the command calls and returns a frozen
-dataclass: the numbers people look at as typed fields, the whole report in ``report``, and
-``to_dict()`` giving exactly the object ``kvtool COMMAND --json`` prints (docs/cli.md). Ratios are
-fractions (0.41, not 41 %). Every path parameter accepts ``"sample:"`` for the capture bundled with
-kvtool. Errors are :class:`~kvtool.core.errors.UsageError` / :class:`~kvtool.core.errors.BadDataError`
-with messages that name Python parameters (``heldout=64``), not command-line flags.
+Each command is declared once in :mod:`kvtool.commands` (see :mod:`kvtool.commands._command`);
+:func:`from_command` turns that declaration into a Python function with the same parameter names
+and defaults (Typer arguments are positional, options keyword-only), a ``progress=`` parameter, and
+a docstring made of the command's help and its options' help. It runs the same body as the CLI and
+returns a frozen :class:`Result` (typed fields for the numbers people look at, the whole report in
+``report``, ``to_dict()`` equal to ``kvtool COMMAND --json``). Nothing here repeats a signature by
+hand; ``tests/test_api.py`` checks every command has its function.
+
+A few functions are not commands (``load``, ``save``, ``sample_path``, ``to_hf_cache``) or work on
+objects the CLI cannot pass (``capture`` returns the :class:`~kvtool.core.cache.KVCache`); they are
+written here, and the test checks that ``capture`` takes every option of ``kvtool capture``.
+
+``progress``: ``"auto"`` (default: a bar in a terminal, plain lines with rate and time left on
+stderr elsewhere), ``False``/``None`` for silence, a callable ``fn(stage, done, total)``, or a
+:class:`kvtool.core.progress.Progress`. Every path parameter accepts ``"sample:"`` for the capture
+bundled with kvtool. Errors are :class:`~kvtool.core.errors.UsageError` /
+:class:`~kvtool.core.errors.BadDataError` with messages that name Python parameters (``heldout=64``),
+not command-line flags.
 
 >>> import kvtool
 >>> r = kvtool.compress("sample:", "bitmap:sparsity=0.7", "cap.bitmap.safetensors")
->>> r.storage_ratio                      # 0.41: compressed bytes / dense bytes
->>> kvtool.verify(r.output, use_model=False).rel_l2
+>>> r.storage_ratio                      # compressed bytes / dense bytes, a fraction
+>>> kvtool.verify(r.output, model=False).rel_l2
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import re
-from dataclasses import dataclass, field
+import typing
+import warnings
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
+from kvtool.commands import about, compress as compress_cmd, eval as eval_cmd, export as export_cmd, generate as generate_cmd
+from kvtool.commands import heads as heads_cmd, info as info_cmd, plot as plot_cmd, prune as prune_cmd
+from kvtool.commands import recommend as recommend_cmd, report as report_cmd, stats as stats_cmd, verify as verify_cmd
+from kvtool.commands._command import Outcome, declared_parameters, parameter_meta, spec_of
+from kvtool.commands._common import declare_files
+from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope
 from kvtool.core.names import canonical_dtype
-from kvtool.core.outputs import output_beside
-from kvtool.core.progress import Progress
+from kvtool.core.progress import Progress, make_sink, stage_callback
 from kvtool.core.sample import SAMPLE_PATH, resolve_sample
 
 if TYPE_CHECKING:
@@ -33,10 +53,13 @@ if TYPE_CHECKING:
 
 PathLike = str | Path
 F = TypeVar("F", bound=Callable[..., Any])
+ProgressArg = Progress | Callable[[str, int, "int | None"], Any] | bool | str | None
 
-# `--heldout 64` -> `heldout=64`, `pass --truncate` -> `pass truncate=True`, `--no-model` -> `use_model=False`
+# `--heldout 64` -> `heldout=64`, `pass --truncate` -> `pass truncate=True`, `--no-model` -> `model=False`
 _FLAG = re.compile(r"(pass )?--([a-z][a-z0-9-]*)( (?=[0-9'\"-]))?")
-_SPECIAL = {"force": "force=True", "no-model": "use_model=False", "no-queries": "queries=False"}
+_SPECIAL = {"force": "force=True", "no-model": "model=False", "no-queries": "queries=False"}
+# keyword arguments of earlier releases: old name -> (new name, value converter)
+LEGACY = {"use_model": ("model", lambda v: None if v else False), "recompute": ("force", bool)}
 
 
 def python_message(message: str) -> str:
@@ -77,10 +100,27 @@ def sample_path() -> Path:
     return SAMPLE_PATH
 
 
+# --------------------------------------------------------------------------- results
+
+
+def _at(key: str, default: Any = None) -> Any:
+    """A typed result field filled from the JSON object at dotted ``key`` (None where absent)."""
+    return field(default=default, metadata={"key": key})
+
+
+def _dig(data: Any, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
+
+
 @dataclass(frozen=True)
 class Result:
-    """What every API function returns: ``report`` is the library's report; ``to_dict()`` the JSON
-    object the matching command prints with ``--json``."""
+    """What every command's function returns: ``report`` is the command's result (the ``--json``
+    object's own keys); ``to_dict()`` the JSON object ``kvtool COMMAND --json`` prints; ``r["key"]``
+    reads ``report``. Subclasses add typed fields read from the same object."""
 
     command: str
     report: dict[str, Any] = field(repr=False)
@@ -91,13 +131,23 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         return envelope(self.command, self.report, input=self.input, inputs=self.inputs, output=self.output)
 
+    def __getitem__(self, key: str) -> Any:
+        return self.report[key]
 
-@dataclass(frozen=True)
-class CaptureResult(Result):
-    """``capture(..., output=...)``: the file written and its shape."""
+    @classmethod
+    def of(cls, command: str, outcome: Outcome) -> "Result":
+        own = {f.name: _freeze(_dig(outcome.data, f.metadata.get("key", f.name))) for f in fields(cls) if f.name not in _BASE}
+        own = {k: v for k, v in own.items() if v is not None}
+        return cls(command, outcome.data, input=None if outcome.input is None else str(outcome.input),
+                   inputs=None if outcome.inputs is None else tuple(str(p) for p in outcome.inputs),
+                   output=None if outcome.output is None else str(outcome.output), **own)
 
-    tokens: int = 0
-    layers: tuple[int, ...] = ()
+
+_BASE = {"command", "report", "input", "inputs", "output"}
+
+
+def _freeze(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 @dataclass(frozen=True)
@@ -105,7 +155,7 @@ class CompressResult(Result):
     """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction)."""
 
     format: str = ""
-    storage_ratio: float = 0.0
+    storage_ratio: float = _at("ratio", 0.0)
     compressed_bytes: int = 0
     dense_bytes: int = 0
 
@@ -119,14 +169,16 @@ class DecompressResult(Result):
 @dataclass(frozen=True)
 class VerifyResult(Result):
     """Attention error over every held-out query (``rel_l2``, ``cosine``), attention-mass ``recall``,
-    and with the model ``nll_increase`` (nats/token) and top-1 ``agreement`` (a fraction)."""
+    and with the model ``nll_increase`` (nats/token) and top-1 ``agreement`` (a fraction);
+    ``passed``: every threshold given was met."""
 
-    rel_l2: float = 0.0
-    cosine: float = 0.0
-    recall: float | None = None
-    storage_ratio: float = 0.0
-    nll_increase: float | None = None
-    agreement: float | None = None
+    rel_l2: float = _at("attention.overall.rel_l2", 0.0)
+    cosine: float = _at("attention.overall.cosine", 0.0)
+    recall: float | None = _at("attention.recall.recall")
+    storage_ratio: float = _at("attention.storage_ratio", 0.0)
+    nll_increase: float | None = _at("model.nll_increase")
+    agreement: float | None = _at("model.agreement")
+    passed: bool = _at("thresholds.passed", True)
 
 
 @dataclass(frozen=True)
@@ -139,7 +191,7 @@ class EvalResult(Result):
 
 @dataclass(frozen=True)
 class ExportResult(Result):
-    target: str = ""
+    target: str = _at("to", "")
 
 
 @dataclass(frozen=True)
@@ -162,7 +214,155 @@ class InfoResult(Result):
     file_bytes: int = 0
 
 
-# --------------------------------------------------------------------------- functions
+@dataclass(frozen=True)
+class PlotResult(Result):
+    """``files``: one dict per figure written (kind, layer, head, part, path); ``index``: index.html."""
+
+    files: tuple[dict[str, Any], ...] = ()
+    index: str | None = None
+
+
+@dataclass(frozen=True)
+class HeadsResult(Result):
+    """``curve``: the oracle's error per number of heads computed; ``k``: heads per token compared."""
+
+    k: int = 0
+    curve: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class RecommendResult(Result):
+    """``budgets``: one entry per budget with its plan (as JSON) and ``plan_file``."""
+
+    budgets: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReportResult(Result):
+    figures: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateResult(Result):
+    """``text``: the generated text of each sequence of the batch."""
+
+    text: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- functions from the declarations
+
+
+def _is_path(annotation: Any) -> bool:
+    return annotation is Path or Path in typing.get_args(annotation)
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(annotation))
+
+
+def _coerce(annotation: Any, value: Any) -> Any:
+    """An API value as the declaration takes it: a single item where a list is declared becomes a
+    one-item list; a string where a path is declared becomes a path (``sample:`` resolved)."""
+    if value is None:
+        return None
+    if _is_list(annotation):
+        items = [value] if isinstance(value, (str, Path)) else list(value)
+        inner = next((a for a in typing.get_args(annotation) if typing.get_origin(a) is list), annotation)
+        return [_coerce(typing.get_args(inner)[0] if typing.get_args(inner) else Any, v) for v in items]
+    if _is_path(annotation) and isinstance(value, (str, Path)):
+        return Path(resolve_sample(value))
+    return value
+
+
+def api_signature(fn: Callable[..., Outcome]) -> tuple[inspect.Signature, dict[str, Any], dict[str, Any]]:
+    """The Python signature of a declared command (arguments positional, options keyword-only unless
+    marked ``Api(positional=True)``, hidden and ``Api(skip=True)`` parameters left out, ``progress``
+    added), the declared annotations by name, and the left-out parameters' defaults."""
+    positional, keyword, skipped, types = [], [], {}, {}
+    for p in declared_parameters(fn):
+        base, info, api = parameter_meta(p.annotation)
+        types[p.name] = base
+        if api.skip or getattr(info, "hidden", False):
+            skipped[p.name] = p.default
+            continue
+        is_arg = type(info).__name__ == "ArgumentInfo"
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if is_arg or api.positional else inspect.Parameter.KEYWORD_ONLY
+        param = inspect.Parameter(p.name, kind, default=p.default, annotation=api.type if api.type is not None else base)
+        (positional if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else keyword).append(param)
+    keyword.append(inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=ProgressArg))
+    return inspect.Signature(positional + keyword), types, skipped
+
+
+def api_doc(fn: Callable[..., Outcome], signature: inspect.Signature) -> str:
+    """A docstring from the declaration: the command's help, then each parameter with its option's
+    help text and default."""
+    spec = spec_of(fn)
+    helps = {p.name: getattr(parameter_meta(p.annotation)[1], "help", None) for p in declared_parameters(fn)}
+    lines = [f"``kvtool {spec.name}`` from Python. " + spec.help_text().replace("\n\n", "\n"), "", "Parameters:"]
+    for name, p in signature.parameters.items():
+        if name == "progress":
+            text = "'auto' (a bar in a terminal, lines on stderr elsewhere), False, a callable (stage, done, total) or a Progress"
+        else:
+            text = (helps.get(name) or "").replace("\\[", "[")
+        default = "" if p.default is inspect.Parameter.empty else f" (default {p.default!r})"
+        lines.append(f"    {name}: {text}{default}")
+    return "\n".join(lines)
+
+
+def from_command(fn: Callable[..., Outcome], result: type[Result] = Result) -> Callable[..., Result]:
+    """The Python function of a declared command (see the module docstring)."""
+    spec = spec_of(fn)
+    signature, types, skipped = api_signature(fn)
+
+    def api_function(*args: Any, **kwargs: Any) -> Result:
+        for old in [k for k in kwargs if k in LEGACY and k not in signature.parameters]:
+            new, convert = LEGACY[old]
+            warnings.warn(f"kvtool.{spec.api_name}({old}=...) is now {new}=...", DeprecationWarning, stacklevel=3)
+            kwargs[new] = convert(kwargs.pop(old))
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        sink = make_sink(values.pop("progress"), spec.name)
+        call = {**skipped, **{k: _coerce(types[k], v) for k, v in values.items()}}
+        try:
+            with outputs.command_inputs():  # as the CLI: no output may be one of the inputs
+                outcome = fn(**declare_files(call), progress=sink)
+        except BaseException:
+            sink.close(failed=True)
+            raise
+        sink.close()
+        return result.of(spec.name, outcome)
+
+    api_function.__name__ = api_function.__qualname__ = spec.api_name or fn.__name__
+    api_function.__module__ = __name__
+    api_function.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
+    api_function.__doc__ = api_doc(fn, signature)
+    api_function.command = spec.name  # type: ignore[attr-defined]
+    return _python_errors(api_function)
+
+
+info = from_command(info_cmd.info, InfoResult)
+stats = from_command(stats_cmd.stats, StatsResult)
+plot = from_command(plot_cmd.plot, PlotResult)
+prune = from_command(prune_cmd.prune, PruneResult)
+compress = from_command(compress_cmd.compress, CompressResult)
+decompress = from_command(compress_cmd.decompress, DecompressResult)
+heads = from_command(heads_cmd.heads, HeadsResult)
+verify = from_command(verify_cmd.verify, VerifyResult)
+recommend = from_command(recommend_cmd.recommend, RecommendResult)
+evaluate = from_command(eval_cmd.eval_cmd, EvalResult)
+report = from_command(report_cmd.report, ReportResult)
+export = from_command(export_cmd.export, ExportResult)
+generate = from_command(generate_cmd.generate, GenerateResult)
+env = from_command(about.env)
+version = from_command(about.version)
+
+# the command each function above stands for; tests/test_api.py checks every command has one
+COMMAND_FUNCTIONS = {f.command: f for f in (info, stats, plot, prune, compress, decompress, heads, verify, recommend, evaluate, report,
+                                             export, generate, env, version)}
+
+
+# --------------------------------------------------------------------------- functions written here
 
 
 @_python_errors
@@ -183,33 +383,40 @@ def save(cache: "KVCache", path: PathLike, force: bool = False) -> Path:
     return io.save(cache, Path(path), force=force)
 
 
+# options of `kvtool capture` that capture() takes in another form: the prompt text(s) themselves
+CAPTURE_CLI_ONLY = ("prompt_file", "batch")
+
+
 @_python_errors
 def capture(
     prompt: str | list[str] | None = None,
     model: Any = None,
     *,
     output: PathLike | None = None,
+    random_tokens: int | None = None,
     layers: str | Sequence[int] | None = None,
     queries: bool = True,
+    query_layers: str | None = None,
     hidden: bool = False,
     generate: int = 0,
     chat: bool = False,
     max_tokens: int | None = None,
     truncate: bool = False,
     align: str = "truncate",
+    chunk_size: int | None = None,
     dtype: str | None = None,
     device: str = "cpu",
     device_map: str | None = None,
     cache_dir: str | None = None,
     force: bool = False,
-    progress: Progress | None = None,
+    progress: ProgressArg = "auto",
     **kwargs: Any,
 ) -> "KVCache":
     """Run a model on a prompt and return its KV cache (``kvtool capture``).
 
     ``prompt``: text, or a list of texts for a batch (default: the built-in ~1,000-token text);
     ``model``: None/"embedded" (SmolLM2-135M shipped with kvtool), a local HF folder, a ``.gguf``
-    file or a loaded ``(model, tokenizer)``; ``dtype``: float16/fp16, bfloat16/bf16, float32/fp32.
+    file, ``random:SHAPE`` (seeded random weights; give ``random_tokens``) or a loaded ``(model, tokenizer)``; ``dtype``: float16/fp16, bfloat16/bf16, float32/fp32.
     With ``output`` the cache is also saved there. Keys/values are ``[batch, kv_heads, tokens,
     head_dim]`` after RoPE, queries ``[batch, heads, tokens, head_dim]``. Other keyword arguments
     (e.g. ``input_ids``) go to :func:`kvtool.hf.capture.capture`.
@@ -220,204 +427,21 @@ def capture(
 
     if output is not None:
         io.check_output(Path(output), force)
-    callback = None
-    if progress is not None:
-        state = {"stage": None, "done": 0}
-
-        def callback(stage: str, done: int, total: int) -> None:
-            if stage != state["stage"]:
-                state.update(stage=stage, done=0)
-                progress.stage(stage, total)
-            if done > state["done"]:
-                progress.advance(done - state["done"])
-                state["done"] = done
-
-    cache = run_capture(
-        DEFAULT_PROMPT if prompt is None and "input_ids" not in kwargs else prompt, model=model, layers=layers, queries=queries,
-        hidden=hidden, generate=generate, chat=chat, max_tokens=max_tokens, truncate=truncate, align=align,
-        dtype=canonical_dtype(dtype), device=device, device_map=device_map, cache_dir=cache_dir, progress=callback, **kwargs,
-    )
-    if output is not None:
-        io.save(cache, Path(output), force=force)
+    sink = make_sink(progress, "capture")
+    try:
+        cache = run_capture(
+            DEFAULT_PROMPT if prompt is None and "input_ids" not in kwargs and random_tokens is None else prompt, model=model, layers=layers, queries=queries,
+            query_layers=query_layers, hidden=hidden, generate=generate, chat=chat, max_tokens=max_tokens, truncate=truncate, align=align,
+            chunk_size=chunk_size, random_tokens=random_tokens, dtype=canonical_dtype(dtype), device=device, device_map=device_map, cache_dir=cache_dir,
+            progress=stage_callback(sink), **kwargs,
+        )
+        if output is not None:
+            io.save(cache, Path(output), force=force)
+    except BaseException:
+        sink.close(failed=True)
+        raise
+    sink.close()
     return cache
-
-
-@_python_errors
-def compress(
-    capture: PathLike,
-    format: str = "dense",
-    output: PathLike | None = None,
-    *,
-    params: dict[str, Any] | None = None,
-    heldout: int = 64,
-    layers: str | None = None,
-    force: bool = False,
-    progress: Progress | None = None,
-) -> CompressResult:
-    """Compress a capture file with one format and write the compressed file (``kvtool compress``).
-
-    ``format``: ``NAME[:key=value,...]`` or a chain (``snapkv:budget=256+per-token:k=0.5,v=0.7+quant:bits=4``);
-    ``params``: more format parameters by name (``{"sparsity": 0.7}``, ``{"evict": "snapkv:budget=256"}``);
-    ``heldout``: last tokens kept dense (their queries are what :func:`verify` scores); ``output``
-    defaults to ``CAPTURE.FORMAT.safetensors`` next to the capture.
-    """
-    from kvtool.formats.files import compress_file  # deferred: start-up time (torch)
-
-    src = _path(capture)
-    _, path, report = compress_file(src, format, Path(output) if output is not None else None, dict(params or {}), heldout, layers, force, progress=progress)
-    return CompressResult("compress", report, input=str(src), output=str(path), format=report["format"], storage_ratio=report["ratio"],
-                          compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"])
-
-
-@_python_errors
-def decompress(compressed: PathLike, output: PathLike | None = None, *, force: bool = False) -> DecompressResult:
-    """Decode a compressed file back to a capture-schema file (``kvtool decompress``)."""
-    from kvtool.core import io  # deferred: start-up time (torch)
-    from kvtool.formats.base import load_compressed  # deferred: start-up time (torch)
-    from kvtool.formats.files import decompress_cache  # deferred: start-up time (torch)
-
-    src = _path(compressed)
-    cc = load_compressed(src)
-    out = Path(output) if output is not None else io.output_beside(src, f"{src.stem}.dense.safetensors")
-    io.check_output(out, force, inputs=(src,))
-    cache = decompress_cache(cc)
-    cache.info = {"decompressed_from": str(src), "format": cc.format, "params": cc.params, **{k: v for k, v in cc.info.items() if k != "source_info"}}
-    path = io.save(cache, out, force=force)
-    report = {"format": cc.format, "tokens": cache.num_tokens, "layers": cache.layer_indices}
-    return DecompressResult("decompress", report, input=str(src), output=str(path), format=cc.format, tokens=cache.num_tokens)
-
-
-@_python_errors
-def verify(
-    compressed: PathLike,
-    capture: PathLike | None = None,
-    *,
-    heldout: int | None = None,
-    backend: str = "auto",
-    model: str | None = None,
-    use_model: bool = True,
-    generate: int = 16,
-    progress: Progress | None = None,
-) -> VerifyResult:
-    """Score a compressed file against its source capture (``kvtool verify``): attention-output error
-    and recall on the held-out queries, and with ``use_model`` the model's NLL increase and top-1
-    agreement on the continuation. ``capture`` defaults to the one the file records."""
-    from kvtool.analysis.verify import verify_file  # deferred: start-up time (torch)
-
-    src = _path(compressed)
-    report = verify_file(src, _path(capture) if capture is not None else None, heldout, backend, model, use_model, generate, progress=progress)
-    att, mdl = report["attention"], report.get("model")
-    return VerifyResult("verify", report, input=str(src), rel_l2=att["overall"]["rel_l2"], cosine=att["overall"]["cosine"],
-                        recall=(att.get("recall") or {}).get("recall"), storage_ratio=att["storage_ratio"],
-                        nll_increase=mdl["nll_increase"] if mdl else None, agreement=mdl["agreement"] if mdl else None)
-
-
-@_python_errors
-def evaluate(
-    captures: PathLike | Sequence[PathLike],
-    formats: Sequence[str] = (),
-    out_dir: PathLike | None = None,
-    *,
-    paper: bool | None = None,
-    heldout: int = 64,
-    backend: str = "auto",
-    model: str | None = None,
-    use_model: bool = True,
-    generate: int = 0,
-    metric: str | None = None,
-    x: str = "storage",
-    layers: str | None = None,
-    recompute: bool = False,
-    progress: Progress | None = None,
-) -> EvalResult:
-    """Sweep formats and parameters over captures (``kvtool eval``); writes eval.json, eval.csv and the
-    frontier plot into ``out_dir`` (default ``CAPTURE.eval`` next to the first capture) and resumes
-    finished points unless ``recompute``. ``formats``: sweep specs ``NAME[:key=v1,v2,...]``; without
-    any, every registered format with default values plus the papers' comparison rows."""
-    from kvtool.analysis.evaluate import run_eval  # deferred: start-up time (torch)
-
-    items = [captures] if isinstance(captures, (str, Path)) else list(captures)
-    paths = [_path(c) for c in items]
-    if out_dir is None:
-        first = paths[0]
-        out_dir = output_beside(first, f"{first.stem}.eval")
-    specs = list(formats)
-    use_paper = (not specs) if paper is None else paper
-    result = run_eval(paths, specs, Path(out_dir), use_paper, heldout, backend, model, use_model, generate, metric, x, recompute,
-                      progress=progress, layers=layers)
-    report = {"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]}
-    return EvalResult("eval", report, inputs=tuple(str(p) for p in paths), output=str(out_dir), points=tuple(result["rows"]), files=dict(result["files"]))
-
-
-@_python_errors
-def export(source: PathLike, to: str, output: PathLike | None = None, *, page_size: int = 16, layout: str = "NHD", force: bool = False) -> ExportResult:
-    """Export a kvtool file (``kvtool export``): ``to`` is hf, paged, npz, dense, csv or json."""
-    from kvtool.export.convert import export_file  # deferred: start-up time (torch)
-
-    src = _path(source)
-    report = export_file(src, to.lower(), Path(output) if output is not None else None, page_size=page_size, layout=layout, force=force)
-    return ExportResult("export", report, input=str(src), output=report.get("output"), target=report["to"])
-
-
-@_python_errors
-def stats(
-    capture: PathLike,
-    *,
-    layers: str | None = None,
-    heads: str | None = None,
-    sort: str | None = None,
-    top: int | None = None,
-    outlier_factor: float = 4.0,
-    queries: int = 64,
-    sink: int = 4,
-    attention: bool | None = None,
-    progress: Progress | None = None,
-) -> StatsResult:
-    """Statistics of a capture per layer and KV head (``kvtool stats``)."""
-    from kvtool.analysis.file_drivers import stats_file  # deferred: start-up time (torch)
-    from kvtool.analysis.stats import StatsSettings  # deferred: start-up time (torch)
-
-    src = _path(capture)
-    settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
-    report = stats_file(src, layers, heads, settings, attention, sort, top, progress=progress)
-    return StatsResult("stats", report, input=str(src), rows=tuple(report["rows"]))
-
-
-@_python_errors
-def prune(
-    capture: PathLike,
-    output: PathLike | None = None,
-    *,
-    sparsity: float = 0.7,
-    key_sparsity: float | None = None,
-    value_sparsity: float | None = None,
-    method: str = "per-token",
-    dense_window: int = 32,
-    layers: str | None = None,
-    force: bool = False,
-    progress: Progress | None = None,
-) -> PruneResult:
-    """Prune keys and values to a target sparsity and write the pruned capture (``kvtool prune``);
-    the last ``dense_window`` tokens are never pruned."""
-    from kvtool.methods.prune import prune_file  # deferred: start-up time (torch)
-
-    src = _path(capture)
-    report = prune_file(src, Path(output) if output is not None else None, sparsity, key_sparsity, value_sparsity, method, dense_window, layers, force,
-                        progress=progress)
-    return PruneResult("prune", report, input=str(src), output=report.get("output"), achieved_key_sparsity=report["achieved_key_sparsity"],
-                       achieved_value_sparsity=report["achieved_value_sparsity"])
-
-
-@_python_errors
-def info(path: PathLike) -> InfoResult:
-    """What a kvtool file holds (``kvtool info``): schema, metadata, tensors and bytes."""
-    from kvtool.formats.files import file_info  # deferred: start-up time (torch)
-
-    src = _path(path)
-    data = file_info(src)
-    version = data.get("schema_version")
-    report = {**data, "schema_version": int(version) if str(version).isdigit() else version}
-    return InfoResult("info", report, input=str(src), schema=data["schema"], tensor_bytes=data["tensor_bytes"], file_bytes=data["file_bytes"])
 
 
 @_python_errors

@@ -2,7 +2,7 @@
 unless the line says why (``# deferred: ...``, for start-up time or a heavy optional dependency).
 
 Layers, bottom to top: core -> kernels (and the data package texts) -> methods -> formats -> hf -> analysis / export / bench ->
-cli (``kvtool.cli`` and ``kvtool.commands``). A module may import its own package and the layers
+cli (``kvtool.cli`` and ``kvtool.commands``) -> api (built from the commands' declarations). A module may import its own package and the layers
 below; the three packages of one layer do not import each other.
 """
 
@@ -15,9 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvtool"
 
-RANK = {"core": 0, "texts": 1, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "cli": 6, "commands": 6, "api": 6}
+RANK = {"core": 0, "texts": 1, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "cli": 6, "commands": 6, "api": 7}
 # modules at the top of the package: what they may import
-TOP = {"_version": -1, "__init__": 7, "__main__": 7}
+TOP = {"_version": -1, "__init__": 8, "__main__": 8}
 
 
 def layer_of(module: str) -> tuple[str, int]:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from kvtool.core.attention import dense_attention
 from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.analysis.fidelity import HeldoutData, heldout_output
 from kvtool.formats.mixed import resolve_spec
@@ -98,7 +99,7 @@ def measure_sensitivity(
     specs: list[str],
     heldout: int,
     per_head: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     calibrate: str = "prefix",
 ) -> Sensitivity:
     """Encode every layer's prefix with every candidate and score queries no candidate saw (see the
@@ -136,6 +137,8 @@ def measure_sensitivity(
     loss_rows = torch.zeros(len(layers), hkv, n_c, dtype=torch.float64)
     ok = [True] * n_c
     dense_bytes = 0
+    progress = or_silent(progress)
+    progress.stage(f"sensitivity of {n_c} candidates, layers", len(layers))
     for li, i in enumerate(layers):
         full = cache.layers[i]
         head = full.slice_tokens(0, prefix)
@@ -162,8 +165,7 @@ def measure_sensitivity(
                 continue
             byte_rows[li, :, c] = nbytes / hkv
             loss_rows[li, :, c] = sq / ref_sq
-        if progress is not None:
-            progress(f"sensitivity: layer {i} ({li + 1}/{len(layers)}), {sum(ok)} candidates")
+        progress.advance()
     keep = [c for c in range(n_c) if ok[c]]
     byte_rows, loss_rows = byte_rows[..., keep], loss_rows[..., keep]
     kept_specs = [resolved[c][0] for c in keep]

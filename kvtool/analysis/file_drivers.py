@@ -200,8 +200,10 @@ def heads_file(
     if cache.batch_size > 1 and cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
         raise UsageError(f"{capture} holds a left-padded batch; recapture with --align truncate")
     progress = or_silent(progress)
-    progress.stage("heads", len(cache.layers))
-    report, routers = analyse_heads(cache, k, heldout, router=True, steps=steps, seed=seed, progress=lambda i: progress.advance())
+    per_layer = 1 + (steps if cache.has_hidden else 0)  # the oracle curves, then one unit per router training step
+    progress.stage("heads: oracle curves" + (" and router training steps" if cache.has_hidden else ", layers"), len(cache.layers) * per_layer)
+    report, routers = analyse_heads(cache, k, heldout, router=True, steps=steps, seed=seed, progress=lambda i: progress.advance(),
+                                    tick=progress.advance if cache.has_hidden else None)
     report["capture"] = str(capture)
     if router_out is not None:
         report["router_out"] = str(save_routers(router_out, routers, cache, report["k"], force=force))

@@ -27,7 +27,7 @@ import io as _io
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.core.documents import check_eval_points, read_bench_document
 from kvtool.core.errors import UsageError
@@ -45,6 +45,7 @@ outlier_ratios,
 token_mask,
 )
 from kvtool.core import io
+from kvtool.core.progress import Progress, or_silent
 from kvtool.analysis.recommendation import recommend_capture
 from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
 from kvtool.analysis.frontier import plot_frontier
@@ -391,20 +392,19 @@ def build_report(
     model: str | None = None,
     heldout: int = 64,
     uniform_checks: int = 1,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The report's HTML text and a summary dict (sections, figure count, per-budget numbers)."""
     eval_rows = read_eval(eval_dir) if eval_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
     facts = cache.facts
-    if progress:
-        progress("report: cache statistics")
+    progress = or_silent(progress)
+    progress.stage("cache statistics")
     cut = cut_summary(cache)
     rec = recommend_capture(capture, list(budgets), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
                             uniform_checks=uniform_checks, progress=progress)
-    if progress:
-        progress("report: figures")
+    progress.stage("figures")
     figures = 0
     sections = []
     elt = 2 if facts.dtype in ("float16", "bfloat16") else 4

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from kvtool.core.progress import Progress
 from kvtool.core.cache import KVCache
 from kvtool.core.errors import UsageError
 from kvtool.analysis.fidelity import DenseReference, dense_reference, model_fidelity
@@ -137,7 +138,7 @@ def score_case(model: Any, case: Case, plan: Plan) -> dict[str, Any]:
     }
 
 
-def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress: Callable[[str], None] | None = None) -> dict[str, dict[str, Any]]:
+def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress: Progress | None = None) -> dict[str, dict[str, Any]]:
     """Every plan on every case: ``{label: {"cases": [score_case rows], "<metric>": interval}}``
     for ``relative_nll_increase``, ``nll_increase``, ``agreement``, ``kl`` (first case = the capture
     when it is one of them; its own numbers are in ``cases[0]``)."""
@@ -147,8 +148,7 @@ def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress:
         for case in cases:
             rows.append(score_case(model, case, plan))
             if progress is not None:
-                r = rows[-1]
-                progress(f"model check: {label} on {case.name}: NLL {100 * r['relative_nll_increase']:+.2f}%, top-1 {r['agreement']:.3f}")
+                progress.advance()
         out[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
     return out
 

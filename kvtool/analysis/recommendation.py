@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from kvtool.core import io
+from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
 from kvtool.analysis.allocation import allocate, measure_sensitivity, menu, parse_budget, uniform_options
@@ -28,11 +29,6 @@ from kvtool.hf import models
 from kvtool import texts as shipped_texts
 from kvtool.analysis.fidelity import check_model_facts
 from kvtool.analysis.modelcheck import metric_interval, score_plans
-
-
-def _note(progress: Callable[[str], None] | None, msg: str) -> None:
-    if progress is not None:
-        progress(msg)
 
 
 WEIGHT_PROBE = "quant:bits=2"
@@ -54,12 +50,14 @@ def layer_weights(model: Any, cache, sens, heldout: int, probe: str = WEIGHT_PRO
     for g, (i, _h) in enumerate(sens.groups):
         predicted_loss[i] = predicted_loss.get(i, 0.0) + float(sens.loss[g, col])
     raw: dict[int, float] = {}
+    progress = or_silent(progress)
+    progress.stage(f"layer weights ({probe} on one layer at a time), layers", len(predicted_loss))
     for i in sorted(predicted_loss):
         one = KVCache(cache.facts, {i: window.layers[i]}, window.token_ids, cache.info)
         cc = compress_plan(one, Plan({i: [probe]}), heldout=heldout)
         kl = model_fidelity(model, cc, ref)["kl"]
         raw[i] = kl / predicted_loss[i] if predicted_loss[i] > 0 else 0.0
-        _note(progress, f"layer weights: layer {i}: KL {kl:.4f} with {probe} alone")
+        progress.advance()
     mean = sum(raw.values()) / len(raw) if raw else 0.0
     if mean <= 0:
         return {i: 1.0 for i in raw}
@@ -93,12 +91,13 @@ def _allocate_all(result: dict[str, Any], parsed: list[dict[str, Any]], cache, s
 
 def load_cases(model: Any, tokenizer: Any, cache, heldout: int, texts: list[tuple[str, str]], model_name: str, progress=None) -> list:
     """The capture's continuation, then one case per text (cut to the capture's length)."""
-    start = time.perf_counter()
+    progress = or_silent(progress)
+    progress.stage("model check: dense reference runs, texts", 1 + len(texts))
     cases = [capture_case(model, cache, heldout, "capture", model_name)]
-    _note(progress, f"model check: dense reference of the capture ({time.perf_counter() - start:.0f} s)")
+    progress.advance()
     for name, text in texts:
         cases.append(text_case(model, tokenizer, text, name, cache.num_tokens, heldout, cache.layer_indices))
-        _note(progress, f"model check: text {name!r} prefilled ({time.perf_counter() - start:.0f} s)")
+        progress.advance()
     return cases
 
 
@@ -116,7 +115,7 @@ def recommend_capture(
     use_texts: bool = True,
     uniform_checks: int = 3,
     buckets: int = 4000,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     calibrate: str = "prefix",
     weights: bool = True,
     threads: int | None = 1,
@@ -145,6 +144,7 @@ def recommend_capture(
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
                uniform_checks, buckets, progress, calibrate, weights) -> dict[str, Any]:
     start = time.perf_counter()
+    progress = or_silent(progress)
     if not budgets:
         raise UsageError("give --budget, e.g. --budget 15%")
     if heldout < 1:
@@ -160,8 +160,6 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError(f"{capture} has {cache.num_tokens} tokens, too few for --heldout {heldout} (capture a longer prompt or lower --heldout)")
     parsed = [dict(budget=b, **parse_budget(b, cache.facts, batch, context)) for b in budgets]
     specs = menu(cache.num_tokens - heldout, families)
-    which = "the prompt's last" if calibrate == "prefix" else "the held-out"
-    _note(progress, f"sensitivity: {len(specs)} candidates x {len(cache.layers)} layers on {which} {heldout} queries")
     sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate)
     result: dict[str, Any] = {
         "capture": str(capture), "model_facts": cache.facts.to_dict(), "heldout": heldout, "per_head": per_head,
@@ -177,13 +175,13 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         result["seconds"] = round(time.perf_counter() - start, 1)
         return result
 
+    progress.stage(f"loading the model {spec}")
     mdl, tok, source = models.load(spec)
     name = source.name if spec in ("embedded", "smollm2") else str(spec)
     try:
         check_model_facts(mdl, cache.facts, name)
     except BadDataError as exc:
         raise BadDataError(f"{exc} (or pass --no-model for the predicted costs only)") from None
-    _note(progress, f"model check: {name} loaded ({time.perf_counter() - start:.0f} s)")
     if weights:
         w = layer_weights(mdl, cache, sens, heldout, model_name=name, progress=progress)
         for g, (i, _h) in enumerate(sens.groups):
@@ -199,6 +197,8 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     cases = load_cases(mdl, tok, cache, heldout, chosen_texts, name, progress)
     result["model"] = name
     result["cases"] = [c.name for c in cases]
+    per_budget = [1 + min(uniform_checks, len(b["uniform"])) + 1 for b in result["budgets"]]  # plan, shortlist, one above: on the capture
+    progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) + (len(cases) - 1) * 2 * len(result["budgets"]))
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
         shortlist = sorted(b["uniform"], key=lambda r: r["loss"])[:uniform_checks]

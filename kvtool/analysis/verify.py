@@ -20,6 +20,7 @@ from kvtool.core.cache import KVCache
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.placement import resolve_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.hf.passes import layer_calls
 from kvtool.formats.base import CompressedCache, load_compressed
 from kvtool.hf import models
 
@@ -92,11 +93,11 @@ def verify_file(
         if model:
             raise
         raise BadDataError(f"{exc} (or pass --no-model for attention-level fidelity only)") from None
-    progress.stage("model continuation, dense then compressed passes", 2)
-    ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
-    progress.advance()
-    report["model"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
-    progress.advance()
+    steps = max(0, generate - 1)  # greedy tokens after the first, which the continuation's last logits give
+    with layer_calls(mdl, progress, f"dense pass (prefill, continuation, {generate} generated)", 2 + steps):
+        ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
+    with layer_calls(mdl, progress, f"compressed pass (continuation, {generate} generated)", 1 + steps):
+        report["model"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
     report["model"]["name"] = name
     return report
 

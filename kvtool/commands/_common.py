@@ -17,9 +17,8 @@ import functools
 import math
 import os
 import sys
-import threading
-import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Iterator
 
@@ -34,6 +33,7 @@ from kvtool._version import __version__
 from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope, to_json_text
+from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
 from kvtool.core.progress import Progress as LibraryProgress
 from kvtool.core.sample import resolve_sample
 
@@ -54,6 +54,19 @@ err_console = _make_console(stderr=True)
 
 # --------------------------------------------------------------------------- shared option types
 
+
+@dataclass(frozen=True)
+class Api:
+    """How the Python API (:mod:`kvtool.api`) shows a declared parameter, given as one more item of
+    its ``Annotated``: ``skip`` leaves a CLI-only parameter out, ``positional`` lets an option be
+    passed by position, ``type`` widens the annotation the API shows (see
+    :mod:`kvtool.commands._command`)."""
+
+    skip: bool = False
+    positional: bool = False
+    type: Any = None
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout instead of tables (see docs/cli.md).")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the full traceback when something fails.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")]
@@ -63,6 +76,18 @@ InputArg = Annotated[Path, typer.Argument(help="A kvtool file (capture or compre
 CaptureArg = Annotated[Path, typer.Argument(help="A capture file made by `kvtool capture`, or 'sample:' for the bundled sample.", show_default=False)]
 LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to use, e.g. 0,5,10-12 (default: all).")]
 HeadsOpt = Annotated[str | None, typer.Option("--heads", help="KV heads to use, e.g. 0,2 (default: all).")]
+# --model / --no-model of the commands that run the model; in the Python API ``model=False`` is --no-model
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded one when the capture came from it; False in Python: none)."),
+                     Api(type=str | bool | None)]
+NoModelOpt = Annotated[bool, typer.Option("--no-model", help="Do not run the model (attention-level results only; much faster)."), Api(skip=True)]
+
+
+def model_choice(model: Any, no_model: bool) -> tuple[Any, bool]:
+    """(the model to use or None for the default, whether to run one): ``--no-model`` or, from
+    Python, ``model=False`` means none."""
+    if no_model or model is False:
+        return None, False
+    return model, True
 
 class Number(click.ParamType):
     """A float option whose bad value reads ``--max-error must be a number, got 'abc'``."""
@@ -83,7 +108,7 @@ NUMBER = Number()
 
 _global = {"debug": False, "quiet": False}
 # what the running command is: its name for the JSON envelope, whether it prints JSON, is quiet
-_current: dict[str, Any] = {"command": None, "json": False, "quiet": False}
+_current: dict[str, Any] = {"command": None, "json": False, "quiet": False, "debug": False}
 
 
 def set_global_debug(value: bool) -> None:
@@ -102,7 +127,7 @@ def set_no_color(value: bool) -> None:
 
 
 def debug_enabled(local: bool = False) -> bool:
-    return local or _global["debug"] or os.environ.get("KVTOOL_DEBUG", "") not in ("", "0")
+    return local or _global["debug"] or _current.get("debug", False) or os.environ.get("KVTOOL_DEBUG", "") not in ("", "0")
 
 
 def quiet_enabled(local: bool = False) -> bool:
@@ -144,9 +169,10 @@ def kvtool_command(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _current["debug"] = False  # not the previous command's --debug
         debug = debug_enabled(bool(kwargs.get("debug", False)))
         json_mode = kwargs.get("json_out") is True
-        _current.update(command=_command_name(), json=json_mode, quiet=bool(kwargs.get("quiet", False)) or _global["quiet"])
+        _current.update(command=_command_name(), json=json_mode, quiet=bool(kwargs.get("quiet", False)) or _global["quiet"], debug=debug)
         try:
             with outputs.command_inputs():
                 return fn(*args, **declare_files(kwargs))
@@ -171,7 +197,7 @@ def kvtool_command(fn: Callable) -> Callable:
 
 # the parameters (in every command) that name files or folders the command writes; every other path
 # argument is an input, which no output may be (tests/test_trust.py checks every command's options)
-OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "router_out", "router_out_old"})
+OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "plot_output", "router_out", "router_out_old"})
 
 
 def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -276,107 +302,8 @@ def fmt_bytes(n: int | float) -> str:
     return f"{n:.2f} GiB"
 
 
-def fmt_duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.0f} s"
-    return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
-
 
 # --------------------------------------------------------------------------- progress
-
-
-class BarProgress(LibraryProgress):
-    """The CLI's :class:`kvtool.core.progress.Progress` on a terminal: each stage is a task of a rich
-    bar, which starts with the first stage (a command that fails before any stage prints nothing)."""
-
-    def __init__(self, bar: Any):
-        self.bar = bar
-        self.task = None
-        self.started = False
-
-    def stage(self, what: str, total: int | None = None) -> None:
-        if not self.started:
-            self.bar.start()
-            self.started = True
-        if self.task is not None:
-            self.bar.remove_task(self.task)
-        self.task = self.bar.add_task(escape(what), total=total)
-
-    def advance(self, units: int = 1) -> None:
-        if self.task is not None:
-            self.bar.advance(self.task, units)
-
-    def note(self, text: str) -> None:
-        if not self.bar.disable:
-            self.bar.console.print(text, markup=False, highlight=False)
-
-    def close(self) -> None:
-        if self.started:
-            self.bar.stop()
-
-
-class LineProgress(LibraryProgress):
-    """Progress off a terminal: one plain stderr line when a stage starts, and while it runs at least
-    every ``heartbeat`` seconds (from a background thread, so one long unit of work still shows
-    life): ``kvtool COMMAND: STAGE 3/12 (25%), 41 s``."""
-
-    def __init__(self, command: str | None, stream: Any = None, heartbeat: float = HEARTBEAT_S):
-        self.command = command or "kvtool"
-        self.stream = stream
-        self.heartbeat = heartbeat
-        self.what: str | None = None
-        self.total: int | None = None
-        self.done = 0
-        self.start = time.monotonic()
-        self.last_line = self.start
-        self.lock = threading.Lock()
-        self.stop_event = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def _line(self) -> str:
-        elapsed = fmt_duration(time.monotonic() - self.start)
-        if self.total:
-            how_far = f"{self.done}/{self.total} ({100 * self.done / self.total:.0f}%)"
-        else:
-            how_far = f"{self.done} done" if self.done else "started"
-        return f"kvtool {self.command}: {self.what} {how_far}, {elapsed}"
-
-    def _write(self) -> None:
-        stream = self.stream or sys.stderr
-        stream.write(self._line() + "\n")
-        stream.flush()
-        self.last_line = time.monotonic()
-
-    def stage(self, what: str, total: int | None = None) -> None:
-        with self.lock:
-            self.what, self.total, self.done = what, total, 0
-            self._write()
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._beat, name="kvtool-progress", daemon=True)
-            self.thread.start()
-
-    def advance(self, units: int = 1) -> None:
-        with self.lock:
-            self.done += units
-            if time.monotonic() - self.last_line >= self.heartbeat:
-                self._write()
-
-    def _beat(self) -> None:
-        while not self.stop_event.wait(min(1.0, self.heartbeat)):
-            with self.lock:
-                if self.what is not None and time.monotonic() - self.last_line >= self.heartbeat:
-                    self._write()
-
-    def close(self, failed: bool = False) -> None:
-        self.stop_event.set()
-        if self.thread is not None:
-            self.thread.join(timeout=2)
-        if self.what is not None:
-            with self.lock:
-                stream = self.stream or sys.stderr
-                how = f"stopped during {self.what} after" if failed else "done in"
-                stream.write(f"kvtool {self.command}: {how} {fmt_duration(time.monotonic() - self.start)}\n")
-                stream.flush()
 
 
 def _progress_enabled(quiet: bool) -> bool:
@@ -391,54 +318,21 @@ def _progress_enabled(quiet: bool) -> bool:
 
 @contextmanager
 def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
-    """The progress sink every library call of the CLI gets: rich bars on a terminal, plain lines on
-    stderr elsewhere, nothing with ``-q`` (or ``quiet``; ``--json`` passes itself here too)."""
+    """The progress sink every library call of the CLI gets (:mod:`kvtool.core.progress`): a rich bar
+    on a terminal, plain lines with rate and time left on stderr elsewhere, nothing with ``-q`` (or
+    ``quiet``; ``--json`` passes itself here too)."""
     if not _progress_enabled(quiet):
         sink: LibraryProgress = LibraryProgress()
     elif err_console.is_terminal:
-        sink = BarProgress(progress_bar())
+        sink = BarProgress(err_console)
     else:
-        sink = LineProgress(_current["command"] or _command_name())
+        sink = LineProgress(_current["command"] or _command_name(), heartbeat=HEARTBEAT_S)
     try:
         yield sink
     except BaseException:
-        if isinstance(sink, LineProgress):
-            sink.close(failed=True)
-        elif isinstance(sink, BarProgress):
-            sink.close()
+        sink.close(failed=True)
         raise
-    if isinstance(sink, (LineProgress, BarProgress)):
-        sink.close()
-
-
-def stage_callback(sink: LibraryProgress) -> Callable[[str, int, int], None]:
-    """Adapt a sink to the ``progress(stage, done, total)`` callables some library functions take."""
-    state: dict[str, Any] = {"stage": None, "done": 0}
-
-    def report(stage: str, done: int, total: int) -> None:
-        if stage != state["stage"]:
-            state.update(stage=stage, done=0)
-            sink.stage(stage, total)
-        if done > state["done"]:
-            sink.advance(done - state["done"])
-            state["done"] = done
-
-    return report
-
-
-def progress_bar(quiet: bool = False) -> Any:
-    """A rich progress bar on stderr (transient: it disappears when done)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=quiet,
-    )
+    sink.close()
 
 
 # the --device option of the commands that compute (kept here, not in the library, so help needs no torch)

@@ -12,15 +12,9 @@ import typer
 
 from kvtool._version import __version__
 from kvtool.core.sample import SAMPLE_PATH
-from kvtool.commands._common import (
-    DebugOpt,
-    JsonOpt,
-    console,
-    emit_json,
-    example_epilog,
-    kvtool_command,
-    make_table,
-)
+from kvtool.commands._command import Outcome, add_commands, declare
+from kvtool.commands._common import console, example_epilog, make_table
+from kvtool.core.progress import Progress
 
 ORDER = 90
 SHORT_HELP = "Version, environment and the bundled sample"
@@ -56,46 +50,47 @@ def environment() -> dict[str, Any]:
     }
 
 
+def print_version(outcome: Outcome) -> None:
+    console.print(f"kvtool {outcome.data['version']}", markup=False)
+
+
+@declare("version", short_help="Print kvtool's version", help="Print kvtool's version (the same as `kvtool --version`).",
+         epilog=example_epilog("kvtool version", "kvtool version --json"), render=print_version)
+def version(*, progress: Progress) -> Outcome:
+    return Outcome({"version": __version__, "python": platform.python_version()})
+
+
+def print_env(outcome: Outcome) -> None:
+    data = outcome.data
+    dev = data["device"]
+    rows = [("kvtool", data["kvtool"]), ("python", f"{data['python']} ({data['platform']})")]
+    rows += [(name, v or "not installed") for name, v in data["packages"].items()]
+    rows.append(("CUDA", f"{data['cuda_version']}" if data["cuda_version"] else "CPU-only torch build"))
+    rows.append(("device", f"{dev['name']} (sm_{dev['capability'].replace('.', '')}, {dev['memory_bytes'] / 2**30:.1f} GiB) x{dev['count']}" if dev else "no CUDA device"))
+    console.print(make_table("kvtool env", ["what", "value"], rows))
+
+
+@declare("env", short_help="Versions of kvtool, Python, torch, Triton, transformers, FlashInfer; the CUDA device",
+         help="What kvtool runs on: versions of kvtool, Python, torch, Triton, transformers, FlashInfer and the "
+         "other libraries, and the CUDA device torch sees. Paste it into bug reports.",
+         epilog=example_epilog("kvtool env", "kvtool env --json"), render=print_env)
+def env(*, progress: Progress) -> Outcome:
+    return Outcome(environment())
+
+
+@declare("sample path", help="Print the bundled sample's path.", epilog=example_epilog("kvtool sample path", "kvtool sample path --json"),
+         render=lambda outcome: sys.stdout.write(f"{outcome.data['path']}\n"),
+         api=None)  # kvtool.sample_path() returns the Path itself
+def path(*, progress: Progress) -> Outcome:
+    return Outcome({"path": str(SAMPLE_PATH), "bytes": SAMPLE_PATH.stat().st_size})
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("version", short_help="Print kvtool's version", help="Print kvtool's version (the same as `kvtool --version`).",
-                 epilog=example_epilog("kvtool version", "kvtool version --json"))
-    @kvtool_command
-    def version(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
-        if json_out:
-            emit_json({"version": __version__, "python": platform.python_version()})
-        else:
-            console.print(f"kvtool {__version__}", markup=False)
-
-    @app.command("env", short_help="Versions of kvtool, Python, torch, Triton, transformers, FlashInfer; the CUDA device",
-                 help="What kvtool runs on: versions of kvtool, Python, torch, Triton, transformers, FlashInfer and the "
-                 "other libraries, and the CUDA device torch sees. Paste it into bug reports.",
-                 epilog=example_epilog("kvtool env", "kvtool env --json"))
-    @kvtool_command
-    def env(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
-        data = environment()
-        if json_out:
-            emit_json(data)
-            return
-        dev = data["device"]
-        rows = [("kvtool", data["kvtool"]), ("python", f"{data['python']} ({data['platform']})")]
-        rows += [(name, v or "not installed") for name, v in data["packages"].items()]
-        rows.append(("CUDA", f"{data['cuda_version']}" if data["cuda_version"] else "CPU-only torch build"))
-        rows.append(("device", f"{dev['name']} (sm_{dev['capability'].replace('.', '')}, {dev['memory_bytes'] / 2**30:.1f} GiB) x{dev['count']}" if dev else "no CUDA device"))
-        console.print(make_table("kvtool env", ["what", "value"], rows))
-
+    add_commands(app, version, env)
     sample_app = typer.Typer(name="sample", help="The sample capture bundled with kvtool (4 layers of SmolLM2-135M, 512 tokens, "
                              "with queries and hidden states). Every command also accepts the name 'sample:' for it.",
                              no_args_is_help=True, rich_markup_mode="rich",
                              epilog=example_epilog("kvtool sample path", "kvtool sample path --json", "kvtool stats sample:",
                                                    "cp \"$(kvtool sample path)\" cap.safetensors"))
-
-    @sample_app.command("path", help="Print the bundled sample's path.", epilog=example_epilog("kvtool sample path", "kvtool sample path --json"))
-    @kvtool_command
-    def path(json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
-        if json_out:
-            emit_json({"path": str(SAMPLE_PATH), "bytes": SAMPLE_PATH.stat().st_size})
-        else:
-            sys.stdout.write(f"{SAMPLE_PATH}\n")
-
+    add_commands(sample_app, path)
     app.add_typer(sample_app, name="sample", short_help="Where the bundled sample capture is ('sample:' in any command)")
-

@@ -204,6 +204,7 @@ def _add_report(bench_app: typer.Typer) -> None:
         summary: Annotated[bool, typer.Option("--summary", help="Only the kvtool kernels' rows, with their speedups over the primary baselines.")] = False,
         force: ForceOpt = False,
         json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
         debug: DebugOpt = False,
     ) -> None:
         from kvtool.bench.tables import markdown  # deferred: start-up time

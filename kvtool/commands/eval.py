@@ -12,20 +12,19 @@ from kvtool.core.errors import UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._catalog import format_summaries
 from kvtool.commands._common import DEVICE_HELP
+from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
-    DebugOpt,
-    JsonOpt,
-    QuietOpt,
+    ModelOpt,
+    NoModelOpt,
+    model_choice,
     console,
     debug_enabled,
     deprecated,
-    emit_json,
     example_epilog,
-    kvtool_command,
     make_table,
-    library_progress,
     show,
 )
+from kvtool.core.progress import Progress
 
 ORDER = 55
 SHORT_HELP = "Sweep formats and parameters; fidelity vs bytes frontier"
@@ -124,61 +123,60 @@ def print_results(result: dict[str, Any]) -> None:
     show("wrote {}", ", ".join(v for v in result["files"].values()))
 
 
+@declare(
+    "eval",
+    help="Sweep formats and parameters over one or more captures: storage and traffic ratio, attention-output "
+    "error and recall on held-out queries, and (with the model) NLL increase and next-token agreement. Writes "
+    "eval.json, eval.csv and the compression-vs-fidelity frontier plot; a rerun resumes finished points. "
+    "Sweeps: NAME:key=v1,v2,...; without --formats every registered format is swept with default values, "
+    "plus the paper comparison rows.",
+    epilog=example_epilog(
+        "kvtool eval sample: --no-model --out-dir sample.eval",
+        "kvtool eval cap.safetensors --formats 'bitmap:sparsity=0.5,0.7,0.9' 'signvq:bits=2,4' --no-paper",
+        "kvtool eval cap.safetensors --formats 'pagestat:budget=128,512,score=unique,quest' --metric recall --x traffic --json",
+    ),
+    render=lambda outcome: print_results(outcome.view),
+    api="evaluate",  # eval is a Python builtin
+)
+def eval_cmd(
+    captures: Annotated[list[str], typer.Argument(help="Capture files (and, after --formats, more sweep specs).", show_default=False)],
+    formats: Annotated[list[str] | None, typer.Option("--formats", "-F", help="Sweep spec NAME[:key=v1,v2,...]; repeatable, or several after one --formats."), Api(positional=True)] = None,
+    paper: Annotated[bool | None, typer.Option("--paper/--no-paper", help="Add the papers' comparison rows (default: on without --formats).")] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Folder for eval.json, eval.csv and the plot (default: CAPTURE.eval/).", file_okay=False), Api(positional=True)] = None,
+    out_old: Annotated[Path | None, typer.Option("--out", "-o", hidden=True, help="Deprecated name of --out-dir.", file_okay=False)] = None,
+    heldout: Annotated[int, typer.Option(help="Last tokens kept dense; their queries are scored.")] = 64,
+    backend: Annotated[str, typer.Option(help=f"{'|'.join(BACKEND_NAMES)}: attention path for the compressed prefix.")] = "auto",
+    model: ModelOpt = None,
+    no_model: NoModelOpt = False,
+    generate: Annotated[int, typer.Option(help="Greedy tokens to compare after the continuation.")] = 0,
+    metric: Annotated[str | None, typer.Option(help=f"Frontier y axis: {'|'.join(METRIC_NAMES)} (default: agreement with a model, else rel_l2).")] = None,
+    x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
+    layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
+    texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis.evaluate import run_eval  # deferred: start-up time
+
+    captures, specs = split_inputs([str(resolve_sample(i)) for i in captures], formats or [])
+    use_paper = (not specs) if paper is None else paper
+    if out_old is not None:
+        deprecated("--out/-o", "--out-dir")
+        out_dir = out_dir or out_old
+    if out_dir is None:
+        # next to the capture; for the bundled sample in the current folder (never inside the package)
+        from kvtool.core.outputs import output_beside  # deferred: start-up time
+
+        out_dir = output_beside(captures[0], f"{captures[0].stem}.eval")
+    model, use_model = model_choice(model, no_model)
+    result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, use_model, generate, metric, x, force,
+                      progress=progress, debug=debug_enabled(), layers=layers, device=device, threads=threads, texts=texts)
+    data = {"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]}
+    return Outcome(data, inputs=captures, output=out_dir, view=result)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command(
-        "eval",
-        help="Sweep formats and parameters over one or more captures: storage and traffic ratio, attention-output "
-        "error and recall on held-out queries, and (with the model) NLL increase and next-token agreement. Writes "
-        "eval.json, eval.csv and the compression-vs-fidelity frontier plot; a rerun resumes finished points. "
-        "Sweeps: NAME:key=v1,v2,...; without --formats every registered format is swept with default values, "
-        "plus the paper comparison rows.",
-        epilog=example_epilog(
-            "kvtool eval sample: --no-model --out-dir sample.eval",
-            "kvtool eval cap.safetensors --formats 'bitmap:sparsity=0.5,0.7,0.9' 'signvq:bits=2,4' --no-paper",
-            "kvtool eval cap.safetensors --formats 'pagestat:budget=128,512,score=unique,quest' --metric recall --x traffic --json",
-        ),
-    )
-    @kvtool_command
-    def eval_cmd(
-        inputs: Annotated[list[str], typer.Argument(help="Capture files (and, after --formats, more sweep specs).", show_default=False)],
-        formats: Annotated[list[str] | None, typer.Option("--formats", "-F", help="Sweep spec NAME[:key=v1,v2,...]; repeatable, or several after one --formats.")] = None,
-        paper: Annotated[bool | None, typer.Option("--paper/--no-paper", help="Add the papers' comparison rows (default: on without --formats).")] = None,
-        out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Folder for eval.json, eval.csv and the plot (default: CAPTURE.eval/).", file_okay=False)] = None,
-        out_old: Annotated[Path | None, typer.Option("--out", "-o", hidden=True, help="Deprecated name of --out-dir.", file_okay=False)] = None,
-        heldout: Annotated[int, typer.Option(help="Last tokens kept dense; their queries are scored.")] = 64,
-        backend: Annotated[str, typer.Option(help=f"{'|'.join(BACKEND_NAMES)}: attention path for the compressed prefix.")] = "auto",
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the continuation (default: the embedded one when the capture came from it).")] = None,
-        no_model: Annotated[bool, typer.Option("--no-model", help="Attention-level metrics only (faster).")] = False,
-        generate: Annotated[int, typer.Option(help="Greedy tokens to compare after the continuation.")] = 0,
-        metric: Annotated[str | None, typer.Option(help=f"Frontier y axis: {'|'.join(METRIC_NAMES)} (default: agreement with a model, else rel_l2).")] = None,
-        x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
-        layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
-        force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
-        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
-        threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
-        texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
-        json_out: JsonOpt = False,
-        quiet: QuietOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis.evaluate import run_eval  # deferred: start-up time
-
-        inputs = [str(resolve_sample(i)) for i in inputs]
-        captures, specs = split_inputs(inputs, formats or [])
-        use_paper = (not specs) if paper is None else paper
-        if out_old is not None:
-            deprecated("--out/-o", "--out-dir")
-            out_dir = out_dir or out_old
-        if out_dir is None:
-            # next to the capture; for the bundled sample in the current folder (never inside the package)
-            from kvtool.core.outputs import output_beside  # deferred: start-up time
-
-            out_dir = output_beside(captures[0], f"{captures[0].stem}.eval")
-        with library_progress(json_out) as progress:
-            result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, not no_model, generate, metric, x, force,
-                              progress=progress, debug=debug_enabled(debug), layers=layers, device=device, threads=threads, texts=texts)
-        if json_out:
-            emit_json({"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]},
-                      inputs=captures, output=out_dir)
-        else:
-            print_results(result)
+    add_commands(app, eval_cmd)

@@ -7,22 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
+from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
     CaptureArg,
-    DebugOpt,
     ForceOpt,
-    JsonOpt,
-    QuietOpt,
     LayersOpt,
     console,
     deprecated,
-    emit_json,
     example_epilog,
-    kvtool_command,
     make_table,
-    library_progress,
     show,
 )
+from kvtool.core.progress import Progress
 
 ORDER = 45
 SHORT_HELP = "Attention-head selection: oracle error curve and trained routers"
@@ -55,47 +51,44 @@ def print_report(rep: dict[str, Any]) -> None:
             show("wrote {} to {}", what, rep[key])
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "heads",
-        help="Attention-head selection (Polar Sparsity): per token and head the attention output norm; the error "
-        "when only the top-k heads are computed, for k = 1..heads (oracle) and per KV group; a per-layer linear "
-        "router trained on the hidden states (capture with --hidden) to predict each token's top-k heads, scored "
-        "on held-out tokens against the oracle, a fixed best-on-average head set and random heads.",
-        epilog=example_epilog(
-            "kvtool heads sample:",
-            "kvtool heads sample: --top-k 3 -o routers.safetensors --plot-output heads.png --json",
-        ),
-    )
-    @kvtool_command
-    def heads(
-        capture: CaptureArg,
-        k: Annotated[int | None, typer.Option("--top-k", "-k", help="Heads computed per token for the router comparison (default: half, rounded up).")] = None,
-        k_old: Annotated[int | None, typer.Option("--k", hidden=True, help="Deprecated name of --top-k.")] = None,
-        heldout: Annotated[int, typer.Option(help="Last tokens held out from router training and used to score it.")] = 128,
-        router_out: Annotated[Path | None, typer.Option("--output", "-o", help="Save the routers as safetensors (needs --hidden in the capture).", dir_okay=False)] = None,
-        router_out_old: Annotated[Path | None, typer.Option("--router-out", hidden=True, help="Deprecated name of --output.", dir_okay=False)] = None,
-        plot: Annotated[Path | None, typer.Option("--plot-output", help="Write the error-vs-density plot (PNG).", dir_okay=False)] = None,
-        plot_old: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated name of --plot-output.", dir_okay=False)] = None,
-        steps: Annotated[int, typer.Option(help="Router training steps (full-batch Adam).", min=1)] = 300,
-        seed: Annotated[int, typer.Option(help="Seed for router initialisation and the random baseline.")] = 0,
-        layers: LayersOpt = None,
-        force: ForceOpt = False,
-        json_out: JsonOpt = False,
-        quiet: QuietOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis.file_drivers import heads_file  # deferred: start-up time
+@declare(
+    "heads",
+    help="Attention-head selection (Polar Sparsity): per token and head the attention output norm; the error "
+    "when only the top-k heads are computed, for k = 1..heads (oracle) and per KV group; a per-layer linear "
+    "router trained on the hidden states (capture with --hidden) to predict each token's top-k heads, scored "
+    "on held-out tokens against the oracle, a fixed best-on-average head set and random heads.",
+    epilog=example_epilog(
+        "kvtool heads sample:",
+        "kvtool heads sample: --top-k 3 -o routers.safetensors --plot-output heads.png --json",
+    ),
+    render=lambda outcome: print_report(outcome.data),
+)
+def heads(
+    capture: CaptureArg,
+    top_k: Annotated[int | None, typer.Option("--top-k", "-k", help="Heads computed per token for the router comparison (default: half, rounded up).")] = None,
+    k_old: Annotated[int | None, typer.Option("--k", hidden=True, help="Deprecated name of --top-k.")] = None,
+    heldout: Annotated[int, typer.Option(help="Last tokens held out from router training and used to score it.")] = 128,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Save the routers as safetensors (needs --hidden in the capture).", dir_okay=False)] = None,
+    router_out_old: Annotated[Path | None, typer.Option("--router-out", hidden=True, help="Deprecated name of --output.", dir_okay=False)] = None,
+    plot_output: Annotated[Path | None, typer.Option("--plot-output", help="Write the error-vs-density plot (PNG).", dir_okay=False)] = None,
+    plot_old: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated name of --plot-output.", dir_okay=False)] = None,
+    steps: Annotated[int, typer.Option(help="Router training steps (full-batch Adam).", min=1)] = 300,
+    seed: Annotated[int, typer.Option(help="Seed for router initialisation and the random baseline.")] = 0,
+    layers: LayersOpt = None,
+    force: ForceOpt = False,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis.file_drivers import heads_file  # deferred: start-up time
 
-        for old, new, value in (("--k", "--top-k", k_old), ("--router-out", "--output", router_out_old), ("--plot", "--plot-output", plot_old)):
-            if value is not None:
-                deprecated(old, new)
-        k = k if k is not None else k_old
-        router_out = router_out or router_out_old
-        plot = plot or plot_old
-        with library_progress(json_out) as progress:
-            report = heads_file(capture, k, heldout, layers, router_out, plot, steps, seed, force, progress=progress)
-        if json_out:
-            emit_json(report, input=capture, output=report.get("router_out"))
-        else:
-            print_report(report)
+    for old, new, value in (("--k", "--top-k", k_old), ("--router-out", "--output", router_out_old), ("--plot", "--plot-output", plot_old)):
+        if value is not None:
+            deprecated(old, new)
+    top_k = top_k if top_k is not None else k_old
+    output = output or router_out_old
+    plot_output = plot_output or plot_old
+    report = heads_file(capture, top_k, heldout, layers, output, plot_output, steps, seed, force, progress=progress)
+    return Outcome(report, input=capture, output=report.get("router_out"))
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, heads)

@@ -6,20 +6,18 @@ from typing import Any
 
 import typer
 
+from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
-    DebugOpt,
     InputArg,
-    JsonOpt,
     console,
-    emit_json,
     example_epilog,
     fmt_bytes,
-    kvtool_command,
     make_table,
     params_text,
     show,
 )
 from kvtool.commands.compress import print_report
+from kvtool.core.progress import Progress
 
 ORDER = 20
 SHORT_HELP = "Show what a kvtool file holds: schema, model facts, tensors, bytes"
@@ -40,42 +38,47 @@ def readable(value: Any) -> str:
     return str(value)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "info",
-        help="Show a kvtool file's schema, model facts, tensors (names, shapes, dtypes, bytes) and totals.",
-        epilog=example_epilog("kvtool info sample:", "kvtool info cap.bitmap.safetensors --json"),
-    )
-    @kvtool_command
-    def info(path: InputArg, json_out: JsonOpt = False, debug: DebugOpt = False) -> None:
-        from kvtool.formats.files import file_info  # deferred: start-up time
+def print_info(outcome: Outcome) -> None:
+    data = outcome.data
+    meta = data["metadata"]
+    model = meta.get("kvtool.model", {})
+    show("[bold]{}[/bold]: {} v{} (kvtool {})", data["path"], data["schema"], data["schema_version"], meta.get("kvtool.version", "?"))
+    show("model {} ({}): {} layers, {} heads, {} KV heads, head_dim {}, dtype {}, RoPE applied: {}", model.get("name"), model.get("architecture"),
+         model.get("num_layers"), model.get("num_heads"), model.get("num_kv_heads"), model.get("head_dim"), model.get("dtype"),
+         readable(model.get("rope_applied")))
+    rows = []
+    if "kvtool.format" in meta:
+        rows.append(("format", readable(meta["kvtool.format"])))
+    if "kvtool.params" in meta:
+        params = meta["kvtool.params"]
+        rows.append(("parameters", params_text(params) if isinstance(params, dict) else readable(params)))
+    for key, value in (meta.get("kvtool.info") or {}).items():
+        if key != "source_info":
+            rows.append((key.replace("_", " "), readable(value)))
+    if rows:
+        console.print(make_table("file facts", ["what", "value"], rows))
+    rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])), fmt_bytes(t["bytes"])) for t in data["tensors"]]
+    if len(rows) > 40:
+        rows = rows[:20] + [("...", f"{len(rows) - 40} more", "", "")] + rows[-20:]
+    console.print(make_table("tensors", ["tensor", "dtype", "shape", "bytes"], rows))
+    console.print(f"{len(data['tensors'])} tensors, {fmt_bytes(data['tensor_bytes'])} of tensor data, file {fmt_bytes(data['file_bytes'])}")
+    if "compression" in data:
+        print_report(data["compression"])
 
-        data = file_info(path)
-        if json_out:
-            version = data.get("schema_version")
-            emit_json({**data, "schema_version": int(version) if str(version).isdigit() else version}, input=path)
-            return
-        meta = data["metadata"]
-        model = meta.get("kvtool.model", {})
-        show("[bold]{}[/bold]: {} v{} (kvtool {})", data["path"], data["schema"], data["schema_version"], meta.get("kvtool.version", "?"))
-        show("model {} ({}): {} layers, {} heads, {} KV heads, head_dim {}, dtype {}, RoPE applied: {}", model.get("name"), model.get("architecture"),
-             model.get("num_layers"), model.get("num_heads"), model.get("num_kv_heads"), model.get("head_dim"), model.get("dtype"),
-             readable(model.get("rope_applied")))
-        rows = []
-        if "kvtool.format" in meta:
-            rows.append(("format", readable(meta["kvtool.format"])))
-        if "kvtool.params" in meta:
-            params = meta["kvtool.params"]
-            rows.append(("parameters", params_text(params) if isinstance(params, dict) else readable(params)))
-        for key, value in (meta.get("kvtool.info") or {}).items():
-            if key != "source_info":
-                rows.append((key.replace("_", " "), readable(value)))
-        if rows:
-            console.print(make_table("file facts", ["what", "value"], rows))
-        rows = [(t["name"], t["dtype"], "x".join(map(str, t["shape"])), fmt_bytes(t["bytes"])) for t in data["tensors"]]
-        if len(rows) > 40:
-            rows = rows[:20] + [("...", f"{len(rows) - 40} more", "", "")] + rows[-20:]
-        console.print(make_table("tensors", ["tensor", "dtype", "shape", "bytes"], rows))
-        console.print(f"{len(data['tensors'])} tensors, {fmt_bytes(data['tensor_bytes'])} of tensor data, file {fmt_bytes(data['file_bytes'])}")
-        if "compression" in data:
-            print_report(data["compression"])
+
+@declare(
+    "info",
+    help="Show a kvtool file's schema, model facts, tensors (names, shapes, dtypes, bytes) and totals.",
+    epilog=example_epilog("kvtool info sample:", "kvtool info cap.bitmap.safetensors --json"),
+    render=print_info,
+)
+def info(path: InputArg, *, progress: Progress) -> Outcome:
+    from kvtool.formats.files import file_info  # deferred: start-up time
+
+    data = file_info(path)
+    version = data.get("schema_version")
+    return Outcome({**data, "schema_version": int(version) if str(version).isdigit() else version}, input=path)
+
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, info)

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from kvtool.core.errors import UsageError
+from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    ModelOpt,
+    NoModelOpt,
+    model_choice,
     CaptureArg,
-    DebugOpt,
-    JsonOpt,
     console,
-    emit_json,
     example_epilog,
-    kvtool_command,
     make_table,
 )
 from kvtool.commands.verify import THRESHOLD_HELP
+from kvtool.core.progress import Progress
 
 ORDER = 52
 SHORT_HELP = "A compression plan per layer / KV head for a byte budget"
@@ -122,77 +121,78 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
     console.print(f"{result['seconds']} s in all")
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "recommend",
-        help="Choose a compression plan per layer and KV head for a byte budget: every candidate setting of every "
-        "format (KIVI bits, bitmap sparsities, bitmapq, sign-VQ, page selection, SnapKV eviction, eviction + "
-        "quantisation) is scored on each layer and KV head with queries it never saw (the prompt's last tokens), each "
-        "layer weighted by its measured cost on the model; a knapsack picks the least loss that fits the "
-        "budget, and the plan is checked on the model (NLL, top-1 agreement, KL) against the best uniform setting "
-        "that fits, on the capture's continuation and the shipped held-out texts (mean and 95% interval). Writes "
-        "plan.json for `kvtool compress --plan`.",
-        epilog=example_epilog(
-            "kvtool recommend cap.safetensors --budget 15%",
-            "kvtool recommend cap.safetensors --budget 2GiB --batch 16 --context 32k -o plan.json",
-            "kvtool recommend cap.safetensors --budget 15% --budget 25% --max-nll-increase 1% --json   # CI gate",
-        ),
-    )
-    @kvtool_command
-    def recommend(
-        capture: CaptureArg,
-        budget: Annotated[list[str], typer.Option("--budget", "-b", help="Share of the dense KV bytes (15%, 0.15) or a size (2GiB) with --batch/--context; repeatable.")],
-        batch: Annotated[int | None, typer.Option(help="Sequences served at once (for a size budget).", min=1)] = None,
-        context: Annotated[str | None, typer.Option(help="Tokens per sequence, e.g. 32k (for a size budget).")] = None,
-        output: Annotated[Path, typer.Option("--output", "-o", help="Plan file (several budgets: NAME-15.json, ...).", dir_okay=False)] = Path("plan.json"),
-        heldout: Annotated[int, typer.Option(help="Last tokens kept dense; their queries score the candidates and the model scores their continuation.")] = 64,
-        per_head: Annotated[bool, typer.Option("--per-head/--per-layer", help="Choose per KV head (default) or one setting per layer.")] = True,
-        menu_opt: Annotated[str | None, typer.Option("--menu", help="Candidate families, comma-separated: dense,quant,bitmap,bitmapq,signvq,pagestat,evict,pipeline (default: all).")] = None,
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the check (default: the embedded one when the capture came from it).")] = None,
-        no_model: Annotated[bool, typer.Option("--no-model", help="Skip the model check (predicted costs only).")] = False,
-        texts: Annotated[list[Path] | None, typer.Option("--texts", help="Your own held-out text files for the model check (default: kvtool's shipped prose, code and dialogue).")] = None,
-        no_texts: Annotated[bool, typer.Option("--no-texts", help="Check on the capture's own continuation only.")] = False,
-        calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
-        no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
-        threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
-        uniform_checks: Annotated[int, typer.Option(help="Uniform settings that fit the budget checked on the model (lowest predicted loss first).")] = 3,
-        max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
-        force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
-        json_out: JsonOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis.recommendation import recommend_capture  # deferred: start-up time
-        from kvtool.formats.plan import save_plan  # deferred: start-up time
-        from kvtool.core import io  # deferred: start-up time
+def print_recommended(outcome: Outcome) -> None:
+    print_result(outcome.view["result"], outcome.view["paths"])
+    for line in outcome.view["missed"]:
+        console.print(f"[red]missed:[/red] {line}")
 
-        limit = parse_nll_gate(max_nll_increase)
-        if limit is not None and no_model:
-            raise UsageError("--max-nll-increase needs the model check; drop --no-model")
-        families = [f.strip() for f in menu_opt.split(",") if f.strip()] if menu_opt else None
-        started = time.perf_counter()
-        progress = None if json_out else (lambda msg: print(f"[{time.perf_counter() - started:5.0f} s] {msg}", file=sys.stderr, flush=True))
-        if not capture.exists():
-            raise UsageError(f"capture {capture}: no such file")
-        if len(budget) == 1:
-            io.check_output(output, force)
-        result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, not no_model,
-                                   texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads)
-        if limit is not None and result["model"] is None:
-            raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
-        paths = plan_paths(output, result["budgets"])
-        for b, path in zip(result["budgets"], paths):
-            if len(paths) > 1:
-                io.check_output(path, force)
-            save_plan(b["plan"], path, force=True)
-        missed = gate(result, limit)
-        if json_out:
-            out = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
-                                          "plan": b["plan"].to_dict(), "plan_file": str(p)}
-                                        for b, p in zip(result["budgets"], paths)], "gate": {"missed": missed, "passed": not missed}}
-            emit_json(out, input=capture, output=paths[0] if len(paths) == 1 else None)
-        else:
-            print_result(result, paths)
-            for line in missed:
-                console.print(f"[red]missed:[/red] {line}")
-        if missed:
-            raise typer.Exit(1)
+
+@declare(
+    "recommend",
+    help="Choose a compression plan per layer and KV head for a byte budget: every candidate setting of every "
+    "format (KIVI bits, bitmap sparsities, bitmapq, sign-VQ, page selection, SnapKV eviction, eviction + "
+    "quantisation) is scored on each layer and KV head with queries it never saw (the prompt's last tokens), each "
+    "layer weighted by its measured cost on the model; a knapsack picks the least loss that fits the "
+    "budget, and the plan is checked on the model (NLL, top-1 agreement, KL) against the best uniform setting "
+    "that fits, on the capture's continuation and the shipped held-out texts (mean and 95% interval). Writes "
+    "plan.json for `kvtool compress --plan`.",
+    epilog=example_epilog(
+        "kvtool recommend cap.safetensors --budget 15%",
+        "kvtool recommend cap.safetensors --budget 2GiB --batch 16 --context 32k -o plan.json",
+        "kvtool recommend cap.safetensors --budget 15% --budget 25% --max-nll-increase 1% --json   # CI gate",
+    ),
+    render=print_recommended,
+)
+def recommend(
+    capture: CaptureArg,
+    budget: Annotated[list[str], typer.Option("--budget", "-b", help="Share of the dense KV bytes (15%, 0.15) or a size (2GiB) with --batch/--context; repeatable.")],
+    batch: Annotated[int | None, typer.Option(help="Sequences served at once (for a size budget).", min=1)] = None,
+    context: Annotated[str | None, typer.Option(help="Tokens per sequence, e.g. 32k (for a size budget).")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan file (several budgets: NAME-15.json, ...).", dir_okay=False)] = Path("plan.json"),
+    heldout: Annotated[int, typer.Option(help="Last tokens kept dense; their queries score the candidates and the model scores their continuation.")] = 64,
+    per_head: Annotated[bool, typer.Option("--per-head/--per-layer", help="Choose per KV head (default) or one setting per layer.")] = True,
+    menu_opt: Annotated[str | None, typer.Option("--menu", help="Candidate families, comma-separated: dense,quant,bitmap,bitmapq,signvq,pagestat,evict,pipeline (default: all).")] = None,
+    model: ModelOpt = None,
+    no_model: NoModelOpt = False,
+    texts: Annotated[list[Path] | None, typer.Option("--texts", help="Your own held-out text files for the model check (default: kvtool's shipped prose, code and dialogue).")] = None,
+    no_texts: Annotated[bool, typer.Option("--no-texts", help="Check on the capture's own continuation only.")] = False,
+    calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
+    no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
+    uniform_checks: Annotated[int, typer.Option(help="Uniform settings that fit the budget checked on the model (lowest predicted loss first).")] = 3,
+    max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis.recommendation import recommend_capture  # deferred: start-up time
+    from kvtool.formats.plan import save_plan  # deferred: start-up time
+    from kvtool.core import io  # deferred: start-up time
+
+    model, use_model = model_choice(model, no_model)
+    limit = parse_nll_gate(max_nll_increase)
+    if limit is not None and not use_model:
+        raise UsageError("--max-nll-increase needs the model check; drop --no-model")
+    families = [f.strip() for f in menu_opt.split(",") if f.strip()] if menu_opt else None
+    if not capture.exists():
+        raise UsageError(f"capture {capture}: no such file")
+    if len(budget) == 1:
+        io.check_output(output, force)
+    result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, use_model,
+                               texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads)
+    if limit is not None and result["model"] is None:
+        raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
+    paths = plan_paths(output, result["budgets"])
+    for b, path in zip(result["budgets"], paths):
+        if len(paths) > 1:
+            io.check_output(path, force)
+        save_plan(b["plan"], path, force=True)
+    missed = gate(result, limit)
+    data = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
+                                   "plan": b["plan"].to_dict(), "plan_file": str(p)}
+                                  for b, p in zip(result["budgets"], paths)], "gate": {"missed": missed, "passed": not missed}}
+    return Outcome(data, input=capture, output=paths[0] if len(paths) == 1 else None, view={"result": result, "paths": paths, "missed": missed},
+                   exit_code=1 if missed else 0)
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, recommend)

@@ -7,21 +7,17 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.commands._common import DEVICE_HELP
+from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
     CaptureArg,
-    DebugOpt,
     HeadsOpt,
-    JsonOpt,
-    QuietOpt,
     LayersOpt,
     console,
-    emit_json,
     example_epilog,
-    kvtool_command,
     make_table,
-    library_progress,
     show,
 )
+from kvtool.core.progress import Progress
 
 ORDER = 30
 SHORT_HELP = "Magnitudes, outlier channels, sign entropy, attention concentration"
@@ -136,40 +132,38 @@ def _print_consistency(result: dict[str, Any]) -> None:
         show("{} outlier channels over (layer, KV head) pairs: {}{}", part, text, extra)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "stats",
-        help="Statistics of a capture per layer and KV head: magnitudes, outlier channels, top-k L2-mass shares, "
-        "sign balance and sign-code entropy, and (from queries) attention concentration, sink share and head importance.",
-        epilog=example_epilog(
-            "kvtool stats sample:",
-            "kvtool stats cap.safetensors --layers 10-20 --sort k_outliers --top 10",
-            "kvtool stats cap.safetensors --outlier-factor 6 --json > stats.json",
-        ),
-    )
-    @kvtool_command
-    def stats(
-        path: CaptureArg,
-        layers: LayersOpt = None,
-        heads: HeadsOpt = None,
-        sort: Annotated[str | None, typer.Option("--sort", help="Order the per-head rows by a column key, e.g. k_outliers, k_kurtosis, v_top30, keys90_frac, sink_share (largest first).")] = None,
-        top: Annotated[int | None, typer.Option("--top", min=1, help="Show only the first N per-head rows (after --sort).")] = None,
-        outlier_factor: Annotated[float, typer.Option("--outlier-factor", min=1.0, help="A channel is an outlier when its mean |x| is at least this many times the median channel's.")] = 4.0,
-        queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
-        sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
-        attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
-        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
-        json_out: JsonOpt = False,
-        quiet: QuietOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis.file_drivers import stats_file  # deferred: start-up time
-        from kvtool.analysis.stats import StatsSettings  # deferred: start-up time
+@declare(
+    "stats",
+    help="Statistics of a capture per layer and KV head: magnitudes, outlier channels, top-k L2-mass shares, "
+    "sign balance and sign-code entropy, and (from queries) attention concentration, sink share and head importance.",
+    epilog=example_epilog(
+        "kvtool stats sample:",
+        "kvtool stats cap.safetensors --layers 10-20 --sort k_outliers --top 10",
+        "kvtool stats cap.safetensors --outlier-factor 6 --json > stats.json",
+    ),
+    render=lambda outcome: print_stats(outcome.data),
+)
+def stats(
+    capture: CaptureArg,
+    layers: LayersOpt = None,
+    heads: HeadsOpt = None,
+    sort: Annotated[str | None, typer.Option("--sort", help="Order the per-head rows by a column key, e.g. k_outliers, k_kurtosis, v_top30, keys90_frac, sink_share (largest first).")] = None,
+    top: Annotated[int | None, typer.Option("--top", min=1, help="Show only the first N per-head rows (after --sort).")] = None,
+    outlier_factor: Annotated[float, typer.Option("--outlier-factor", min=1.0, help="A channel is an outlier when its mean |x| is at least this many times the median channel's.")] = 4.0,
+    queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
+    sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
+    attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis.file_drivers import stats_file  # deferred: start-up time
+    from kvtool.analysis.stats import StatsSettings  # deferred: start-up time
 
-        settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
-        with library_progress(json_out) as progress:
-            result = stats_file(path, layers, heads, settings, attention, sort, top, progress=progress, device=device)
-        if json_out:
-            emit_json(result, input=path)
-            return
-        print_stats(result)
+    settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries, sink_tokens=sink)
+    result = stats_file(capture, layers, heads, settings, attention, sort, top, progress=progress, device=device)
+    return Outcome(result, input=capture)
+
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, stats)

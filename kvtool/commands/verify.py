@@ -10,21 +10,20 @@ import typer
 
 from kvtool.core.errors import UsageError
 from kvtool.commands._common import DEVICE_HELP
+from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
-    DebugOpt,
-    JsonOpt,
+    ModelOpt,
+    NoModelOpt,
+    model_choice,
     NUMBER,
-    QuietOpt,
     console,
-    emit_json,
     example_epilog,
-    kvtool_command,
     make_table,
-    library_progress,
     params_text,
     show,
 )
 from kvtool.commands.eval import BACKEND_NAMES, NLL_NOTE, fmt_nll
+from kvtool.core.progress import Progress
 
 ORDER = 50
 SHORT_HELP = "Fidelity of a compressed file: attention error, recall, model NLL"
@@ -86,56 +85,58 @@ def print_report(report: dict[str, Any]) -> None:
         console.print(NLL_NOTE, markup=False)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "verify",
-        help="Score a compressed file against the dense capture it came from: attention-output error, cosine and "
-        "attention-mass recall of the held-out queries per layer, and (with the model) NLL, perplexity ratio, "
-        "top-1 agreement, KL and greedy divergence of the continuation run with the format inside attention.",
-        epilog=example_epilog(
-            "kvtool verify cap.bitmap.safetensors",
-            "kvtool verify cap.signvq.safetensors --capture cap.safetensors --generate 32 --json",
-            "kvtool verify cap.bitmap.safetensors --max-nll-increase 0.05 --min-agreement 0.95   # CI gate",
-            "kvtool verify cap.bitmap.safetensors --device cuda --backend torch --no-model   # torch reference on the GPU",
-        ),
-    )
-    @kvtool_command
-    def verify(
-        compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
-        capture: Annotated[Path | None, typer.Option("--capture", "-c", help="The source capture (default: found by the sha256 and path recorded in the file).", dir_okay=False)] = None,
-        heldout: Annotated[int | None, typer.Option(help="Held-out queries to score (default: all the file keeps dense, 64 unless compressed otherwise).")] = None,
-        backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKEND_NAMES)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Model for the continuation (default: the embedded one when the capture came from it).")] = None,
-        no_model: Annotated[bool, typer.Option("--no-model", help="Skip model-level fidelity.")] = False,
-        generate: Annotated[int, typer.Option(help="Greedy tokens generated after the continuation on both caches.")] = 16,
-        max_nll_increase: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
-        min_agreement: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
-        max_error: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
-        device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
-        json_out: JsonOpt = False,
-        quiet: QuietOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis.verify import check_thresholds, verify_file  # deferred: start-up time
+def print_verified(outcome: Outcome) -> None:
+    report = outcome.data
+    print_report(report)
+    t = report["thresholds"]
+    for line in t["missed"]:
+        show("[red]FAILED[/red]: {}", line)
+    if any(t[k] is not None for k in ("max_nll_increase", "min_agreement", "max_error")) and not t["missed"]:
+        console.print("[green]passed[/green]: every threshold met")
 
-        nll_t = parse_threshold(max_nll_increase, "--max-nll-increase")
-        agree_t = parse_threshold(min_agreement, "--min-agreement", 0.0, 1.0)
-        err_t = parse_threshold(max_error, "--max-error", 0.0)
-        if no_model and (nll_t is not None or agree_t is not None):
-            raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
-        with library_progress(json_out) as progress:
-            report = verify_file(compressed, capture, heldout, backend, model, not no_model, generate, progress=progress, device=device)
-        if report["model"] is None and (nll_t is not None or agree_t is not None):
-            raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
-        missed = check_thresholds(report, nll_t, agree_t, err_t)
-        report["thresholds"] = {"max_nll_increase": nll_t, "min_agreement": agree_t, "max_error": err_t, "missed": missed, "passed": not missed}
-        if json_out:
-            emit_json(report, input=compressed)
-        else:
-            print_report(report)
-            for line in missed:
-                show("[red]FAILED[/red]: {}", line)
-            if any(v is not None for v in (nll_t, agree_t, err_t)) and not missed:
-                console.print("[green]passed[/green]: every threshold met")
-        if missed:
-            raise typer.Exit(1)
+
+@declare(
+    "verify",
+    help="Score a compressed file against the dense capture it came from: attention-output error, cosine and "
+    "attention-mass recall of the held-out queries per layer, and (with the model) NLL, perplexity ratio, "
+    "top-1 agreement, KL and greedy divergence of the continuation run with the format inside attention.",
+    epilog=example_epilog(
+        "kvtool verify cap.bitmap.safetensors",
+        "kvtool verify cap.signvq.safetensors --capture cap.safetensors --generate 32 --json",
+        "kvtool verify cap.bitmap.safetensors --max-nll-increase 0.05 --min-agreement 0.95   # CI gate",
+        "kvtool verify cap.bitmap.safetensors --device cuda --backend torch --no-model   # torch reference on the GPU",
+    ),
+    render=print_verified,
+)
+def verify(
+    compressed: Annotated[Path, typer.Argument(help="A compressed file made by `kvtool compress`.", show_default=False)],
+    capture: Annotated[Path | None, typer.Option("--capture", "-c", help="The source capture (default: found by the sha256 and path recorded in the file).", dir_okay=False)] = None,
+    heldout: Annotated[int | None, typer.Option(help="Held-out queries to score (default: all the file keeps dense, 64 unless compressed otherwise).")] = None,
+    backend: Annotated[str, typer.Option(help=f"Attention path for the compressed prefix: {'|'.join(BACKEND_NAMES)} (triton: the format's kernel, torch: its reference; auto: the kernel on a CUDA device).")] = "auto",
+    model: ModelOpt = None,
+    no_model: NoModelOpt = False,
+    generate: Annotated[int, typer.Option(help="Greedy tokens generated after the continuation on both caches.")] = 16,
+    max_nll_increase: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
+    min_agreement: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
+    max_error: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis.verify import check_thresholds, verify_file  # deferred: start-up time
+
+    model, use_model = model_choice(model, no_model)
+    nll_t = parse_threshold(max_nll_increase, "--max-nll-increase")
+    agree_t = parse_threshold(min_agreement, "--min-agreement", 0.0, 1.0)
+    err_t = parse_threshold(max_error, "--max-error", 0.0)
+    if not use_model and (nll_t is not None or agree_t is not None):
+        raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
+    report = verify_file(compressed, capture, heldout, backend, model, use_model, generate, progress=progress, device=device)
+    if report["model"] is None and (nll_t is not None or agree_t is not None):
+        raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
+    missed = check_thresholds(report, nll_t, agree_t, err_t)
+    report["thresholds"] = {"max_nll_increase": nll_t, "min_agreement": agree_t, "max_error": err_t, "missed": missed, "passed": not missed}
+    return Outcome(report, input=compressed, exit_code=1 if missed else 0)
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, verify)

@@ -125,9 +125,11 @@ class Router:
         return torch.topk(self.logits(hidden), k, dim=-1).indices
 
 
-def train_router(hidden: torch.Tensor, target: torch.Tensor, steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2, seed: int = 0) -> Router:
+def train_router(hidden: torch.Tensor, target: torch.Tensor, steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2, seed: int = 0,
+                 tick: Callable[[], None] | None = None) -> Router:
     """Fit a linear router on hidden ``[N, E]`` to multi-hot targets bool ``[N, H]`` (the oracle top-k),
-    full-batch Adam on binary cross-entropy. Plain torch, CPU, deterministic for a seed."""
+    full-batch Adam on binary cross-entropy. Plain torch, CPU, deterministic for a seed. ``tick`` is
+    called after every step (progress)."""
     x = hidden.float()
     mean = x.mean(0)
     std = x.std(0).clamp_min(1e-3)
@@ -144,13 +146,16 @@ def train_router(hidden: torch.Tensor, target: torch.Tensor, steps: int = 300, l
             loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ weight.T + bias, y)
             loss.backward()
             opt.step()
+            if tick is not None:
+                tick()
     return Router(weight.detach(), bias.detach(), mean, std)
 
 
 # ----------------------------------------------------------------------------- analysis
 
 
-def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: bool = True, steps: int = 300, seed: int = 0) -> tuple[dict[str, Any], Router | None]:
+def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: bool = True, steps: int = 300, seed: int = 0,
+                  tick: Callable[[], None] | None = None) -> tuple[dict[str, Any], Router | None]:
     """The oracle curve on every token, and at ``k``: oracle, router, static and random heads on the
     last ``heldout`` tokens (the router trains on the tokens before them). Returns (report, router)."""
     if layer.queries is None:
@@ -179,15 +184,17 @@ def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: b
     if router and layer.hidden is not None:
         hid = layer.hidden
         target = selection_mask(oracle_topk(train, k), h)
-        fitted = train_router(hid[:, : t - heldout].reshape(-1, hid.shape[-1]), target, steps=steps, seed=seed)
+        fitted = train_router(hid[:, : t - heldout].reshape(-1, hid.shape[-1]), target, steps=steps, seed=seed, tick=tick)
         chosen = selection_mask(fitted.topk(hid[:, t - heldout :].reshape(-1, hid.shape[-1]), k), h)
         at_k["router"] = {"recall": float(recall(chosen, oracle).mean()), "error": float(selection_error(test, chosen).mean()), "kv_traffic": float(kv_traffic(chosen, kv_heads).mean())}
     rep["at_k"] = at_k
     return rep, fitted
 
 
-def analyse_heads(cache: KVCache, k: int | None = None, heldout: int = 128, router: bool = True, steps: int = 300, seed: int = 0, progress: Callable[[int], None] | None = None) -> tuple[dict[str, Any], dict[int, Router]]:
-    """Run :func:`analyse_layer` on every layer of ``cache``; k defaults to ceil(H/2).
+def analyse_heads(cache: KVCache, k: int | None = None, heldout: int = 128, router: bool = True, steps: int = 300, seed: int = 0,
+                  progress: Callable[[int], None] | None = None, tick: Callable[[], None] | None = None) -> tuple[dict[str, Any], dict[int, Router]]:
+    """Run :func:`analyse_layer` on every layer of ``cache``; k defaults to ceil(H/2). ``progress(i)``
+    is called after layer ``i``, ``tick()`` after every router training step.
 
     Returns the report (per layer, curves averaged over layers, router availability) and the routers."""
     f = cache.facts
@@ -199,7 +206,7 @@ def analyse_heads(cache: KVCache, k: int | None = None, heldout: int = 128, rout
     layers: dict[str, Any] = {}
     routers: dict[int, Router] = {}
     for i in cache.layer_indices:
-        rep, fitted = analyse_layer(cache.layers[i], f.num_kv_heads, k, heldout, want_router, steps, seed)
+        rep, fitted = analyse_layer(cache.layers[i], f.num_kv_heads, k, heldout, want_router, steps, seed, tick=tick)
         layers[str(i)] = rep
         if fitted is not None:
             routers[i] = fitted
