@@ -298,12 +298,30 @@ __device__ __forceinline__ void walk_row(const unsigned* h, int rot, const T* ru
   for (int i = 0; i < NH; ++i) walk_word<T, TAB, NR, WALK>(r[i], run + pp[i], tb[i], acc);
 }
 
+// Tc, NB, W: compressed tokens, their 64-token blocks and window tokens attended; TCS, NBS, WS: the
+// per-KV-head strides of the key bitmaps (token rows), of the value bitmaps and offsets (blocks)
+// and of the window (token rows). A cache with room to grow (bitmap_sparse_attention.py, "Caches that
+// grow") passes its capacity as strides and its valid lengths on the device (lens: compressed tokens,
+// window tokens), read by every program at its start (resolve_lengths), so that a graph replays as the
+// cache grows.
 struct Params {
   const void* q; const uint64_t* kbm; const void* knz; const int64_t* koff;
   const uint64_t* vbm; const void* vnz; const int64_t* voff; const void* wk; const void* wv;
-  float* acc; float* m; float* l;
+  float* acc; float* m; float* l; const int* lens;
   float scale_log2; int Tc, W, D, DT, NB, R, RP, DP, BPS, S, KCAP, VCAP, half_tables, walk, bits_global, bulk;
+  int TCS, NBS, WS;
 };
+
+// The lengths from the device (capacity caches): at most the capacity, the blocks spread over the
+// S splits in whole pairs (the host planned S for the capacity).
+__device__ __forceinline__ void resolve_lengths(Params& p) {
+  if (p.lens != nullptr) {
+    p.Tc = min(max(p.lens[0], 0), p.Tc);
+    p.W = min(max(p.lens[1], 0), p.W);
+    p.NB = (p.Tc + 63) / 64;
+    p.BPS = 2 * (((p.NB + 1) / 2 + p.S - 1) / p.S);
+  }
+}
 
 // One shared-memory stage: key bits [PAIR * DT] and value bits [2 * D] (unless bits_global: then
 // threads read their words from global memory), key elements [KCAP], value elements [VCAP].
@@ -327,11 +345,11 @@ __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh
       const int tok0 = blk * 64;
       const int ntok = min(nblk * 64, p.Tc - tok0);
       uint64_t* kb = reinterpret_cast<uint64_t*>(st);
-      const uint64_t* ksrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
+      const uint64_t* ksrc = p.kbm + ((size_t)bh * p.TCS + tok0) * p.DT;
       for (int i = threadIdx.x; i < ntok * p.DT; i += THREADS) cp8(kb + i, ksrc + i);
     } else {
       uint64_t* vb = reinterpret_cast<uint64_t*>(st + L.vb);
-      const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
+      const uint64_t* vsrc = p.vbm + ((size_t)bh * p.NBS + blk) * p.D;
       for (int i = threadIdx.x; i < nblk * p.D; i += THREADS) cp8(vb + i, vsrc + i);
     }
   }
@@ -342,7 +360,7 @@ __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh
 
 template <typename T, bool KEYS>
 __device__ __forceinline__ void stage_half(const Params& p, char* st, int64_t bh, int blk, int nblk) {
-  const int64_t* off = (KEYS ? p.koff : p.voff) + bh * p.NB + blk;
+  const int64_t* off = (KEYS ? p.koff : p.voff) + bh * p.NBS + blk;
   stage_half<T, KEYS>(p, st, bh, blk, nblk, off[0], off[nblk]);
 }
 
@@ -366,13 +384,20 @@ __device__ __forceinline__ int2 stage_first_pair(const Params& p, char* st, int6
 }
 
 // Where a thread's runs start in a pair's stage, in elements: (first block, second block), from its
-// element counts in the two blocks packed as c0 + (c1 << 16), by one block-wide scan of both. The
-// second block's runs follow the first block's run padded to 16 bytes (8 elements of a 16-bit
-// cache), as the layout stores it (validated), so no offset is read from global memory here.
-__device__ __forceinline__ int2 pair_run_starts(int packed_counts, int* scratch) {
+// element counts in the two blocks packed as c0 + (c1 << 16), by one block-wide scan of both.
+// `second`: where the second block's run starts in the stage (its offset minus the first's: the first
+// run padded to 16 bytes in a packed layout, a fixed slot in a cache with room to grow).
+__device__ __forceinline__ int2 pair_run_starts(int packed_counts, int* scratch, int second) {
   int total;
   const int packed = block_excl_scan(packed_counts, scratch, &total);
-  return make_int2(packed & 0xffff, (packed >> 16) + (((total & 0xffff) + 7) & ~7));
+  return make_int2(packed & 0xffff, (packed >> 16) + second);
+}
+
+// The second block's start in a pair's stage (see pair_run_starts), keys and values; 0 for a lone block.
+__device__ __forceinline__ int2 second_starts(const Params& p, int64_t bh, int blk, int nblk) {
+  if (nblk < 2) return make_int2(0, 0);
+  const int64_t g = bh * p.NBS + blk;
+  return make_int2((int)(p.koff[g + 1] - p.koff[g]), (int)(p.voff[g + 1] - p.voff[g]));
 }
 
 // One warp per row: scores sc[t * NR + r] (base 2, -inf = masked) -> probabilities ps, running
@@ -411,8 +436,10 @@ __device__ __forceinline__ void softmax_step(const float* sc, TAB* ps, float* mr
 // TAB: type of the shared-memory tables gathered per stored element (query rows, probabilities):
 // half halves the gather's shared-memory wavefronts.
 template <typename T, typename TAB, int NR, int CPT, int WALK>
-__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params p) {
+__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params pin) {
   extern __shared__ __align__(16) char smem[];
+  Params p = pin;
+  resolve_lengths(p);
   const int64_t bh = blockIdx.x;
   const int split = blockIdx.y;
   const int r0 = blockIdx.z * NR;
@@ -446,11 +473,12 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
     for (int blk = b0; blk < b1; blk += 2) {
       const int nblk = min(2, b1 - blk);
       const int nnext = min(2, b1 - blk - 2);  // blocks of the next pair (<= 0: none)
+      const int2 second = second_starts(p, bh, blk, nblk);
       cp_wait_one();  // this pair's keys (its values may still be in flight)
       __syncthreads();
       const int tok0 = blk * 64;
-      const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
-      const uint64_t* vb = p.bits_global ? p.vbm + ((size_t)bh * p.NB + blk) * p.D : reinterpret_cast<const uint64_t*>(st + L.vb);
+      const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.TCS + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
+      const uint64_t* vb = p.bits_global ? p.vbm + ((size_t)bh * p.NBS + blk) * p.D : reinterpret_cast<const uint64_t*>(st + L.vb);
       const T* ks = reinterpret_cast<const T*>(st + L.ks);
       const T* vs = reinterpret_cast<const T*>(st + L.vs);
       const int ntok = min(nblk * 64, p.Tc - tok0);
@@ -464,7 +492,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         h[i] = has_tok && i < 2 * p.DT ? reinterpret_cast<const unsigned*>(kb)[tid * 2 * p.DT + i] : 0u;
         cnt += __popc(h[i]);
       }
-      const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch);
+      const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch, second.x);
       int pos = tid < 64 ? starts.x : starts.y;
       float s[NR];
 #pragma unroll
@@ -490,7 +518,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         w1[i] = c < p.D && nblk > 1 ? vb[p.D + c] : 0;
         vc += __popcll(w0[i]) + (__popcll(w1[i]) << 16);
       }
-      const int2 vstarts = pair_run_starts(vc, scratch);
+      const int2 vstarts = pair_run_starts(vc, scratch, second.y);
       int p0 = vstarts.x, p1 = vstarts.y;
 #pragma unroll
       for (int i = 0; i < CPT; ++i) {
@@ -520,7 +548,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
 #pragma unroll
       for (int r = 0; r < NR; ++r) s[r] = 0.f;
       if (t < p.W) {
-        const T* row = wk + ((size_t)bh * p.W + t) * p.D;
+        const T* row = wk + ((size_t)bh * p.WS + t) * p.D;
         if ((p.D & 7) == 0) {
           // 16-byte loads, eight in flight per 64 channels: a thread reads its own token's row, and
           // one element at a time kept a load in flight per channel (the window program was the
@@ -554,7 +582,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
         for (int r = 0; r < NR; ++r) acc[i][r] *= alpha[r];
         if (c < p.D) {
 #pragma unroll 8
-          for (int j = 0; j < n; ++j) fma_rows<NR>(acc[i], to_f(wv[((size_t)bh * p.W + w0 + j) * p.D + c]), ps + j * NR);
+          for (int j = 0; j < n; ++j) fma_rows<NR>(acc[i], to_f(wv[((size_t)bh * p.WS + w0 + j) * p.D + c]), ps + j * NR);
         }
       }
       __syncthreads();

@@ -1,14 +1,15 @@
-// Tensor-core walk of the bitmap decode attention (WALK_MMA; head_dim 128, 16-bit caches): each
-// thread expands the stored elements of its own 32-bit bitmap words, four dense elements (a nibble)
-// at a time, straight into the A operand of an mma.m16n8k16, so that the products run on the
-// tensor cores and a dense element costs the same few instructions whatever the density.
+// Tensor-core walk of the bitmap decode attention (WALK_MMA; head_dim D = 64 or 128, 16-bit caches):
+// each thread expands the stored elements of its own bitmap bits, four dense elements (a nibble) at
+// a time, straight into the A operand of an mma.m16n8k16, so that the products run on the tensor
+// cores and a dense element costs the same few instructions whatever the density.
 //
 // Fragments (g = lane / 4, q = lane % 4): the A operand's rows are the expanded rows (keys: 16
 // tokens; values: 16 channels), B holds the dense operand (q^T; P^T), N = 8 query rows. Thread q
 // holds the reduced-axis positions {2q, 2q+1, 2q+8, 2q+9} of each k-step, and that axis may be
-// ordered at will: k-step s of thread q is element 32q + 4s .. 32q + 4s + 3, i.e. nibble s of
-// bitmap word q (keys: a token's channels; values: a channel's tokens in the pair of blocks).
-// Probabilities pass through shared memory in the B operand's fragment order.
+// ordered at will: k-step s of thread q is nibble s of its quarter of the row's bits (keys: channels
+// D/4 q + 4s .. + 3 of a token, D/16 k-steps; values: tokens 32q + 4s .. + 3 of a channel in the
+// pair of blocks, 8 k-steps). Probabilities pass through shared memory in the B operand's fragment
+// order. A warp's channels of P.V are D/4: D/64 m-tiles of 16.
 #pragma once
 
 namespace bsa {
@@ -155,10 +156,10 @@ __device__ __forceinline__ void stage_half_bulk(const Params& p, char* st, int64
   unsigned bbytes;
   if (KEYS) {
     const int tok0 = blk * 64;
-    bsrc = p.kbm + ((size_t)bh * p.Tc + tok0) * p.DT;
+    bsrc = p.kbm + ((size_t)bh * p.TCS + tok0) * p.DT;
     bbytes = (unsigned)min(nblk * 64, p.Tc - tok0) * p.DT * 8u;
   } else {
-    bsrc = p.vbm + ((size_t)bh * p.NB + blk) * p.D;
+    bsrc = p.vbm + ((size_t)bh * p.NBS + blk) * p.D;
     bbytes = (unsigned)(nblk * p.D) * 8u;
   }
   const unsigned ebytes = (unsigned)(e1 - e0) * (unsigned)sizeof(T);
@@ -217,13 +218,13 @@ struct MmaRows {
 };
 
 // One 128-token tile: S^T = K q^T over the warp's 32 tokens (m-tiles mt: tokens 32 warp + 16 mt +
-// row), softmax across warps, O^T += V^T P^T over the warp's 32 channels. kf(mt, half, s, lo, hi):
-// A operand rows g (half 0) and g + 8 (half 1) of key m-tile mt at k-step s; vf likewise for the
-// value m-tiles (channels 32 warp + 16 mt + row). valid(t): token t of the tile is attended.
-// issue() runs after the barrier that ends every warp's use of the key stage, ready() before the
-// values (it must end with a barrier).
-template <typename T, bool SWIZZLE, typename KF, typename VF, typename VALID, typename ISSUE, typename READY>
-__device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale_log2, MmaRows& st, float (&o)[2][4],
+// row; KS = D / 16 k-steps), softmax across warps, O^T += V^T P^T over the warp's D / 4 channels (VMT
+// = D / 64 m-tiles). kf(mt, half, s, lo, hi): A operand rows g (half 0) and g + 8 (half 1) of key
+// m-tile mt at k-step s; vf likewise for the value m-tiles (channels D/4 warp + 16 mt + row).
+// valid(t): token t of the tile is attended. issue() runs after the barrier that ends every warp's
+// use of the key stage, ready() before the values (it must end with a barrier).
+template <typename T, bool SWIZZLE, int KS, int VMT, typename KF, typename VF, typename VALID, typename ISSUE, typename READY>
+__device__ __forceinline__ void mma_tile(const unsigned (&qb)[KS][2], float scale_log2, MmaRows& st, float (&o)[VMT][4],
                                          float* red, unsigned short* pfrag, KF kf, VF vf, VALID valid, ISSUE issue, READY ready) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   float sc[2][4];
@@ -232,7 +233,7 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
 #pragma unroll
     for (int i = 0; i < 4; ++i) sc[mt][i] = 0.f;
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
+    for (int s = 0; s < KS; ++s) {
       unsigned a[4];
       kf(mt, 0, s, a[0], a[2]);
       kf(mt, 1, s, a[1], a[3]);
@@ -277,7 +278,7 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
       pfrag[((tt >> 2) * 32 + pfrag_slot<SWIZZLE>(4 * (2 * q + h) + warp, tt >> 2)) * 4 + (tt & 3)] = f_to_bits<T>(pv);
     }
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < VMT; ++mt) {
     o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1];
     o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
   }
@@ -287,7 +288,7 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
   for (int s = 0; s < 8; ++s) {
     const uint2 b = pf[s * 32 + pfrag_slot<SWIZZLE>(lane, s)];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < VMT; ++mt) {
       unsigned a[4];
       vf(mt, 0, s, a[0], a[2]);
       vf(mt, 1, s, a[1], a[3]);
@@ -296,9 +297,15 @@ __device__ __forceinline__ void mma_tile(const unsigned (&qb)[8][2], float scale
   }
 }
 
-template <typename T, bool BULK, bool BUFFERED>
-__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Params p) {
+template <typename T, int D, bool BULK, bool BUFFERED>
+__global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Params pin) {
+  static_assert(D == 64 || D == 128, "the tensor-core walk serves head_dim 64 and 128");
+  constexpr int KS = D / 16;      // k-steps of q.K^T
+  constexpr int VMT = D / 64;     // P.V m-tiles per warp (D / 4 channels)
+  constexpr int QW = D / 128;     // key words per lane quarter, 0 when a quarter is half a word
   extern __shared__ __align__(16) char smem[];
+  Params p = pin;
+  resolve_lengths(p);
   const int64_t bh = blockIdx.x;
   const int split = blockIdx.y;
   const int r0 = blockIdx.z * MMA_ROWS;
@@ -325,7 +332,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
       mbar_init(&bars[1]);
       if (b0 < b1) {
         const int n = min(2, b1 - b0);
-        const int64_t g = bh * p.NB + b0;
+        const int64_t g = bh * p.NBS + b0;
         stage_half_bulk<T, true>(p, st, bh, b0, n, p.koff[g], p.koff[g + n], &bars[0]);
         stage_half_bulk<T, false>(p, st, bh, b0, n, p.voff[g], p.voff[g + n], &bars[1]);
       }
@@ -337,22 +344,22 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
   }
   fill_nibble_table(lut);
 
-  // q^T fragments: query row g, channels 32 q + 4 s .. + 3 for k-step s
-  unsigned qb[8][2];
+  // q^T fragments: query row g, channels D/4 q + 4 s .. + 3 for k-step s
+  unsigned qb[KS][2];
   {
     const int r = r0 + g;
-    uint4 x[4];
-    const T* qr = reinterpret_cast<const T*>(p.q) + ((size_t)bh * p.R + r) * p.D + 32 * q;
+    uint4 x[KS / 2];
+    const T* qr = reinterpret_cast<const T*>(p.q) + ((size_t)bh * p.R + r) * D + (D / 4) * q;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = r < p.R ? reinterpret_cast<const uint4*>(qr)[i] : make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < KS / 2; ++i) x[i] = r < p.R ? reinterpret_cast<const uint4*>(qr)[i] : make_uint4(0u, 0u, 0u, 0u);
     const unsigned* xw = reinterpret_cast<const unsigned*>(x);
 #pragma unroll
-    for (int s = 0; s < 8; ++s) { qb[s][0] = xw[2 * s]; qb[s][1] = xw[2 * s + 1]; }
+    for (int s = 0; s < KS; ++s) { qb[s][0] = xw[2 * s]; qb[s][1] = xw[2 * s + 1]; }
   }
   MmaRows rows;
-  float o[2][4];
+  float o[VMT][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < VMT; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
 
@@ -364,28 +371,35 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
       const int nnext = min(2, b1 - blk - 2);
       int64_t next[4] = {0, 0, 0, 0};  // the next pair's key and value runs, loaded while this pair waits
       if (nnext > 0) {
-        const int64_t g = bh * p.NB + blk + 2;
+        const int64_t g = bh * p.NBS + blk + 2;
         next[0] = p.koff[g]; next[1] = p.koff[g + nnext]; next[2] = p.voff[g]; next[3] = p.voff[g + nnext];
       }
+      const int2 second = second_starts(p, bh, blk, nblk);
       await_half<BULK>(&bars[0], parity);  // this pair's keys
       __syncthreads();
       const int ntok = min(nblk * 64, p.Tc - blk * 64);
-      {  // key rows: thread = token; run starts of its four words
+      {  // key rows: thread = token; run starts of its four quarters (a word each at D = 128)
         const unsigned* kb = reinterpret_cast<const unsigned*>(st);
         const bool has = tid < ntok;
-        unsigned h[4];
+        constexpr int NW = D / 32;  // 32-bit words per key row
+        unsigned h[NW];
         int cnt = 0;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) { h[i] = has ? kb[tid * 4 + i] : 0u; cnt += __popc(h[i]); }
-        const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch);
+        for (int i = 0; i < NW; ++i) { h[i] = has ? kb[tid * NW + i] : 0u; cnt += __popc(h[i]); }
+        const int2 starts = pair_run_starts(tid < 64 ? cnt : cnt << 16, scratch, second.x);
         int pos = tid < 64 ? starts.x : starts.y;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) { kst[tid * 4 + i] = pos; kwd[tid * 4 + i] = h[i]; pos += __popc(h[i]); }
+        for (int i = 0; i < 4; ++i) {
+          const unsigned quarter = QW ? h[i] : (h[i >> 1] >> (16 * (i & 1))) & 0xffffu;
+          kst[tid * 4 + i] = pos;
+          kwd[tid * 4 + i] = quarter;
+          pos += __popc(quarter);
+        }
       }
       __syncthreads();
       const unsigned ksa = (unsigned)__cvta_generic_to_shared(st + L.ks);
       const unsigned vsa = (unsigned)__cvta_generic_to_shared(st + L.vs);
-      std::conditional_t<BUFFERED, BufferedWalk, WordWalk> kw[2][2], vw[2][2];
+      std::conditional_t<BUFFERED, BufferedWalk, WordWalk> kw[2][2], vw[VMT][2];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -395,7 +409,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
           kw[mt][hf].a = ksa + 2u * kst[t * 4 + q];
         }
       const uint64_t* vb = reinterpret_cast<const uint64_t*>(st + L.vb);
-      mma_tile<T, BULK && !BUFFERED>(qb, p.scale_log2, rows, o, red, pfrag,
+      mma_tile<T, BULK && !BUFFERED, KS, VMT>(qb, p.scale_log2, rows, o, red, pfrag,
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { kw[mt][hf].step(s, lut, lo, hi); },
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) { vw[mt][hf].step(s, lut, lo, hi); },
           [&](int t) { return t < ntok; },
@@ -406,22 +420,25 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
             await_half<BULK>(&bars[1], parity);  // this pair's values
             __syncthreads();
             {  // value tiles: thread = channel; run starts of its four 32-token words
-              const uint64_t x0 = vb[tid], x1 = nblk > 1 ? vb[p.D + tid] : 0;
-              const int2 starts = pair_run_starts(__popcll(x0) + (__popcll(x1) << 16), scratch);
+              const bool has = tid < D;
+              const uint64_t x0 = has ? vb[tid] : 0, x1 = has && nblk > 1 ? vb[D + tid] : 0;
+              const int2 starts = pair_run_starts(__popcll(x0) + (__popcll(x1) << 16), scratch, second.y);
               const int p0 = starts.x, p1 = starts.y;
-              vst[tid * 4 + 0] = p0;
-              vst[tid * 4 + 1] = p0 + __popc((unsigned)x0);
-              vst[tid * 4 + 2] = p1;
-              vst[tid * 4 + 3] = p1 + __popc((unsigned)x1);
+              if (has) {
+                vst[tid * 4 + 0] = p0;
+                vst[tid * 4 + 1] = p0 + __popc((unsigned)x0);
+                vst[tid * 4 + 2] = p1;
+                vst[tid * 4 + 3] = p1 + __popc((unsigned)x1);
+              }
             }
             __syncthreads();
             const unsigned* vb32 = reinterpret_cast<const unsigned*>(vb);
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < VMT; ++mt)
 #pragma unroll
               for (int hf = 0; hf < 2; ++hf) {
-                const int d = 32 * warp + 16 * mt + 8 * hf + g;
-                vw[mt][hf].w = (q < 2 || nblk > 1) ? vb32[(q >> 1) * 2 * p.D + 2 * d + (q & 1)] : 0u;
+                const int d = (D / 4) * warp + 16 * mt + 8 * hf + g;
+                vw[mt][hf].w = (q < 2 || nblk > 1) ? vb32[(q >> 1) * 2 * D + 2 * d + (q & 1)] : 0u;
                 vw[mt][hf].a = vsa + 2u * vst[d * 4 + q];
               }
           });
@@ -430,23 +447,23 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
     }
     cp_wait_all();
   } else {
-    const T* wk = reinterpret_cast<const T*>(p.wk) + (size_t)bh * p.W * p.D;
-    const unsigned short* wv = reinterpret_cast<const unsigned short*>(p.wv) + (size_t)bh * p.W * p.D;
+    const T* wk = reinterpret_cast<const T*>(p.wk) + (size_t)bh * p.WS * D;
+    const unsigned short* wv = reinterpret_cast<const unsigned short*>(p.wv) + (size_t)bh * p.WS * D;
     __syncthreads();  // the nibble table (unused here) and a clean start
     for (int w0 = 0; w0 < p.W; w0 += PAIR) {
-      mma_tile<T, BULK && !BUFFERED>(qb, p.scale_log2, rows, o, red, pfrag,
+      mma_tile<T, BULK && !BUFFERED, KS, VMT>(qb, p.scale_log2, rows, o, red, pfrag,
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) {
             const int t = w0 + 32 * warp + 16 * mt + 8 * hf + g;
-            const uint2 x = t < p.W ? *reinterpret_cast<const uint2*>(wk + (size_t)t * p.D + 32 * q + 4 * s) : make_uint2(0u, 0u);
+            const uint2 x = t < p.W ? *reinterpret_cast<const uint2*>(wk + (size_t)t * D + (D / 4) * q + 4 * s) : make_uint2(0u, 0u);
             lo = x.x; hi = x.y;
           },
           [&](int mt, int hf, int s, unsigned& lo, unsigned& hi) {
-            const int d = 32 * warp + 16 * mt + 8 * hf + g;
+            const int d = (D / 4) * warp + 16 * mt + 8 * hf + g;
             unsigned e[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
               const int t = w0 + 32 * q + 4 * s + i;
-              e[i] = t < p.W ? wv[(size_t)t * p.D + d] : 0u;
+              e[i] = t < p.W ? wv[(size_t)t * D + d] : 0u;
             }
             lo = e[0] | (e[1] << 16);
             hi = e[2] | (e[3] << 16);
@@ -468,9 +485,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
   for (int h = 0; h < 2; ++h) {
     const int r = r0 + 2 * q + h;
     if (r >= p.R) continue;
-    float* dst = p.acc + (slot * p.RP + r) * p.DP + 32 * warp + g;
+    float* dst = p.acc + (slot * p.RP + r) * p.DP + (D / 4) * warp + g;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < VMT; ++mt) {
       dst[16 * mt] = o[mt][h];
       dst[16 * mt + 8] = o[mt][h + 2];
     }
@@ -484,15 +501,21 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
   }
 }
 
-template <typename T>
-void launch_mma(const Params& p, dim3 grid, size_t stage, cudaStream_t stream) {
+template <typename T, int D>
+void launch_mma_d(const Params& p, dim3 grid, size_t stage, cudaStream_t stream) {
   // buffered walks stage in bulk (where they were measured)
-  auto kern = !p.bulk ? bitmap_sparse_attention_mma_kernel<T, false, false>
-              : p.walk == WALK_MMA_BUFFERED ? bitmap_sparse_attention_mma_kernel<T, true, true> : bitmap_sparse_attention_mma_kernel<T, true, false>;
+  auto kern = !p.bulk ? bitmap_sparse_attention_mma_kernel<T, D, false, false>
+              : p.walk == WALK_MMA_BUFFERED ? bitmap_sparse_attention_mma_kernel<T, D, true, true> : bitmap_sparse_attention_mma_kernel<T, D, true, false>;
   const size_t smem = mma_head_bytes(p.bulk) + stage + 16;  // a nibble's first word may lie past the last run
   if (smem > 48 * 1024) check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<grid, THREADS, smem, stream>>>(p);
   check(cudaGetLastError());
+}
+
+template <typename T>
+void launch_mma(const Params& p, dim3 grid, size_t stage, cudaStream_t stream) {
+  if (p.D == 64) launch_mma_d<T, 64>(p, grid, stage, stream);
+  else launch_mma_d<T, 128>(p, grid, stage, stream);
 }
 
 }  // namespace bsa
