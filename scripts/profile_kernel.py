@@ -33,7 +33,7 @@ def main() -> None:
         cache = bitmap_sparse_attention.encode_cache_v2(prune_per_token(k, sp, 32), prune_per_token(v, sp, 32), window=32, backend="triton")
         acc = "fp16" if "fp16" in sys.argv[5:] else "fp32"
         tc = True if "tensor_cores" in sys.argv[5:] else False if "scalar" in sys.argv[5:] else None
-        fn = lambda: bitmap_sparse_attention.bitmap_sparse_attention(q[:, :, None], cache, validate=False, accumulate=acc, tensor_cores=tc)  # noqa: E731
+        fn = lambda: bitmap_sparse_attention._tuned_attention(q[:, :, None], cache, accumulate=acc, tensor_cores=tc)  # noqa: E731
     elif kernel == "heads":
         idx = head_choices(shape, batch, int(param or 16), "cuda")["grouped"]
         fn = lambda: heads.selective_head_attention(q, k, v, idx, validate=False)  # noqa: E731

@@ -12,6 +12,7 @@ from kvtool.core.errors import UsageError
 from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
 from kvtool.kernels.bitmap_layout import LAYOUT_V2
 from kvtool.kernels.bitmap_sparse_attention import (
+    _tuned_attention,
     bitmap_sparse_attention,
     convert_layout,
     dense_attention_reference,
@@ -49,7 +50,7 @@ def test_triton_backend_matches_references(b, hkv, g, tq, t, d, w, s, dtype, spl
     cache.validate()
     q = (torch.randn(b, hkv * g, tq, d) * 2).to(dtype)
     rows = 16 if g * tq > 16 else None
-    out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=splits, rows_per_program=rows)
+    out, lse = _tuned_attention(q, cache, backend="triton", num_splits=splits, rows_per_program=rows)
     ref_out, ref_lse = sparse_attention_reference(q, cache)
     dense_out, dense_lse = dense_attention_reference(q, cache)
     assert out.shape == (b, hkv * g, tq, d) and out.dtype == torch.float32 and lse.shape == (b, hkv * g, tq)
@@ -72,7 +73,7 @@ def test_empty_blocks_and_more_splits_than_blocks():
     q = torch.randn(1, 3, 1, 64).half()
     ref = sparse_attention_reference(q, cache)
     for splits in (1, 3, 8):
-        out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=splits)
+        out, lse = _tuned_attention(q, cache, backend="triton", num_splits=splits)
         assert rel_l2(out, ref[0]) < 1e-2
         torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
 
@@ -91,7 +92,7 @@ def test_variable_counts_per_row():
     cache = encode_cache_v2(keys, values, window=20)
     q = torch.randn(1, 8, 1, 64).half()
     ref = sparse_attention_reference(q, cache)
-    out, lse = bitmap_sparse_attention(q, cache, backend="triton", num_splits=2)
+    out, lse = _tuned_attention(q, cache, backend="triton", num_splits=2)
     assert rel_l2(out, ref[0]) < 1e-2
     torch.testing.assert_close(lse, ref[1], atol=1e-2, rtol=1e-3)
 
@@ -122,7 +123,9 @@ def test_version_and_backend_are_checked():
     with pytest.raises(UsageError, match="cuda backend"):
         bitmap_sparse_attention(q, cache, backend="cuda")
     with pytest.raises(UsageError, match="accumulate"):
-        bitmap_sparse_attention(q, cache, accumulate="fp8")
+        _tuned_attention(q, cache, accumulate="fp8")
+    with pytest.raises(UsageError, match="knob"):
+        _tuned_attention(q, cache, validate=False)
 
 
 def test_stage_capacity_is_the_largest_pair_run():
@@ -151,7 +154,7 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
         mma = [dict(tensor_cores=True, bulk_copies=bulk) for bulk in (False, True)]  # staged by cp.async, by bulk copies
         runs = [("triton", {}), ("cuda", {})] + [("cuda", k) for k in mma] + [("cuda", dict(k, tensor_cores=False)) for k in scalar]
         for backend, knobs in runs:
-            out, lse = bitmap_sparse_attention(q, cache, backend=backend, **knobs)
+            out, lse = _tuned_attention(q, cache, backend=backend, **knobs)
             assert bool(torch.isfinite(out).all())
             assert rel_l2(out, ref_out) < 1e-2, (backend, knobs, s)
             torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
@@ -169,10 +172,10 @@ def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
     ref_out, ref_lse = sparse_attention_reference(q, cache)
     knobs_list = [dict(paired=False), dict(paired=True), dict(accumulate="fp16")]
-    if d == 128:  # the scalar walk forced (short launches take the tensor cores), then the tensor cores: 12 query rows take two programs
+    if d in (64, 128):  # the scalar walk forced (short launches take the tensor cores), then the tensor cores: 12 query rows take two programs
         knobs_list = [dict(k, tensor_cores=False) for k in knobs_list] + [dict(tensor_cores=True, bulk_copies=bulk) for bulk in (False, True)]
     for knobs in knobs_list:
-        out, lse = bitmap_sparse_attention(q, cache, backend="cuda", num_splits=splits, **knobs)
+        out, lse = _tuned_attention(q, cache, backend="cuda", num_splits=splits, **knobs)
         assert rel_l2(out, ref_out) < 1e-2, knobs
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
 
@@ -216,7 +219,8 @@ def test_tensor_cores_from_25_percent_density_or_in_short_launches():
     assert not use_tensor_cores(*sparse)
     assert use_tensor_cores(*sparse, launch_pairs=64 * 32)  # batch 8 / 4k: a short launch
     assert not use_tensor_cores(*sparse, launch_pairs=64 * 256)  # batch 8 / 32k
-    assert not use_tensor_cores(full, full, 64) and not use_tensor_cores(full, full, 128, bits_global=True)
+    assert use_tensor_cores(full, full, 64) and not use_tensor_cores(full, full, 80)
+    assert not use_tensor_cores(full, full, 128, bits_global=True)
     assert use_tensor_cores(0, 0, 128, tensor_cores=True) and not use_tensor_cores(full, full, 128, tensor_cores=False)
     with pytest.raises(UsageError):
         use_tensor_cores(full, full, 96, tensor_cores=True)
@@ -235,3 +239,154 @@ def test_split_plan_short_programs_and_half_a_wave():
     assert plan_splits(3, 7, wave) == 4  # few programs: one split per pair, the cap
     assert plan_splits(64, 100, wave) == 13  # 50 pairs: 4 pairs per program beats half a wave (9)
     assert plan_splits(500, 2048, wave) == 256  # many programs: only the 4-pair rule binds
+
+
+def test_plain_call_checks_the_cache_once_and_again_after_a_write(monkeypatch):
+    from kvtool.kernels.bitmap_layout import BitmapCache
+    from kvtool.kernels.bitmap_sparse_attention import prepare_attention
+
+    checks = []
+    real = BitmapCache.validate
+    monkeypatch.setattr(BitmapCache, "validate", lambda self: (checks.append(1), real(self))[1])
+    cache, _, _ = make_cache(1, 2, 150, 64, 0.7, torch.float16, 10)
+    q = torch.randn(1, 4, 1, 64).half()
+    first = bitmap_sparse_attention(q, cache)
+    assert len(checks) == 1 and cache.plan is not None and cache.plan.kcap == stage_capacity(cache)[0]
+    again = bitmap_sparse_attention(q, cache, backend="triton")
+    assert len(checks) == 1 and torch.equal(first[0], again[0])
+    assert prepare_attention(cache) is cache and len(checks) == 1
+    cache.keys.nz.mul_(1)  # written in place: checked again on the next call
+    bitmap_sparse_attention(q, cache)
+    assert len(checks) == 2
+    cache.values.nz[cache.values.offsets[1]] = 1.0  # a stored zero would now sit in a padding slot or a set bit changed its value
+    bitmap_sparse_attention(q, cache)
+    assert len(checks) == 3
+
+
+def _grow(keys, values, w, slot, device="cpu", steps=(1, 2)):
+    """A cache with room to grow holding the pruned ``keys`` / ``values`` ``[B, Hkv, T, D]``: their
+    whole blocks appended ``steps`` blocks at a time (the rest at once), the last ``w`` tokens
+    written into the window."""
+    from kvtool.kernels.bitmap_compress import encode
+    from kvtool.kernels.bitmap_layout import append_blocks, growable_cache
+
+    b, hkv, t, d = keys.shape
+    tc = t - w
+    grow = growable_cache(b, hkv, d, capacity=tc + 128, window=w + 5, slot=slot, dtype=keys.dtype, device=device)
+    backend = "triton" if keys.is_cuda else "torch"
+    done = 0
+    for n in list(steps) + [tc // 64]:
+        n = min(n, (tc - done) // 64)
+        if n:
+            part = slice(done, done + 64 * n)
+            append_blocks(grow, encode(keys[:, :, part].contiguous(), "values", backend), encode(values[:, :, part].contiguous(), "keys", backend))
+            done += 64 * n
+    grow.window_keys[:, :, :w] = keys[:, :, tc:]
+    grow.window_values[:, :, :w] = values[:, :, tc:]
+    grow.lengths[1] = w
+    return grow
+
+
+@pytest.mark.parametrize("keep_all", [False, True])
+def test_growable_cache_attends_as_the_packed_cache(keep_all):
+    b, hkv, t, d, w = 2, 2, 4 * 64 + 7, 64, 7
+    keys = random_pruned(b, hkv, t, d, 0.7, seed=11, window=w)
+    values = bernoulli_pruned(b, hkv, t, d, 0.4, torch.float16, seed=12) + 0.0  # counts vary per block (no -0.0: not stored)
+    values[:, :, t - w:] = torch.randn(b, hkv, w, d).half()
+    packed = encode_cache_v2(keys, values, window=w)
+    slot = 64 * d if keep_all else 64 * 40  # a slot fits the block's run (40 of 64 channels at most here)
+    grow = _grow(keys, values, w, slot)
+    grow.validate()
+    assert grow.lengths.tolist() == [4 * 64, w] and grow.tokens == t
+    for a, c in zip(grow.decode(), packed.decode()):
+        assert torch.equal(a.view(torch.int16), c.view(torch.int16))
+    q = torch.randn(b, 4 * hkv, 1, d).half()
+    ref_out, ref_lse = sparse_attention_reference(q, packed)
+    got = sparse_attention_reference(q, grow.in_use())
+    assert rel_l2(got[0], ref_out) < 1e-6
+    out, lse = bitmap_sparse_attention(q, grow)
+    assert rel_l2(out, ref_out) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, atol=1e-2, rtol=1e-3)
+
+
+def test_growable_cache_checks():
+    from kvtool.core.errors import BadDataError
+    from kvtool.kernels.bitmap_layout import append_blocks, growable_cache
+
+    with pytest.raises(BadDataError, match="capacity"):
+        growable_cache(1, 1, 64, capacity=100, window=4, slot=64, dtype=torch.float16, device="cpu")
+    grow = growable_cache(1, 1, 64, capacity=128, window=4, slot=64 * 20, dtype=torch.float16, device="cpu")
+    q = torch.randn(1, 2, 1, 64).half()
+    out, lse = bitmap_sparse_attention(q, grow)  # nothing in use yet: no key, lse -inf
+    assert bool(torch.isneginf(lse).all()) and bool((out == 0).all())
+    packed = encode_cache_v2(random_pruned(1, 1, 64, 64, 0.7), random_pruned(1, 1, 64, 64, 0.7, seed=3))
+    with pytest.raises(BadDataError, match="layout-v2"):
+        append_blocks(grow, packed.values, packed.keys)  # orientations swapped
+    grow.lengths = grow.lengths.long()
+    with pytest.raises(BadDataError, match="int32"):
+        grow.validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plain_call_has_no_host_syncs_and_replays_in_a_cuda_graph(d, dtype):
+    cache, _, _ = make_cache(2, 8, 3000, d, 0.7, dtype, 32, device="cuda", backend="triton")
+    q = (torch.randn(2, 32, 1, d, device="cuda") * 2).to(dtype)
+    ref_out, _ = sparse_attention_reference(q, cache)
+    out, lse = bitmap_sparse_attention(q, cache)  # checks and plan
+    assert rel_l2(out, ref_out) < 1e-2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again, _ = bitmap_sparse_attention(q, cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = bitmap_sparse_attention(q, cache)
+    q.copy_((torch.randn(2, 32, 1, d, device="cuda") * 2).to(dtype))
+    graph.replay()
+    new_out, new_lse = sparse_attention_reference(q, cache)
+    assert rel_l2(g_out, new_out) < 1e-2
+    torch.testing.assert_close(g_lse, new_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_growable_cache_on_cuda_grows_under_one_cuda_graph(d, dtype):
+    from kvtool.kernels.bitmap_compress import encode
+    from kvtool.kernels.bitmap_layout import append_blocks, growable_cache
+
+    b, hkv, g, w = 2, 8, 4, 40
+    keys = random_pruned(b, hkv, 64 * 40 + w, d, 0.7, dtype=dtype, device="cuda", seed=1, window=w)
+    values = bernoulli_pruned(b, hkv, 64 * 40 + w, d, 0.45, dtype, device="cuda", seed=2) + 0.0  # no -0.0: runs fit the slots
+    keep = int(round(0.3 * d))
+    grow = growable_cache(b, hkv, d, capacity=64 * 48, window=64, slot=64 * max(keep, int(0.6 * d)) // 8 * 8, dtype=dtype, device="cuda")
+    q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).to(dtype)
+
+    def fill(upto: int, wlen: int) -> None:  # blocks up to `upto` tokens (appending what is missing), wlen window tokens
+        have = int(grow.lengths[0])
+        if upto > have:
+            part = slice(have, upto)
+            append_blocks(grow, encode(keys[:, :, part].contiguous(), "values", "triton"), encode(values[:, :, part].contiguous(), "keys", "triton"))
+        grow.window_keys[:, :, :wlen] = keys[:, :, -wlen:]
+        grow.window_values[:, :, :wlen] = values[:, :, -wlen:]
+        grow.lengths[1] = wlen
+
+    fill(64 * 3, 5)
+    bitmap_sparse_attention(q, grow)  # checks and plan, then one graph for every length
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = bitmap_sparse_attention(q, grow)
+    for upto, wlen in ((64 * 3, 5), (64 * 4, 17), (64 * 21, 0), (64 * 40, w)):
+        fill(upto, wlen)
+        graph.replay()
+        ref_out, ref_lse = sparse_attention_reference(q, grow.in_use())
+        assert rel_l2(g_out, ref_out) < 1e-2, (upto, wlen)
+        torch.testing.assert_close(g_lse, ref_lse, atol=2e-2, rtol=1e-3)
+        for knobs in (dict(tensor_cores=False), dict(tensor_cores=True, bulk_copies=False), dict(tensor_cores=True, bulk_copies=True)):
+            out, lse = _tuned_attention(q, grow, **knobs)
+            assert rel_l2(out, ref_out) < 1e-2, (upto, wlen, knobs)

@@ -510,12 +510,19 @@ def make_record(env: BenchEnv, kernel: str, provider: str, shape: ModelShape, ba
     }
 
 
+# the pseudo-baseline of add_speedups: the fastest dense decode attention of the configuration
+BEST_DENSE = "best_dense"
+DENSE_DECODERS = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
+
+
 def add_speedups(records: list[dict[str, Any]], baselines: list[str]) -> None:
     """For each record, ``speedup[b]`` = median of baseline provider ``b`` / this record's median.
     The baseline row is taken from the same configuration (batch, seq, shape, dtype, sparsity,
     budget, k) when there is one, else from any row of the same dense configuration (dense
     baselines are shared by every sparsity / budget / k). A baseline that did not run gives its
-    status string (e.g. ``not installed``)."""
+    status string (e.g. ``not installed``). ``best_dense`` (:data:`BEST_DENSE`) among ``baselines``:
+    against the fastest of the :data:`DENSE_DECODERS` timed for that dense configuration in these
+    records, whose name goes to ``speedup["best_dense_is"]`` (rows of kvtool kernels only)."""
 
     def key(r):
         return (r["batch"], r["seq"], r["heads"], r["kv_heads"], r["head_dim"], r["dtype"], r["sparsity"], r["budget"], r["k"])
@@ -529,6 +536,13 @@ def add_speedups(records: list[dict[str, Any]], baselines: list[str]) -> None:
             slot[r["provider"]] = r
     for r in records:
         for name in baselines:
+            if name == BEST_DENSE:
+                timed = [d for p, d in dense[key(r)[:6]].items() if p in DENSE_DECODERS and d["median_us"]]
+                if r["provider"] not in DENSE_DECODERS and timed and r["median_us"]:
+                    best = min(timed, key=lambda d: d["median_us"])
+                    r["speedup"][BEST_DENSE] = best["median_us"] / r["median_us"]
+                    r["speedup"]["best_dense_is"] = best["provider"]
+                continue
             if name == r["provider"]:
                 continue
             b = exact[key(r)].get(name) or dense[key(r)[:6]].get(name)

@@ -53,7 +53,7 @@ def summary_table(doc: dict[str, Any]) -> str:
         return baseline_table(doc)
     primary = list(doc.get("primary_baselines", []))
     measured = {n for r in doc["records"] if r["median_us"] is not None for n in [r["provider"]]}
-    primary = [b for b in primary if b in measured] or primary
+    primary = [b for b in primary if b in measured or (b == "best_dense" and any(b in r["speedup"] for r in doc["records"]))] or primary
     if "sdpa" in measured and not any(b.startswith("flashinfer") for b in primary):
         primary.append("sdpa")  # the stand-in when FlashInfer was not installed
     head = ["kernel", "batch", "seq", "param", "median µs", "floor µs", "% of copy"] + [f"× {b}" for b in primary]
@@ -67,7 +67,10 @@ def summary_table(doc: dict[str, Any]) -> str:
         cells = [name, str(r["batch"]), str(r["seq"]), param, f"{r['median_us']:.1f}", fmt(floor, 1), f"{100 * r['bandwidth_fraction']:.0f}%"]
         for b in primary:
             v = r["speedup"].get(b)
-            cells.append(f"{v:.2f}" if isinstance(v, float) else "–")
+            cell = f"{v:.2f}" if isinstance(v, float) else "–"
+            if b == "best_dense" and isinstance(v, float):
+                cell += f" ({r['speedup'].get('best_dense_is', '?')})"
+            cells.append(cell)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -245,12 +245,19 @@ class BitmapFormat(Format):
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~kvtool.kernels.bitmap_sparse_attention.bitmap_sparse_attention` (``backend``
-        auto / triton / cuda); a version-1 layer is converted to layout version 2 first."""
-        cache = cache_from_encoded(enc)
-        cache.validate()
-        if cache.version != LAYOUT_V2:
-            cache = convert_layout(cache, LAYOUT_V2, backend="triton" if q.is_cuda else "torch")
-        return bitmap_sparse_attention(q, cache, scale, backend=backend, validate=False)
+        auto / triton / cuda); a version-1 layer is converted to layout version 2 first. The
+        layer's kernel view is held on ``enc`` while its tensors stay the same objects, so that a
+        decode loop validates and plans it once (the plan: kernels.bitmap_sparse_attention)."""
+        held = enc.__dict__.get("_kernel_view")
+        tensors = tuple(enc.tensors.values())
+        if held is None or len(held[0]) != len(tensors) or not all(a is b for a, b in zip(held[0], tensors)):
+            cache = cache_from_encoded(enc)
+            if cache.version != LAYOUT_V2:
+                cache.validate()
+                cache = convert_layout(cache, LAYOUT_V2, backend="triton" if q.is_cuda else "torch")
+            held = (tensors, cache)
+            enc.__dict__["_kernel_view"] = held
+        return bitmap_sparse_attention(q, held[1], scale, backend=backend)
 
     def report(self, cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
         """Achieved sparsity (of the pruned tokens, by the masks, and as stored), bytes by part for

@@ -29,11 +29,18 @@ writes) swaps them, so that each operand's bits run along the axis its product r
 rows hold a token's channels (q.K^T sums over channels) and value tiles hold a channel's tokens (P.V
 sums over tokens). A kernel then visits each stored element once and fetches the dense operand at
 its position (:mod:`.bitmap_sparse_attention`).
+
+A cache with room to grow (:func:`growable_cache`, :func:`append_blocks`; ``BitmapCache.lengths``
+not None) has the same tensors sized for a capacity, each block in a fixed slot of the packed
+elements (``offsets[g] = g * slot``; a block's run, padded to 16 bytes, fits its slot and the rest of
+the slot is never read as elements), and its valid lengths on the device, so that appending a block
+or a window token needs no host sync and changes no tensor's shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -257,19 +264,33 @@ class BitmapCache:
     keys/values: :class:`BitmapTensor` over the first Tc tokens; window_keys/window_values
     ``[B, Hkv, W, D]`` in the cache dtype (W may be 0). Token order: the Tc compressed tokens, then
     the W window tokens. ``version``: the layout version (:data:`ORIENTATIONS` gives the tiles'
-    orientation of keys and values)."""
+    orientation of keys and values).
+
+    ``lengths``: None, or for a cache with room to grow (:func:`growable_cache`) int32 ``[2]`` on
+    the cache's device: the compressed tokens and window tokens in use, of the capacities that
+    ``keys.tokens`` and the window's length give. ``plan``: what
+    :func:`kvtool.kernels.bitmap_sparse_attention.prepare_attention` held for this cache (not part of
+    the data)."""
 
     keys: BitmapTensor
     values: BitmapTensor
     window_keys: torch.Tensor
     window_values: torch.Tensor
     version: int = LAYOUT_V1
+    lengths: torch.Tensor | None = None
+    plan: Any = field(default=None, repr=False, compare=False)
 
     @property
     def tokens(self) -> int:
+        """Tokens attended (for a cache with room to grow: read from the device, one host sync)."""
+        if self.lengths is not None:
+            return int(self.lengths.sum())
         return self.keys.tokens + self.window_keys.shape[2]
 
     def validate(self) -> None:
+        if self.lengths is not None:
+            validate_growable(self)
+            return
         if self.version not in ORIENTATIONS:
             raise BadDataError(f"unknown bitmap layout version {self.version!r} (known: {sorted(ORIENTATIONS)})")
         if (self.keys.kind, self.values.kind) != ORIENTATIONS[self.version]:
@@ -290,6 +311,126 @@ class BitmapCache:
 
     def decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys, values ``[B, Hkv, Tc + W, D]``."""
+        if self.lengths is not None:
+            return self.in_use().decode()
         keys = torch.cat([self.keys.decode(), self.window_keys], dim=2)
         values = torch.cat([self.values.decode(), self.window_values], dim=2)
         return keys, values
+
+    def in_use(self) -> "BitmapCache":
+        """The part of a cache with room to grow that is in use, as a cache of fixed lengths (views
+        and a gather of the offsets; one host sync to read the lengths). Its runs keep their slots,
+        so it decodes and attends like the packed layout but does not pass :meth:`validate`, whose
+        offsets check asks for packed runs. A cache without lengths is returned as it is."""
+        if self.lengths is None:
+            return self
+        tc, w = (int(x) for x in self.lengths.tolist())
+        k, v = self.keys, self.values
+        nb_cap, nb = k.blocks, -(-tc // TILE)
+        bh = k.batch * k.kv_heads
+        dev = k.offsets.device
+        blocks = (torch.arange(bh, device=dev)[:, None] * nb_cap + torch.arange(nb, device=dev)[None, :]).reshape(-1)
+
+        def part(bt: BitmapTensor) -> BitmapTensor:
+            # the starts of the blocks in use, then the end of the last one's slot
+            end = bt.offsets[blocks[-1:] + 1] if nb else bt.offsets[:1]
+            off = torch.cat([bt.offsets[blocks], end])
+            bits = (bt.bitmaps[:, :, :tc] if bt.kind == "values" else bt.bitmaps[:, :, :nb]).contiguous()
+            return BitmapTensor(bt.kind, bt.nz, bits, off, tc, bt.head_dim, bt.label)
+
+        return BitmapCache(part(k), part(v), self.window_keys[:, :, :w].contiguous(), self.window_values[:, :, :w].contiguous(), version=self.version)
+
+
+def validate_growable(cache: BitmapCache) -> None:
+    """Checks of a cache with room to grow that hold for its whole life (the appended blocks are
+    trusted, as :func:`append_blocks` writes them): layout version 2, shapes and dtypes as a packed
+    cache of the capacities, lengths int32 ``[2]`` on the cache's device, offsets monotone, aligned to
+    16 bytes and within ``nz``. BadDataError naming the problem."""
+    k, v = cache.keys, cache.values
+    if cache.version != LAYOUT_V2 or (k.kind, v.kind) != ORIENTATIONS[LAYOUT_V2]:
+        raise BadDataError("a cache with room to grow is in layout version 2")
+    ln = cache.lengths
+    if ln is None or ln.dtype != torch.int32 or list(ln.shape) != [2] or ln.device != k.nz.device:
+        raise BadDataError(f"lengths must be int32 [2] on {k.nz.device}")
+    for bt in (k, v):
+        name = bt.label or bt.kind
+        if bt.bitmaps.dtype != torch.int64 or bt.offsets.dtype != torch.int64 or bt.nz.ndim != 1 or bt.nz.dtype not in _INT_VIEW:
+            raise BadDataError(f"{name}: bitmaps and offsets int64, nz 1-D float16/bfloat16/float32")
+        if list(bt.bitmaps.shape) != bt.expected_bitmap_shape():
+            raise BadDataError(f"{name}.bitmaps has shape {list(bt.bitmaps.shape)}, expected {bt.expected_bitmap_shape()}")
+        n = bt.batch * bt.kv_heads * bt.blocks + 1
+        off = bt.offsets
+        if list(off.shape) != [n]:
+            raise BadDataError(f"{name}.offsets has shape {list(off.shape)}, expected [{n}]")
+        if bool((off[1:] < off[:-1]).any()) or int(off[0]) < 0 or int(off[-1]) > bt.nz.numel():
+            raise BadDataError(f"{name}.offsets must rise from 0 and stay within the {bt.nz.numel()} elements of nz")
+        if bool((off % align_elements(bt.nz.dtype) != 0).any()):
+            raise BadDataError(f"{name}.offsets must be multiples of {align_elements(bt.nz.dtype)} (16-byte alignment)")
+    if (k.batch, k.kv_heads, k.tokens, k.head_dim, k.dtype) != (v.batch, v.kv_heads, v.tokens, v.head_dim, v.dtype):
+        raise BadDataError("compressed keys and values disagree in batch, heads, capacity, head_dim or dtype")
+    want = [k.batch, k.kv_heads, cache.window_keys.shape[2] if cache.window_keys.ndim == 4 else -1, k.head_dim]
+    for nm, t in (("window.keys", cache.window_keys), ("window.values", cache.window_values)):
+        if list(t.shape) != want or t.dtype != k.dtype:
+            raise BadDataError(f"window {nm} has shape {list(t.shape)} {t.dtype}, expected {want} {k.dtype}")
+
+
+def growable_cache(batch: int, kv_heads: int, head_dim: int, capacity: int, window: int, slot: int,
+                   dtype: torch.dtype, device: torch.device | str) -> BitmapCache:
+    """An empty layout-v2 cache with room for ``capacity`` compressed tokens (whole 64-token blocks)
+    and ``window`` dense window tokens, each block's keys and values in a slot of ``slot`` elements
+    (at least the elements a block stores, e.g. ``64 * keep`` for per-token pruning keeping
+    ``keep`` of each token's channels; a multiple of 16 bytes). Lengths start at (0, 0); fill it
+    with :func:`append_blocks` and by writing window tokens at ``lengths[1]`` and raising it."""
+    align = align_elements(dtype)
+    if capacity % TILE or capacity < 0 or window < 0 or slot < 0 or slot % align or slot > TILE * head_dim:
+        raise BadDataError(f"capacity must be whole blocks of {TILE} tokens and slot a multiple of {align} elements up to {TILE * head_dim}")
+    nb = capacity // TILE
+    dt = -(-head_dim // TILE)
+    n = batch * kv_heads * nb
+    offsets = torch.arange(n + 1, dtype=torch.int64, device=device) * slot
+
+    def part(kind: str, label: str) -> BitmapTensor:
+        shape = [batch, kv_heads, capacity, dt] if kind == "values" else [batch, kv_heads, nb, head_dim]
+        return BitmapTensor(kind, torch.zeros(n * slot, dtype=dtype, device=device), torch.zeros(shape, dtype=torch.int64, device=device),
+                            offsets.clone(), capacity, head_dim, label)
+
+    korient, vorient = ORIENTATIONS[LAYOUT_V2]
+    wk = torch.zeros(batch, kv_heads, window, head_dim, dtype=dtype, device=device)
+    return BitmapCache(part(korient, "keys"), part(vorient, "values"), wk, torch.zeros_like(wk), version=LAYOUT_V2,
+                       lengths=torch.zeros(2, dtype=torch.int32, device=device))
+
+
+def append_blocks(cache: BitmapCache, keys: BitmapTensor, values: BitmapTensor) -> None:
+    """Append whole 64-token blocks to a cache with room to grow, after its compressed tokens in use:
+    ``keys`` / ``values`` are a layout-v2 encoding (keys token tiles, values channel tiles, e.g.
+    :func:`kvtool.kernels.bitmap_prune_encode.prune_encode`) of ``n * 64`` tokens of every KV head.
+    Device work only (no host sync: the place is ``lengths[0]``, which rises by ``n * 64``), so a
+    decode step that appends can be captured in a CUDA graph. The caller keeps within the capacity
+    and within each block's slot (unchecked on the device)."""
+    dst_k, dst_v = cache.keys, cache.values
+    if cache.lengths is None:
+        raise BadDataError("append_blocks needs a cache with room to grow (growable_cache)")
+    if (keys.kind, values.kind) != (dst_k.kind, dst_v.kind) or keys.tokens % TILE or keys.tokens != values.tokens:
+        raise BadDataError("append_blocks takes layout-v2 keys and values of whole 64-token blocks")
+    if (keys.batch, keys.kv_heads, keys.head_dim) != (dst_k.batch, dst_k.kv_heads, dst_k.head_dim) or keys.dtype != dst_k.dtype:
+        raise BadDataError("the appended blocks disagree with the cache in batch, heads, head_dim or dtype")
+    n = keys.blocks
+    if n == 0:
+        return
+    bh = dst_k.batch * dst_k.kv_heads
+    nb_cap = dst_k.blocks
+    dev = dst_k.nz.device
+    tc = cache.lengths[0].long()
+    first = tc // TILE  # the first new block of every head, on the device
+    for src, dst in ((keys, dst_k), (values, dst_v)):
+        # each source block's run goes to its slot: element i of block s lands at slot start + i
+        dst_block = (torch.arange(bh, device=dev)[:, None] * nb_cap + first + torch.arange(n, device=dev)[None, :]).reshape(-1)
+        if src.nz.numel():
+            pos = torch.arange(src.nz.numel(), device=dev)
+            blk = torch.searchsorted(src.offsets, pos, right=True) - 1
+            dst.nz.index_copy_(0, dst.offsets[dst_block[blk]] + pos - src.offsets[blk], src.nz)
+        if dst.kind == "values":  # token tiles: rows of tokens
+            dst.bitmaps.index_copy_(2, tc + torch.arange(n * TILE, device=dev), src.bitmaps)
+        else:
+            dst.bitmaps.index_copy_(2, first + torch.arange(n, device=dev), src.bitmaps)
+    cache.lengths[0] += n * TILE

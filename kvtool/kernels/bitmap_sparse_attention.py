@@ -2,12 +2,40 @@
 tiles: :mod:`.bitmap_layout`), its encoder from pruned dense K/V, and a plain-torch reference of
 the same maths.
 
-Entry point: :func:`bitmap_sparse_attention` ``(q, cache, scale=None, backend="auto", ...) ->
-(out, lse)``, the partial of :mod:`kvtool.core.attention`: q ``[B, H, Tq, D]`` in the cache dtype (H a
+Entry point: :func:`bitmap_sparse_attention` ``(q, cache, scale=None, backend="auto") -> (out,
+lse)``, the partial of :mod:`kvtool.core.attention`: q ``[B, H, Tq, D]`` in the cache dtype (H a
 multiple of Hkv; query head h reads KV head ``h // G``), out ``[B, H, Tq, D]`` float32, lse
 ``[B, H, Tq]`` float32 (natural log). All G * Tq query rows of a KV head are served by one pass
 over its data; token-axis splits are merged by
 :func:`kvtool.kernels.online_softmax.merge_split_partials`.
+
+The call contract (what a decode loop relies on):
+
+- **Checked once, planned once.** The first call on a cache (or :func:`prepare_attention`, e.g.
+  right after loading) validates it and holds its stage plan on it (``cache.plan``: the stage
+  capacities of :func:`stage_capacity`, aligned sources, and per query shape the walk, splits and
+  rows per program). Later calls read the plan: no host syncs, no validation, the same speed as
+  the tuned call (:func:`_tuned_attention`, the benchmarks' and tests' way to set knobs). A cache
+  of fixed lengths whose tensors are replaced or written in place is checked again on its next
+  call.
+- **CUDA graphs.** On the CUDA backend (16-bit caches, head_dim <= 256, CUDA tensors) a call after
+  the first can be captured in a CUDA graph and replayed; call once (or :func:`prepare_attention`)
+  before the capture, as for any kernel that compiles on first use. The Triton backend is
+  capturable for caches of fixed lengths.
+- **Caches that grow** (``cache.lengths`` not None; :func:`.bitmap_layout.growable_cache`,
+  :func:`.bitmap_layout.append_blocks`): every tensor is allocated for a capacity (compressed
+  tokens in whole 64-token blocks, window tokens) and ``lengths`` (int32 ``[2]`` on the device)
+  holds the compressed and window tokens in use. Each block's keys and values sit in a fixed slot
+  of ``nz`` (``offsets[g] = g * slot``, set at allocation and never changed), so appending a block
+  writes its run, its bitmaps and ``lengths[0] += 64`` on the device, and a window token is written
+  at index ``lengths[1]`` of the window tensors followed by ``lengths[1] += 1``: no shape, offset
+  or plan changes, no host sync. The CUDA kernels read ``lengths`` at the start of every program
+  and spread the blocks in use over the splits planned for the capacity, so one plan and one
+  captured graph serve every length. Attention does not depend on the order of tokens (positions
+  are in the rotated keys), so the window may be refilled in any order. The plan checks the
+  layout once (:func:`.bitmap_layout.validate_growable`); the appended blocks are trusted: each
+  block's padded run must fit its slot, and lengths must stay within the capacities (the kernels
+  clamp them there). The Triton backend reads the lengths on the host (one sync per call).
 
 The maths (what :func:`sparse_attention_reference` spells out in torch): for each stored key
 element (token t, channel c, value x) ``score[r, t] += x * q[r, c]``; softmax over tokens; for each
@@ -21,26 +49,26 @@ Backends:
   ``torch.utils.cpp_extension.load`` under the kvtool cache): the walk above, per thread, with the
   pair of 64-token blocks staged in shared memory by ``cp.async`` (keys and values as two load
   groups, each requested for the next pair as soon as this pair is done with it). Its cost follows
-  the stored elements (a few instructions each) instead of the dense ones. Triton has no per-thread loop over a
-  variable number of set bits nor a register-to-shared gather at a run-time position, which is what
-  this needs (the expand-then-multiply Triton kernels cost about 13 instructions per dense element).
-  At head_dim 128 it has a second, tensor-core walk (:file:`bitmap_sparse_attention_mma.cuh`,
-  :func:`use_tensor_cores`): each thread expands its bitmap word a nibble at a time straight into
-  an mma operand, a cost per dense element (about 5 instructions) that does not depend on the
-  density, which wins from 25% density and in short launches.
+  the stored elements (a few instructions each) instead of the dense ones. Triton has no per-thread
+  loop over a variable number of set bits nor a register-to-shared gather at a run-time position,
+  which is what this needs (the expand-then-multiply Triton kernels cost about 13 instructions per
+  dense element). At head_dim 64 and 128 it has a second, tensor-core walk
+  (:file:`bitmap_sparse_attention_mma.cuh`, :func:`use_tensor_cores`): each thread expands its
+  bitmap bits a nibble at a time straight into an mma operand, a cost per dense element (about 5
+  instructions) that does not depend on the density, which wins from 25% density and in short
+  launches.
 - ``triton``: expands each 64-token block to dense tiles (the helpers of :mod:`.bitmap_attention`
   with the orientations swapped) and multiplies on the tensor cores; runs under the interpreter,
   for any head_dim and float32 caches.
 - ``auto``: cuda for CUDA tensors of 16-bit dtype and head_dim <= 256, else triton.
 
-Measured on the H100 (docs/benchmarks/attention.json, limits in docs/benchmarks.md): faster than
-cuBLAS q.K^T + P.V and FlashInfer at 50% and 70% sparsity from batch 8 / 4k tokens on (batch 8 /
-32k: 1.44x and 1.81x cuBLAS); both walks are bound by the shared-memory pipe and instruction
-issue, not bytes.
+Measured results and limits: docs/benchmarks.md (bitmap attention); both walks are bound by the
+shared-memory pipe and instruction issue, not bytes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -106,7 +134,8 @@ def _stored_elements(bt: BitmapTensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def sparse_attention_reference(q: torch.Tensor, cache: BitmapCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of the element-wise maths (module docstring) in float64 for any layout
-    version; same return as :func:`bitmap_sparse_attention`."""
+    version (a cache with room to grow: its part in use); same return as :func:`bitmap_sparse_attention`."""
+    cache = cache.in_use()
     check_query(q, cache)
     b, h, tq, d = q.shape
     hkv, tc, w = cache.keys.kv_heads, cache.keys.tokens, cache.window_keys.shape[2]
@@ -258,7 +287,7 @@ BUFFERED_DENSITY = 0.4
 def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | None = None, bits_global: bool = False,
                      launch_pairs: int | None = None) -> bool:
     """Whether the CUDA backend takes its tensor-core walk (``WALK_MMA``,
-    :file:`bitmap_sparse_attention_mma.cuh`), which serves head_dim 128 with staged bitmaps. None:
+    :file:`bitmap_sparse_attention_mma.cuh`), which serves head_dim 64 and 128 with staged bitmaps. None:
     when the densest pair of blocks (:func:`stage_capacity`) stores at least
     ``TENSOR_CORE_DENSITY`` of its elements, or when the launch walks at most
     ``TENSOR_CORE_SHORT`` pairs of blocks (``launch_pairs``: KV heads x pairs per head). The tensor
@@ -266,9 +295,9 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     stored elements; and a short launch is bound by the latency of each program, which the tensor
     cores shorten. On the H100 at batch 8 / 32k (bulk copies) it takes 0.78x the scalar walk's time
     at 75% sparsity, 1.01x at 80% (1.03x at batch 32) and 1.27x at 90% (docs/benchmarks.md)."""
-    eligible = head_dim == 128 and not bits_global
+    eligible = head_dim in (64, 128) and not bits_global
     if tensor_cores and not eligible:
-        raise UsageError("the tensor-core walk serves head_dim 128 with staged bitmaps (bits_global=False)")
+        raise UsageError("the tensor-core walk serves head_dim 64 and 128 with staged bitmaps (bits_global=False)")
     if tensor_cores is None:
         dense = stage_density(kcap, vcap, head_dim) >= TENSOR_CORE_DENSITY
         short = launch_pairs is not None and launch_pairs <= TENSOR_CORE_SHORT
@@ -300,102 +329,213 @@ def mma_walk(kcap: int, vcap: int, head_dim: int, bulk: bool) -> int:
     return WALK_MMA_BUFFERED if bulk and stage_density(kcap, vcap, head_dim) >= BUFFERED_DENSITY else WALK_MMA
 
 
-def bitmap_sparse_attention(
-    q: torch.Tensor,
-    cache: BitmapCache,
-    scale: float | None = None,
-    backend: str = "auto",
-    num_splits: int | None = None,
-    validate: bool = True,
-    capacity: tuple[int, int] | None = None,
-    rows_per_program: int | None = None,
-    half_tables: bool = True,
-    bits_global: bool = False,
-    paired: bool | None = None,
-    num_warps: int = 4,
-    accumulate: str = "fp32",
-    tensor_cores: bool | None = None,
-    bulk_copies: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
-    window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). ``validate=False`` trusts
-    a cache validated before. ``capacity``: :func:`stage_capacity` of the cache, computed here when
-    None (pass it to keep the call free of host syncs, e.g. under CUDA graphs). ``num_splits``,
-    ``rows_per_program`` (1, 2, 4 or 8 on cuda; a power of two on triton), ``half_tables`` (cuda:
-    fp16 gather tables), ``bits_global`` (cuda: bitmap words read from global memory instead of
-    staged), ``paired`` (cuda, fp32 sums: values read two at a time; None: :func:`walk_mode`'s
-    choice) and ``num_warps`` (triton) are tuning knobs that change only rounding. ``accumulate="fp16"`` (cuda, float16 caches, half
-    tables; elsewhere the sums stay fp32): the products of each 32-element bitmap word are summed
-    in fp16 before joining the fp32 sums (fewer instructions, about 8e-4 relative error on random
-    data instead of 3e-4; like FlashInfer's fp16 q.k reduction it is opt-in). ``tensor_cores`` (cuda,
-    head_dim 128): the tensor-core walk (True), the scalar one (False) or :func:`use_tensor_cores`'s
-    choice (None); the tensor-core walk serves 8 query rows per program (``rows_per_program`` and
-    ``accumulate`` apply to the scalar walk) and sums in fp32 (about 1e-4 relative error on random
-    float16 data, 1e-3 on bfloat16, whose probabilities it rounds to bfloat16 as FlashAttention does);
-    ``bulk_copies`` (cuda, tensor-core walk, sm_90+): how it stages the cache, :func:`use_bulk_copies`."""
-    check_query(q, cache)
-    check_device(q=q)
+@dataclass
+class _Plan:
+    """What :func:`prepare_attention` holds on a cache (``BitmapCache.plan``): the identity of the
+    tensors it checked (``key``), the stage capacities (:func:`stage_capacity`), 16-byte aligned
+    sources for the CUDA stage, and launch choices per query shape and knobs."""
+
+    key: tuple
+    kcap: int
+    vcap: int
+    sources: tuple | None = None
+    launches: dict = field(default_factory=dict)
+    empty: dict = field(default_factory=dict)
+
+
+def _tensors(cache: BitmapCache) -> tuple[torch.Tensor, ...]:
+    k, v = cache.keys, cache.values
+    return (k.nz, k.bitmaps, k.offsets, v.nz, v.bitmaps, v.offsets, cache.window_keys, cache.window_values)
+
+
+def _plan_key(cache: BitmapCache) -> tuple:
+    """The tensors' storage, shapes and, for caches of fixed lengths, their in-place versions (a
+    cache written in place is checked again); a cache with room to grow is checked once, since its
+    appends change its data, never its offsets or shapes."""
+    ts = _tensors(cache)
+    key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts) + (cache.keys.tokens, cache.version, cache.lengths is None)
+    if cache.lengths is None:
+        key += tuple(t._version for t in ts)
+    return key
+
+
+def prepare_attention(cache: BitmapCache) -> BitmapCache:
+    """Validate ``cache`` and hold its stage plan on it (``cache.plan``), so that later calls of
+    :func:`bitmap_sparse_attention` do no host work that waits for the device. Called by the first
+    attention call of a cache; call it yourself once after loading (before capturing a CUDA graph,
+    which cannot capture the checks' host syncs). Checked again only when a tensor of the cache is
+    replaced or, for a cache of fixed lengths, written in place. Returns ``cache``."""
+    key = _plan_key(cache)
+    if cache.plan is not None and cache.plan.key == key:
+        return cache
     if cache.version != LAYOUT_V2:
         raise UsageError(f"bitmap_sparse_attention reads layout version {LAYOUT_V2}; convert with convert_layout (this cache is version {cache.version})")
-    if validate:
-        cache.validate()
+    cache.validate()
+    kcap, vcap = stage_capacity(cache)
+    cache.plan = _Plan(key, kcap, vcap)
+    return cache
+
+
+def bitmap_sparse_attention(q: torch.Tensor, cache: BitmapCache, scale: float | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[B, H, Tq, D]`` over a layout-v2 ``cache`` (compressed tokens + dense
+    window): (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32). The first call validates
+    the cache and holds its plan (:func:`prepare_attention`); later calls on the CUDA backend do no
+    host syncs and can be captured in a CUDA graph. ``backend``: ``auto``, ``cuda`` or ``triton``
+    (module docstring). A cache with room to grow (``cache.lengths``, module docstring) is attended
+    over its lengths in use, read on the device by the CUDA backend (the Triton backend reads them
+    on the host)."""
+    return _attend(q, cache, scale, backend, ())
+
+
+def _tuned_attention(q: torch.Tensor, cache: BitmapCache, scale: float | None = None, backend: str = "auto", **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`bitmap_sparse_attention` with tuning knobs, for benchmarks and tests (not public API;
+    they change speed and rounding only). ``capacity``: stage capacities (kcap, vcap) in place of
+    the held :func:`stage_capacity`. ``num_splits``, ``rows_per_program`` (1, 2, 4 or 8 on cuda; a
+    power of two on triton), ``half_tables`` (cuda: fp16 gather tables), ``bits_global`` (cuda:
+    bitmap words read from global memory instead of staged), ``paired`` (cuda, fp32 sums: values
+    read two at a time; None: :func:`walk_mode`'s choice) and ``num_warps`` (triton).
+    ``accumulate="fp16"`` (cuda, float16 caches, scalar walk): the products of each 32-element
+    bitmap word summed in fp16 before joining the fp32 sums (about 8e-4 relative error on random
+    data instead of 3e-4). ``tensor_cores`` (cuda, head_dim 64 or 128): the tensor-core walk (True),
+    the scalar one (False) or :func:`use_tensor_cores`'s choice (None); the tensor-core walk serves 8
+    query rows per program (``rows_per_program`` and ``accumulate`` apply to the scalar walk).
+    ``bulk_copies`` (cuda, tensor-core walk, sm_90+): how it stages the cache, :func:`use_bulk_copies`."""
+    unknown = set(knobs) - set(_KNOBS)
+    if unknown:
+        raise UsageError(f"unknown knob {sorted(unknown)[0]!r}; knobs: {', '.join(_KNOBS)}")
+    return _attend(q, cache, scale, backend, tuple(sorted(knobs.items())))
+
+
+_KNOBS = {"num_splits": None, "capacity": None, "rows_per_program": None, "half_tables": True, "bits_global": False, "paired": None,
+          "num_warps": 4, "accumulate": "fp32", "tensor_cores": None, "bulk_copies": None}
+
+
+@dataclass(frozen=True)
+class _Launch:
+    which: str
+    nr: int
+    chunks: int
+    splits: int
+    bps: int
+    walk: int = 0
+    bulk: bool = False
+    kcap: int = 0
+    vcap: int = 0
+
+
+def _launch(plan: _Plan, q: torch.Tensor, cache: BitmapCache, backend: str, knobs: tuple) -> _Launch:
+    """The launch for this query shape, backend and knobs: computed once per plan, then held."""
+    lkey = (tuple(q.shape), q.dtype, q.device, backend, knobs)
+    got = plan.launches.get(lkey)
+    if got is not None:
+        return got
+    kn = dict(_KNOBS, **dict(knobs))
     which = pick_backend(q, backend)
-    if accumulate not in ("fp32", "fp16"):
-        raise UsageError(f"accumulate must be fp32 or fp16, got {accumulate!r}")
-    k, v = cache.keys, cache.values
+    if kn["accumulate"] not in ("fp32", "fp16"):
+        raise UsageError(f"accumulate must be fp32 or fp16, got {kn['accumulate']!r}")
     b, h, tq, d = q.shape
+    hkv = cache.keys.kv_heads
+    rows, bh, nb = (h // hkv) * tq, b * hkv, cache.keys.blocks
+    walk, bulk, kcap, vcap = 0, False, 0, 0
+    if which == "cuda":
+        kcap, vcap = (plan.kcap, plan.vcap) if kn["capacity"] is None else (int(kn["capacity"][0]), int(kn["capacity"][1]))
+        launch_pairs = bh * -(-nb // 2)
+        mma = use_tensor_cores(kcap, vcap, d, kn["tensor_cores"], kn["bits_global"], launch_pairs=launch_pairs)
+        bulk = mma and use_bulk_copies(launch_pairs, torch.cuda.get_device_capability(q.device), kn["bulk_copies"])
+        nr = MMA_ROWS if mma else kn["rows_per_program"] or min(8, triton.next_power_of_2(rows))
+        if nr not in (1, 2, 4, 8):
+            raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")
+        walk = mma_walk(kcap, vcap, d, bulk) if mma else walk_mode(kcap, vcap, d, kn["accumulate"], kn["paired"])
+    else:
+        nr = kn["rows_per_program"] or min(64, max(16, triton.next_power_of_2(rows)))
+    chunks = -(-rows // nr)
+    splits = default_splits(bh, nb, chunks, q.device) if kn["num_splits"] is None else int(kn["num_splits"])
+    if splits < 1:
+        raise UsageError(f"num_splits must be at least 1, got {kn['num_splits']}")
+    bps = max(1, -(-nb // splits))
+    if which == "cuda":
+        bps += bps % 2  # splits start on a pair of blocks
+    splits = max(1, -(-nb // bps)) if nb else 1
+    got = _Launch(which, nr, chunks, splits, bps, walk, bulk, kcap, vcap)
+    plan.launches[lkey] = got
+    return got
+
+
+def _cuda_sources(plan: _Plan, cache: BitmapCache) -> tuple:
+    """nz and bitmaps of keys and values as the CUDA stage copies them: 16-byte aligned sources
+    (copied once into the plan when not; a cache with room to grow must be aligned, since a copy
+    would not see its appends)."""
+    if plan.sources is None:
+        k, v = cache.keys, cache.values
+        srcs = (k.nz, v.nz, k.bitmaps, v.bitmaps)
+        if any(x.data_ptr() % 16 for x in srcs if x.numel()):
+            if cache.lengths is not None:
+                raise UsageError("a cache with room to grow must have 16-byte aligned nz and bitmaps")
+            srcs = tuple(x.clone() if x.data_ptr() % 16 else x for x in srcs)
+        plan.sources = srcs
+    return plan.sources
+
+
+def _placeholder(plan: _Plan, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (dtype, device)
+    if key not in plan.empty:
+        plan.empty[key] = torch.zeros(8, dtype=dtype, device=device)
+    return plan.empty[key]
+
+
+def _attend(q: torch.Tensor, cache: BitmapCache, scale: float | None, backend: str, knobs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    check_query(q, cache)
+    check_device(q=q)
+    prepare_attention(cache)
+    plan = cache.plan
+    ln = _launch(plan, q, cache, backend, knobs)
+    if cache.lengths is not None and ln.which != "cuda":
+        # the Triton backend reads the lengths on the host: the part in use as a fixed-length cache
+        view = cache.in_use()
+        vplan = _Plan((), plan.kcap, plan.vcap)
+        return _run(q, view, vplan, _launch(vplan, q, view, backend, knobs), scale, knobs)
+    return _run(q, cache, plan, ln, scale, knobs)
+
+
+def _run(q: torch.Tensor, cache: BitmapCache, plan: _Plan, ln: _Launch, scale: float | None, knobs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The launches: split partials by the chosen backend, then their merge."""
+    b, h, tq, d = q.shape
+    k, v = cache.keys, cache.values
     hkv = k.kv_heads
-    rows = (h // hkv) * tq
-    bh = b * hkv
-    nb = k.blocks
+    rows, bh, nb = (h // hkv) * tq, b * hkv, k.blocks
     w = cache.window_keys.shape[2]
     out = torch.empty(b, h, tq, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=q.device)
     if bh == 0 or rows == 0:
         return out, lse
-    if which == "cuda":
-        kcap, vcap = stage_capacity(cache) if capacity is None else capacity
-        launch_pairs = bh * -(-nb // 2)
-        mma = use_tensor_cores(kcap, vcap, d, tensor_cores, bits_global, launch_pairs=launch_pairs)
-        bulk = mma and use_bulk_copies(launch_pairs, torch.cuda.get_device_capability(q.device), bulk_copies)
-        nr = MMA_ROWS if mma else rows_per_program or min(8, triton.next_power_of_2(rows))
-        if nr not in (1, 2, 4, 8):
-            raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")
-    else:
-        nr = rows_per_program or min(64, max(16, triton.next_power_of_2(rows)))
-    chunks = -(-rows // nr)
-    splits = default_splits(bh, nb, chunks, q.device) if num_splits is None else int(num_splits)
-    if splits < 1:
-        raise UsageError(f"num_splits must be at least 1, got {num_splits}")
-    bps = max(1, -(-nb // splits))
-    if which == "cuda":
-        bps += bps % 2  # splits start on a pair of blocks
-    splits = max(1, -(-nb // bps)) if nb else 1
-    acc, m, l = split_partials(bh, splits + 1, rows, d, q.device)
+    acc, m, l = split_partials(bh, ln.splits + 1, rows, d, q.device)
     rp, dp = acc.shape[2], acc.shape[3]
     scale = default_scale(d) if scale is None else scale
     qc = q.contiguous()
-    empty = torch.zeros(8, dtype=q.dtype, device=q.device)
-    knz = k.nz if k.nz.numel() else empty
-    vnz = v.nz if v.nz.numel() else empty
-    wk = cache.window_keys.contiguous() if w else empty
-    wv = cache.window_values.contiguous() if w else empty
-    if which == "cuda":
-        # the stage is copied in 16-byte units (cp.async, bulk copies): 16-byte aligned sources
-        knz, vnz, kbm, vbm = (x if x.data_ptr() % 16 == 0 else x.clone() for x in (knz, vnz, k.bitmaps, v.bitmaps))
+    empty = _placeholder(plan, q.dtype, q.device)
+    wk = cache.window_keys if w else empty
+    wv = cache.window_values if w else empty
+    if ln.which == "cuda":
+        knz, vnz, kbm, vbm = _cuda_sources(plan, cache)
+        kn = dict(_KNOBS, **dict(knobs))
+        lens = cache.lengths if cache.lengths is not None else _placeholder(plan, torch.int32, q.device)[:0]
         _cuda_extension().bitmap_sparse_attention(
-            qc.view(bh, rows, d), kbm, knz, k.offsets, vbm, vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, nb, bps, splits, kcap, vcap, nr, int(half_tables), mma_walk(kcap, vcap, d, bulk) if mma else walk_mode(kcap, vcap, d, accumulate, paired), int(bits_global), int(bulk),
-            torch.cuda.current_stream(q.device).cuda_stream,
+            qc.view(bh, rows, d), kbm, knz if knz.numel() else empty, k.offsets, vbm, vnz if vnz.numel() else empty, v.offsets,
+            wk.contiguous(), wv.contiguous(), lens, acc, m, l,
+            float(scale) * LOG2E, k.tokens, w, nb, ln.bps, ln.splits, ln.kcap, ln.vcap, ln.nr, int(kn["half_tables"]), ln.walk,
+            int(kn["bits_global"]), int(ln.bulk), torch.cuda.current_stream(q.device).cuda_stream,
         )
     else:
+        kn = dict(_KNOBS, **dict(knobs))
+        knz = k.nz if k.nz.numel() else empty
+        vnz = v.nz if v.nz.numel() else empty
         use_asm = q.is_cuda and not interpreting()
         upcast = q.dtype == torch.bfloat16 and not q.is_cuda  # the interpreter gets bfloat16 tl.dot wrong
-        _sparse_attention_kernel[(bh, splits + 1, chunks)](
-            qc, k.bitmaps.view(torch.int32), knz, k.offsets, v.bitmaps.view(torch.int32), vnz, v.offsets, wk, wv, acc, m, l,
-            float(scale) * LOG2E, k.tokens, w, d, -(-d // TILE), nb, rows, bps, splits,
-            RB=nr, RP=rp, DP=dp, DTP=dp // TILE, DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-            UPCAST=upcast, USE_ASM=use_asm, num_warps=num_warps, num_stages=1,
+        _sparse_attention_kernel[(bh, ln.splits + 1, ln.chunks)](
+            qc, k.bitmaps.view(torch.int32), knz, k.offsets, v.bitmaps.view(torch.int32), vnz, v.offsets, wk.contiguous(), wv.contiguous(), acc, m, l,
+            float(scale) * LOG2E, k.tokens, w, d, -(-d // TILE), nb, rows, ln.bps, ln.splits,
+            RB=ln.nr, RP=rp, DP=dp, DTP=dp // TILE, DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+            UPCAST=upcast, USE_ASM=use_asm, num_warps=kn["num_warps"], num_stages=1,
         )
     merge_split_partials(acc, m, l, out, lse, rows)
     return out, lse

@@ -30,7 +30,7 @@ def prune_per_token(x: torch.Tensor, sparsity: float, window: int = 0) -> torch.
     return out
 
 
-ATTENTION_BASELINES = ("cublas_qk+pv", "torch_dense", "sdpa", "flashinfer_single", "flashinfer_batch", "flashinfer_batch_tc")
+ATTENTION_BASELINES = ("cublas_qk+pv", "sdpa", "flashinfer_batch", "flashinfer_batch_tc")
 
 
 def _bitmap_bytes(cache) -> int:
@@ -38,17 +38,19 @@ def _bitmap_bytes(cache) -> int:
     return B.tensor_bytes(kb.nz, kb.bitmaps, kb.offsets, vb.nz, vb.bitmaps, vb.offsets, cache.window_keys, cache.window_values)
 
 
-@register_suite('attention', ('cublas_qk+pv', 'flashinfer_batch', 'flashinfer_single'),
-                'Whole decode attention: bitmap sparse attention vs dense torch, SDPA and FlashInfer decode.',
+@register_suite('attention', (B.BEST_DENSE, 'sdpa', 'flashinfer_batch', 'flashinfer_batch_tc', 'cublas_qk+pv'),
+                'Whole decode attention: bitmap sparse attention vs dense cuBLAS, SDPA and FlashInfer decode.',
                 'kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 --json att.json --plot att.png')
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense; layout v2, :mod:`kvtool.kernels.bitmap_sparse_attention` with
-    ``ctx.backend``, reported as ``bitmap_triton`` with the backend that ran in ``backend``; on the
-    cuda backend with float16 also ``bitmap_fp16acc``, the scalar walk's opt-in fp16 per-word sums,
-    and at head_dim 128 ``bitmap_tensor_cores``, the tensor-core walk whatever the density) vs the dense
-    baselines on the unpruned tensors of the same shape."""
-    att = require_kernel("bitmap_sparse_attention", "attention", ("bitmap_sparse_attention", "encode_cache_v2", "stage_capacity", "pick_backend"))
+    ``ctx.backend``) vs the dense baselines on the unpruned tensors of the same shape: ``bitmap`` is
+    the plain call ``bitmap_sparse_attention(q, cache, scale)`` as a user makes it (the backend that
+    ran in ``backend``); on the cuda backend at head_dim 64 and 128 also the walk it did not choose
+    (``bitmap_tensor_cores`` or ``bitmap_scalar``, through the benchmarks' knobs). Speedups are
+    taken against every baseline and against the best of them in the same run (``best_dense``)."""
+    att = require_kernel("bitmap_sparse_attention", "attention", ("bitmap_sparse_attention", "_tuned_attention", "encode_cache_v2",
+                                                                   "prepare_attention", "pick_backend", "use_tensor_cores"))
     backend = "triton" if ctx.env.device_type == "cuda" else "torch"
     recs = []
     for b, t in ctx.configs():
@@ -60,22 +62,20 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             ctx.step(f"bitmap_attention b={b} T={t} sparsity={sp}")
             kp, vp = prune_per_token(k, sp, ctx.window), prune_per_token(v, sp, ctx.window)
             cache = att.encode_cache_v2(kp, vp, window=min(ctx.window, t), backend=backend)
-            cache.validate()
+            att.prepare_attention(cache)  # what the first call does: checks and plan, outside the timing
             which = att.pick_backend(q, ctx.backend)
-            cap = att.stage_capacity(cache) if which == "cuda" else None
             ref = B.reference_decode(q, kp, vp, ctx.scale)
             del kp, vp
-            # the layout was validated above, so the timed calls skip it; on cuda the tensor-core
-            # walk (head_dim 128) and, with float16, the scalar walk's opt-in fp16 per-word sums are
-            # timed beside the default choice
-            runs = [("bitmap_triton", {})]
-            if which == "cuda" and ctx.dtype == torch.float16:
-                runs.append(("bitmap_fp16acc", dict(accumulate="fp16", tensor_cores=False)))
-            if which == "cuda" and shape.head_dim == 128:
-                runs.append(("bitmap_tensor_cores", dict(tensor_cores=True)))
+            runs = [("bitmap", None)]
+            if which == "cuda" and shape.head_dim in (64, 128):
+                mma = att.use_tensor_cores(cache.plan.kcap, cache.plan.vcap, shape.head_dim, launch_pairs=b * shape.kv_heads * -(-cache.keys.blocks // 2))
+                runs.append(("bitmap_scalar", dict(tensor_cores=False)) if mma else ("bitmap_tensor_cores", dict(tensor_cores=True)))
             for provider, knobs in runs:
                 ctx.step(f"{provider} b={b} T={t} sparsity={sp}")
-                fn = lambda cache=cache, cap=cap, which=which, knobs=knobs: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which, validate=False, capacity=cap, **knobs)  # noqa: E731
+                if knobs is None:
+                    fn = lambda cache=cache, which=which: att.bitmap_sparse_attention(q4, cache, ctx.scale, backend=which)  # noqa: E731
+                else:
+                    fn = lambda cache=cache, which=which, knobs=knobs: att._tuned_attention(q4, cache, ctx.scale, backend=which, **knobs)  # noqa: E731
                 tm, rel, st = timed(ctx, fn, fn()[0], ref)
                 recs.append(B.make_record(ctx.env, "bitmap_attention", provider, shape, b, t, ctx.dtype, tm,
                                           _bitmap_bytes(cache) + B.tensor_bytes(q), sparsity=sp, rel=rel, status=st, data=data,
@@ -84,7 +84,7 @@ def suite_attention(ctx: BenchContext) -> list[dict]:
             free_memory(ctx)
         del q, k, v, q4
         free_memory(ctx)
-    B.add_speedups(recs, list(ATTENTION_BASELINES))
+    B.add_speedups(recs, list(ATTENTION_BASELINES) + [B.BEST_DENSE])
     return recs
 
 
