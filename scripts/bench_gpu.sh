@@ -46,6 +46,34 @@ checks() {  # checks [-k EXPR]: `pytest -m gpu`, the kernels against their refer
 save_jit() {
   if [ -d /tmp/fiws/.cache ]; then tar -czf "$OUT/fi_jit.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_jit.tgz"; fi
 }
+warm_fi() {  # warm_fi DTYPES HEAD_DIMS: JIT-compile FlashInfer's batch decode (both paths) per dtype x head_dim, in parallel
+  local dt hd
+  for dt in ${1//,/ }; do for hd in ${2//,/ }; do
+    python3 - "$dt" "$hd" > "$OUT/warm_fi_${dt}_${hd}.log" 2>&1 <<'PY' &
+import sys, torch
+from kvtool.bench import harness as B
+dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[1]]
+shape = B.model_shape("custom", 32, 8, int(sys.argv[2]))
+q, k, v = B.random_decode_inputs(shape, 2, 256, dt, "cuda")
+fid = B.FlashInferDecode(B.flashinfer_module(), k, v, 32, 1.0, 16)
+for tc in (False, True):
+    fid.batch(q, tc)
+torch.cuda.synchronize()
+print("warm", sys.argv[1:], "ok")
+PY
+  done; done
+}
+build_ext() {  # the bitmap attention extension built (or found in $KVTOOL_CACHE) before anything is timed
+  python3 -c "import time; t=time.time(); from kvtool.kernels.bitmap_sparse_attention import _cuda_extension; _cuda_extension(); print('bitmap_sparse_attention extension ready in %.0f s' % (time.time() - t))"
+}
+save_ext() {  # the built CUDA extensions, for a later machine of the same image (load_ext)
+  local root=${KVTOOL_CACHE:-$HOME/.cache/kvtool}
+  if [ -d "$root/cuda-ext" ]; then tar -czf "$OUT/kv_ext.tgz" -C "$root" cuda-ext && ls -la "$OUT/kv_ext.tgz"; fi
+}
+load_ext() {  # load_ext TGZ: restore save_ext's archive; sources dated old so that ninja keeps the objects
+  local root=${KVTOOL_CACHE:-$HOME/.cache/kvtool}
+  mkdir -p "$root" && tar -xzf "$1" -C "$root" && find kvtool/kernels -name '*.cu*' -exec touch -d 2020-01-01 {} + && echo "restored $1"
+}
 for step in "$@"; do eval "$step"; done
 # at most 8 files come back: pack everything but the logs into one archive
 (cd "$OUT" && tar -czf /tmp/results.tgz --exclude run.log --exclude fi_jit.tgz . && mv /tmp/results.tgz . && find . -type f ! -name results.tgz ! -name run.log ! -name fi_jit.tgz -delete && ls -la)

@@ -54,7 +54,7 @@ def summary_table(doc: dict[str, Any]) -> str:
     primary = list(doc.get("primary_baselines", []))
     measured = {n for r in doc["records"] if r["median_us"] is not None for n in [r["provider"]]}
     primary = [b for b in primary if b in measured or (b == "best_dense" and any(b in r["speedup"] for r in doc["records"]))] or primary
-    if "sdpa" in measured and not any(b.startswith("flashinfer") for b in primary):
+    if "sdpa" in measured and "sdpa" not in primary and not any(b.startswith("flashinfer") for b in primary):
         primary.append("sdpa")  # the stand-in when FlashInfer was not installed
     head = ["kernel", "batch", "seq", "param", "median µs", "floor µs", "% of copy"] + [f"× {b}" for b in primary]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -64,7 +64,8 @@ def summary_table(doc: dict[str, Any]) -> str:
         param = next((f"{n}={r[n]}" for n in ("sparsity", "budget", "k") if r[n] is not None), "")
         name = r["provider"] if r["provider"] == r["kernel"] or r["kernel"] in r["provider"] else f"{r['provider']} ({r['kernel']})"
         floor = r.get("floor_us")
-        cells = [name, str(r["batch"]), str(r["seq"]), param, f"{r['median_us']:.1f}", fmt(floor, 1), f"{100 * r['bandwidth_fraction']:.0f}%"]
+        frac = r["bandwidth_fraction"]
+        cells = [name, str(r["batch"]), str(r["seq"]), param, f"{r['median_us']:.1f}", fmt(floor, 1), "–" if frac is None else f"{100 * frac:.0f}%"]
         for b in primary:
             v = r["speedup"].get(b)
             cell = f"{v:.2f}" if isinstance(v, float) else "–"
