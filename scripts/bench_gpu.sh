@@ -49,7 +49,7 @@ save_jit() {
 warm_fi() {  # warm_fi DTYPES HEAD_DIMS: JIT-compile FlashInfer's batch decode (both paths) per dtype x head_dim, in parallel
   local dt hd
   for dt in ${1//,/ }; do for hd in ${2//,/ }; do
-    python3 - "$dt" "$hd" > "$OUT/warm_fi_${dt}_${hd}.log" 2>&1 <<'PY' &
+    python3 - "$dt" "$hd" > "/tmp/warm_fi_${dt}_${hd}.log" 2>&1 <<'PY' &
 import sys, torch
 from kvtool.bench import harness as B
 dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[sys.argv[1]]
