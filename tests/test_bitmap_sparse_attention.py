@@ -372,8 +372,8 @@ def test_growable_cache_on_cuda_grows_under_one_cuda_graph(d, dtype):
         if upto > have:
             part = slice(have, upto)
             append_blocks(grow, encode(keys[:, :, part].contiguous(), "values", "triton"), encode(values[:, :, part].contiguous(), "keys", "triton"))
-        grow.window_keys[:, :, :wlen] = keys[:, :, -wlen:]
-        grow.window_values[:, :, :wlen] = values[:, :, -wlen:]
+        grow.window_keys[:, :, :wlen] = keys[:, :, keys.shape[2] - wlen :]
+        grow.window_values[:, :, :wlen] = values[:, :, values.shape[2] - wlen :]
         grow.lengths[1] = wlen
 
     fill(64 * 3, 5)
