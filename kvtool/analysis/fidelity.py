@@ -31,7 +31,7 @@ from kvtool.hf import attention as hfattn
 from kvtool.core import io
 from kvtool.core.attention import attend_partial, attention_probs, dense_attention, merge_partials
 from kvtool.core.cache import KVCache, ModelFacts
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import device_label, layer_placement, resolve_device, resolve_devices, run_per_device
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.analysis.metrics import (
@@ -220,27 +220,28 @@ def attention_fidelity(
     heldout: int | None = None,
     backend: str = "auto",
     progress: Callable[[int], None] | None = None,
-    device: str | torch.device | None = None,
+    device: str | torch.device | list[torch.device] | None = None,
 ) -> dict[str, Any]:
     """Score every layer of ``cc`` on the held-out queries of ``source`` (see the module docstring),
-    one layer at a time on ``device`` (default: CUDA when present, else the CPU).
+    one layer at a time on ``device`` (default ``auto``: every visible GPU, layers spread over them
+    in contiguous blocks, the GPUs at once; else the CPU; or a list of devices).
 
     Returns ``{"backend", "device", "heldout", "prefix_tokens", "layers": {i: {...}}, "overall":
     {...}, "storage_ratio", "traffic_ratio", "recall" (or None), "kernel_vs_torch" (Triton only)}``."""
     m = check_source(cc, source, heldout)
     fmt = cc.fmt
-    backend, device = resolve_backend(backend, fmt, device)
-    per: dict[int, dict[str, Any]] = {}
-    for i in cc.layer_indices:
-        per[i] = layer_fidelity(fmt, cc.layers[i], heldout_data(cc, source, i, m, device), cc.prefix_tokens, backend, device)
-        if progress is not None:
-            progress(i)
+    devices = list(device) if isinstance(device, (list, tuple)) else resolve_devices(device)
+    backend, first = resolve_backend(backend, fmt, devices[0])
+    if first.type != devices[0].type:  # the kernels on the CPU interpreter
+        devices = [first]
+    per = run_per_device(lambda i, dev: layer_fidelity(fmt, cc.layers[i], heldout_data(cc, source, i, m, dev), cc.prefix_tokens, backend, dev),
+                         layer_placement(cc.layer_indices, devices), on_done=progress)
     dense = sum(r["dense_bytes"] for r in per.values())
     out: dict[str, Any] = {
         "format": cc.format,
         "params": cc.params,
         "backend": backend,
-        "device": str(device),
+        "device": device_label(devices),
         "heldout": m,
         "prefix_tokens": cc.prefix_tokens,
         "layers": per,

@@ -16,9 +16,9 @@ from kvtool.analysis.fidelity import (
     model_fidelity,
 )
 from kvtool.core import io
-from kvtool.core.cache import KVCache
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import resolve_devices
+from kvtool.core.streaming import open_capture
 from kvtool.core.progress import Progress, or_silent
 from kvtool.hf.passes import layer_calls
 from kvtool.formats.base import CompressedCache, load_compressed
@@ -37,20 +37,6 @@ def load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
     return model, name
 
 
-def attach_query_tails(source: KVCache, path: Path, tokens: int) -> None:
-    """Give each layer of ``source`` the last ``tokens`` captured queries ``[B, H, tokens, D]``
-    (read alone from ``path``, checksum and finiteness checked); layers without queries keep None."""
-    if tokens <= 0:
-        return
-    _, entries = io.read_header(path)
-    for i, layer in source.layers.items():
-        name = f"layers.{i}.queries"
-        if name in entries:
-            tail = io.read_tail(path, name, min(tokens, source.num_tokens))
-            io.check_finite(path, {name: tail})
-            layer.queries = tail
-
-
 def verify_file(
     compressed: Path,
     capture: Path | None = None,
@@ -64,21 +50,27 @@ def verify_file(
 ) -> dict[str, Any]:
     """Attention-level and (with a model) model-level fidelity of a compressed file; see
     :mod:`kvtool.analysis.fidelity`. The capture's layers are read one at a time onto ``device``
-    (default: CUDA when present), where the references, the format and the model run. Returns the
-    report dict that ``--json`` prints."""
+    (default ``auto``: every visible GPU, layers spread over them and scored at once; else the
+    CPU), where the references and the format run; the model runs on the first device. Returns
+    the report dict that ``--json`` prints."""
     if generate < 0:
         raise UsageError(f"--generate must be 0 or more, got {generate}")
-    dev = resolve_device(device)
+    devices = resolve_devices(device)
+    dev = devices[0]
     cc: CompressedCache = load_compressed(compressed)
     source_path = find_source(cc, compressed, capture)
     # keys and values of the captured layers, and only the queries that are scored: the last
-    # M = --heldout (default: the file's held-out W) of each layer; hidden states are not read
-    source = io.load(source_path, layers=cc.layer_indices, parts=())
-    attach_query_tails(source, source_path, int(heldout if heldout is not None else cc.info.get("heldout", 0) or 0))
+    # M = --heldout (default: the file's held-out W) of each layer; hidden states are not read.
+    # Each layer is read when scored, by the thread of the device that scores it.
+    missing = [i for i in cc.layer_indices if i not in io.load_header_layers(source_path, io.read_header(source_path)[0])]
+    if missing:
+        raise BadDataError(f"the capture lacks layer {missing[0]}, which the compressed file holds")
+    tail = int(heldout if heldout is not None else cc.info.get("heldout", 0) or 0)
+    source = open_capture(source_path, layers=cc.layer_indices, parts=("queries",) if tail > 0 else (), query_tail=tail)
     report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
     progress = or_silent(progress)
     progress.stage("attention fidelity, layers", len(cc.layer_indices))
-    report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance(), device=dev)
+    report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance(), device=devices)
     spec = default_model_spec(cc.facts, model) if use_model else None
     if spec is None:
         report["model"] = None

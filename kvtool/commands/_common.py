@@ -337,3 +337,5 @@ def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
 
 # the --device option of the commands that compute (kept here, not in the library, so help needs no torch)
 DEVICE_HELP = "Where layers are computed: cpu, cuda, cuda:1 (default: cuda when present, else cpu)."
+DEVICES_HELP = ("Where layers are computed: auto (default: every visible GPU, layers spread over them and worked on at once; "
+                "the CPU without one), cpu, cuda, cuda:1, or a list such as cuda:0,cuda:2.")

@@ -11,7 +11,7 @@ from kvtool.core.errors import UsageError
 from kvtool.commands._catalog import format_summaries
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
-    DEVICE_HELP,
+    DEVICES_HELP,
     CaptureArg,
     ForceOpt,
     LayersOpt,
@@ -99,7 +99,7 @@ def compress(
     heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
     plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
     layers: LayersOpt = None,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICES_HELP)] = None,
     force: ForceOpt = False,
     *,
     progress: Progress,

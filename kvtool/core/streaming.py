@@ -222,27 +222,36 @@ class LazyCapture(KVCache):
     ``attention_mask`` are read once, on the CPU."""
 
     def __init__(self, path: Path, facts: ModelFacts, indices: list[int], names: set[str], token_ids: torch.Tensor,
-                 info: dict[str, Any], attention_mask: torch.Tensor | None, parts: tuple[str, ...], device: torch.device):
+                 info: dict[str, Any], attention_mask: torch.Tensor | None, parts: tuple[str, ...], device: torch.device,
+                 query_tail: int | None = None):
         self.path = path
         self.indices = list(indices)
         self.names = names
         self.parts = parts
         self.device = device
+        self.query_tail = query_tail
         super().__init__(facts=facts, layers=_LazyLayers(self), token_ids=token_ids, info=info, attention_mask=attention_mask)  # type: ignore[arg-type]
 
     def layer_parts(self, index: int) -> list[str]:
         return [p for p in ("keys", "values", "queries", "hidden") if (p in self.parts or p in ("keys", "values")) and f"layers.{index}.{p}" in self.names]
 
-    def read_layer(self, index: int) -> LayerKV:
+    def read_layer(self, index: int, device: torch.device | None = None) -> LayerKV:
         """Layer ``index``'s selected tensors, checked as :func:`kvtool.core.io.load` checks them
-        (checksums, finite values, shapes), on the capture's device."""
-        names = [f"layers.{index}.{p}" for p in self.layer_parts(index)]
-        tensors = io.read_tensors(self.path, names)
+        (checksums, finite values, shapes), on ``device`` (default: the capture's). With
+        ``query_tail`` only the last that many queries ``[B, H, query_tail, D]`` are read."""
+        device = device or self.device
+        parts = self.layer_parts(index)
+        tail = "queries" in parts and self.query_tail is not None
+        tensors = io.read_tensors(self.path, [f"layers.{index}.{p}" for p in parts if not (tail and p == "queries")])
         io.check_finite(self.path, tensors)
         got = {n.rsplit(".", 1)[1]: t for n, t in tensors.items()}
         layer = LayerKV(**{p: got.get(p) for p in ("keys", "values", "queries", "hidden")})
         _check_layer(self, index, layer)
-        return layer if self.device.type == "cpu" else layer.to(self.device)
+        if tail:
+            name = f"layers.{index}.queries"
+            layer.queries = io.read_tail(self.path, name, min(int(self.query_tail), self.num_tokens))  # type: ignore[arg-type]
+            io.check_finite(self.path, {name: layer.queries})
+        return layer if device.type == "cpu" else layer.to(device)
 
     @property
     def has_queries(self) -> bool:
@@ -269,9 +278,10 @@ def _check_layer(cap: LazyCapture, index: int, layer: LayerKV) -> None:
 
 
 def open_capture(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = ("keys", "values", "queries", "hidden"),
-                 device: str | torch.device = "cpu") -> LazyCapture:
+                 device: str | torch.device = "cpu", query_tail: int | None = None) -> LazyCapture:
     """Check a capture file's header (as :func:`kvtool.io.load` does) and return a
-    :class:`LazyCapture` of the ``layers`` selection whose layers are read on access onto ``device``."""
+    :class:`LazyCapture` of the ``layers`` selection whose layers are read on access onto ``device``
+    (``query_tail``: of the queries, only the last that many tokens)."""
     path = Path(path)
     meta, entries = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
@@ -287,4 +297,4 @@ def open_capture(path: str | Path, layers: list[int] | None = None, parts: tuple
             raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
         indices = [i for i in indices if i in layers]
     small = io.read_tensors(path, ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else []))
-    return LazyCapture(path, facts, indices, set(entries), small["token_ids"], info, small.get("attention_mask"), tuple(parts), torch.device(device))
+    return LazyCapture(path, facts, indices, set(entries), small["token_ids"], info, small.get("attention_mask"), tuple(parts), torch.device(device), query_tail)

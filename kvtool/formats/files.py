@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,34 @@ import torch
 from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import layer_placement, resolve_devices, run_per_device
 from kvtool.core.progress import Progress, or_silent
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import compress_plan, load_plan
+
+
+class _Background:
+    """``fn(*args)`` in a daemon thread (an error in the caller does not wait for it);
+    :meth:`result` waits and returns its value or raises its exception."""
+
+    def __init__(self, fn: Any, *args: Any):
+        self._out: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Any, args: tuple) -> None:
+        try:
+            self._out.append((True, fn(*args)))
+        except BaseException as exc:  # handed to result()
+            self._out.append((False, exc))
+
+    def result(self) -> Any:
+        self._thread.join()
+        ok, value = self._out[0]
+        if not ok:
+            raise value
+        return value
 
 
 def default_output(capture: Path, fmt: str) -> Path:
@@ -39,10 +64,12 @@ def compress_file(
 
     ``spec``: ``NAME[:key=value,...]`` or an eviction + pruning + format chain; ``options``: format
     parameters given apart from the spec (and ``evict``/``prune`` step specs); ``progress``: one stage,
-    a unit per layer. Layers are read one at a time onto ``device`` (default: CUDA when present)
-    and encoded there. With ``plan`` (a plan file, :mod:`kvtool.formats.plan`) each layer gets the
+    a unit per layer. Layers are read one at a time onto ``device`` (default ``auto``: every
+    visible GPU, layers spread over them in contiguous blocks, one thread per GPU; else the CPU)
+    and encoded there; formats that read the whole capture (selection, eviction, plans) run on
+    the first device. With ``plan`` (a plan file, :mod:`kvtool.formats.plan`) each layer gets the
     plan's format(s) instead of ``spec``."""
-    dev = resolve_device(device)
+    devices = resolve_devices(device)
     if plan is not None:
         plan_obj = load_plan(plan)
         fmt, params, name = resolve("mixed")
@@ -62,23 +89,29 @@ def compress_file(
     progress = or_silent(progress)
     progress.stage(f"compress {name}", len(indices))
     cache: KVCache | None = None
-    cc: CompressedCache | None = None
-    for group in ([indices] if whole else [[i] for i in indices]):
-        part = io.load(capture, layers=group, parts=parts)
-        check_compressible(capture, part, heldout)
-        part.layers = {i: layer.to(dev) for i, layer in part.layers.items()}  # encode where the data is best served
-        if plan is not None:
-            done = compress_plan(part, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
-        else:
-            done = compress_cache(part, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
-        if cc is None:
-            cc = done
-        else:
-            cc.layers.update(done.layers)
-            cc.tails.update(done.tails)
-        cache = part if whole else None  # a streamed layer is dropped before the next is read
-    assert cc is not None
-    cc.info["source_sha256"] = io.sha256_file(capture)
+    source_sha = _Background(io.sha256_file, capture)  # hashed while the layers are encoded
+    if whole:
+        cache = io.load(capture, layers=indices, parts=parts)
+        check_compressible(capture, cache, heldout)
+        cache.layers = {i: layer.to(devices[0]) for i, layer in cache.layers.items()}  # encode where the data is best served
+        with torch.cuda.device(devices[0]) if devices[0].type == "cuda" else contextlib.nullcontext():
+            if plan is not None:
+                cc = compress_plan(cache, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
+            else:
+                cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
+    else:
+        def one(i: int, dev: torch.device) -> CompressedCache:
+            part = io.load(capture, layers=[i], parts=parts)  # a streamed layer is dropped once encoded
+            check_compressible(capture, part, heldout)
+            part.layers = {i: part.layers[i].to(dev)}
+            return compress_cache(part, fmt, params, heldout=heldout)
+
+        done = run_per_device(one, layer_placement(indices, devices), on_done=lambda i: progress.advance())
+        cc = done[indices[0]]
+        for part_cc in done.values():
+            cc.layers.update(part_cc.layers)
+            cc.tails.update(part_cc.tails)
+    cc.info["source_sha256"] = source_sha.result()
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
     if fmt.name == "pipeline":

@@ -167,9 +167,9 @@ def _recompute_buffers(module: Any, device: torch.device) -> None:
         fresh = type(module)(config)
     for name, buf in fresh.named_buffers(recurse=False):
         module.register_buffer(name, buf, persistent=name not in module._non_persistent_buffers_set)
-    for attr in ("attention_scaling",):
-        if hasattr(fresh, attr):
-            setattr(module, attr, getattr(fresh, attr))
+    for name, value in vars(fresh).items():  # plain tensor attributes (original_inv_freq in some versions), scalars
+        if name not in fresh._buffers and (isinstance(value, (torch.Tensor, int, float)) and not isinstance(value, bool)):
+            setattr(module, name, value)
 
 
 def empty_model(shape: str | LlamaShape, *, layers: int | None = None, dtype: str | torch.dtype | None = None, attn_implementation: str = "sdpa") -> Any:
