@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvtool._version import __version__
-from kvtool.core import outputs
+from kvtool.core import outputs, settings
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
@@ -173,6 +173,7 @@ def kvtool_command(fn: Callable) -> Callable:
         debug = debug_enabled(bool(kwargs.get("debug", False)))
         json_mode = kwargs.get("json_out") is True
         _current.update(command=_command_name(), json=json_mode, quiet=bool(kwargs.get("quiet", False)) or _global["quiet"], debug=debug)
+        settings.notes = not (json_mode or _current["quiet"])  # the library's one-off stderr notes
         try:
             with outputs.command_inputs():
                 return fn(*args, **declare_files(kwargs))

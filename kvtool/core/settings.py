@@ -7,3 +7,6 @@ from __future__ import annotations
 verify_checksums = True
 # --allow-nonfinite turns this on (KVTOOL_ALLOW_NONFINITE=1 too)
 allow_nonfinite = False
+# one-off notes on stderr from the library (a CUDA extension being compiled); the CLI turns them
+# off with -q and --json, whose stderr carries errors only
+notes = True
