@@ -86,7 +86,8 @@ def _good_parts(tmp_path):
         (lambda t, m: t.pop("layers.1.values"), "is missing"),
         (lambda t, m: t.__setitem__("layers.7.keys", t["layers.0.keys"].clone()), "unexpected tensor"),
         (lambda t, m: t.pop("token_ids"), "token_ids"),
-        (lambda t, m: m.__setitem__("kvtool.layers", json.dumps([0, 1, 2])), "missing"),
+        (lambda t, m: m.__setitem__("kvtool.layers", json.dumps([0, 1, 2])), "more layers than the model.s 2"),
+        (lambda t, m: m.__setitem__("kvtool.layers", json.dumps([1, 1])), "lists layer 1 twice"),
     ],
 )
 def test_loader_rejects_bad_files(tmp_path, mutate, message):

@@ -126,9 +126,7 @@ def plot_file(
     meta, entries = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
-    captured = io.parse_json_meta(path, meta, "kvtool.layers")
-    if not captured:
-        raise BadDataError(f"{path}: the capture holds no layers")
+    captured = io.layer_list(path, meta, facts)
     if all_plots and (layer is not None or head is not None):
         raise UsageError("--layer/--head pick one layer and head; with --all use --layers/--heads")
     if not all_plots and heads is not None:

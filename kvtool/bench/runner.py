@@ -15,7 +15,8 @@ import torch
 from kvtool.bench import harness as B
 from kvtool.bench.suites import BenchContext, load_suites
 from kvtool.core.documents import read_bench_document
-from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.errors import UsageError
+from kvtool.core.limits import MAX_PAGE_SIZE, MAX_TOKENS, bounded_int
 
 DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
@@ -32,9 +33,7 @@ def parse_int_list(text: str, what: str) -> list[int]:
             val = int(part[:-1] if mult > 1 else part) * mult
         except ValueError:
             raise UsageError(f"--{what}: {part!r} is not an integer (lists look like 1,8,32 or 4k,32k)") from None
-        if val < 1:
-            raise UsageError(f"--{what}: {val} must be at least 1")
-        out.append(val)
+        out.append(bounded_int(f"--{what}", val, 1, MAX_TOKENS))
     if not out:
         raise UsageError(f"--{what} is empty")
     return out
@@ -67,8 +66,8 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
         raise UsageError(f"--dtype {dtype!r}: use fp16 or bf16")
     if capture is not None and not Path(capture).is_file():
         raise UsageError(f"--capture {capture}: no such file")
-    if page_size < 1 or window < 0:
-        raise UsageError("--page-size must be at least 1 and --window at least 0")
+    bounded_int("--page-size", page_size, 1, MAX_PAGE_SIZE)
+    bounded_int("--window", window, 0, MAX_TOKENS)
     if backend not in ("auto", "triton", "cuda"):
         raise UsageError(f"--backend {backend!r}: use auto, triton or cuda")
     env = B.detect_env(cold_l2=cold_l2)

@@ -36,6 +36,7 @@ from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
 from kvtool.core import settings
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.cache import format_indices
+from kvtool.core.limits import MAX_HEADER_BYTES, MAX_LAYERS, MAX_WIDTH
 # the output check and atomic writes (torch-free, so the CLI uses them at start-up); re-exported here
 from kvtool.core.outputs import atomic_path, atomic_write_bytes, atomic_write_text, check_output, note_input, output_beside, remove_stale_temps  # noqa: F401
 
@@ -206,7 +207,7 @@ def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, 
                 raise BadDataError(f"{path}: not a safetensors file (too short)")
             n = int.from_bytes(head, "little")
             size = path.stat().st_size
-            if n <= 0 or n > min(size - 8, 100_000_000):
+            if n <= 0 or n > min(size - 8, MAX_HEADER_BYTES):
                 raise BadDataError(f"{path}: not a safetensors file (bad header length)")
             header = json.loads(fh.read(n))
     except (OSError, PermissionError) as exc:
@@ -356,10 +357,13 @@ def facts_from_meta(path: Path, meta: dict[str, str]) -> ModelFacts:
         raise BadDataError(f"{path}: kvtool.model {exc}") from None
     if facts.dtype not in DTYPES:
         raise BadDataError(f"{path}: kvtool.model dtype {facts.dtype!r} is not one of {', '.join(DTYPES)}")
-    if max(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers, facts.hidden_size) > 1 << 20:
-        raise BadDataError(f"{path}: kvtool.model sizes are implausible ({facts.num_layers} layers, {facts.num_heads} heads, head_dim {facts.head_dim})")
-    if min(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers) <= 0 or facts.num_heads % facts.num_kv_heads:
-        raise BadDataError(f"{path}: kvtool.model head counts are inconsistent ({facts.num_heads} heads, {facts.num_kv_heads} KV heads)")
+    # the one bounded-size rule (kvtool.core.limits): refused before anything is allocated for them
+    if facts.num_layers > MAX_LAYERS or max(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.hidden_size) > MAX_WIDTH:
+        raise BadDataError(f"{path}: kvtool.model sizes are implausible ({facts.num_layers} layers, {facts.num_heads} heads, head_dim {facts.head_dim}, "
+                           f"hidden size {facts.hidden_size}; kvtool reads at most {MAX_LAYERS} layers and widths of {MAX_WIDTH})")
+    if min(facts.num_heads, facts.num_kv_heads, facts.head_dim, facts.num_layers, facts.hidden_size) <= 0 or facts.num_heads % facts.num_kv_heads:
+        raise BadDataError(f"{path}: kvtool.model sizes are inconsistent ({facts.num_layers} layers, {facts.num_heads} heads, {facts.num_kv_heads} KV heads, "
+                           f"head_dim {facts.head_dim}, hidden size {facts.hidden_size})")
     return facts
 
 
@@ -451,12 +455,29 @@ def check_entries(path: Path, facts: ModelFacts, indices: list[int], entries: di
             raise BadDataError(f"{path}: {name} is {ST_DTYPES.get(dt, dt)}, the metadata says {facts.dtype}")
 
 
-def load_header_layers(path: Path, meta: dict[str, str]) -> list[int]:
-    """The layer indices a capture's ``kvtool.layers`` lists (BadDataError if malformed)."""
+def layer_list(path: Path, meta: dict[str, str], facts: ModelFacts) -> list[int]:
+    """The layer indices ``kvtool.layers`` lists, in its order: a non-empty list of distinct layer
+    indices of the model (BadDataError otherwise), counted before the list is even parsed, so a
+    forged list of millions of layers costs nothing."""
+    text = meta.get("kvtool.layers")
+    if isinstance(text, str) and text.count(",") >= facts.num_layers:
+        raise BadDataError(f"{path}: kvtool.layers lists more layers than the model's {facts.num_layers}")
     indices = parse_json_meta(path, meta, "kvtool.layers")
     if not isinstance(indices, list) or not indices or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
         raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
-    return sorted(set(indices))
+    seen: set[int] = set()
+    for i in indices:
+        if not 0 <= i < facts.num_layers:
+            raise BadDataError(f"{path}: kvtool.layers names layer {i}, outside the model's {facts.num_layers} layers")
+        if i in seen:
+            raise BadDataError(f"{path}: kvtool.layers lists layer {i} twice")
+        seen.add(i)
+    return indices
+
+
+def load_header_layers(path: Path, meta: dict[str, str]) -> list[int]:
+    """The layer indices a capture's ``kvtool.layers`` lists, sorted (:func:`layer_list`)."""
+    return sorted(layer_list(path, meta, facts_from_meta(path, meta)))
 
 
 def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ...] = LAYER_PARTS, allow_nonfinite: bool | None = None) -> KVCache:
@@ -470,10 +491,8 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     meta, entries = read_header(path)
     check_schema(path, meta, CAPTURE_SCHEMA)
     facts = facts_from_meta(path, meta)
-    indices = parse_json_meta(path, meta, "kvtool.layers")
+    indices = layer_list(path, meta, facts)
     info = parse_json_meta(path, meta, "kvtool.info", default={})
-    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
-        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
     check_entries(path, facts, indices, entries)
     if layers is not None:
         missing = [i for i in layers if i not in indices]

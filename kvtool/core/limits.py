@@ -35,6 +35,8 @@ MAX_PAGE_SIZE = 1 << 12
 MAX_LAYERS = 1 << 12
 # heads, head_dim, hidden size (the widest public models are below 2^16)
 MAX_WIDTH = 1 << 17
+# a safetensors header (a capture's is tens of KiB; the largest compressed files' a few MiB)
+MAX_HEADER_BYTES = 16 << 20
 # prompt files, plan files, eval and bench JSON, --texts
 MAX_TEXT_BYTES = 64 << 20
 # nesting of any JSON kvtool reads from a file (plans, eval, bench)
@@ -48,8 +50,8 @@ def bounded_int(name: str, value: Any, low: int, high: int) -> int:
         raise UsageError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, str):
         text = value.strip()
-        if len(text) > 40:
-            raise UsageError(f"{name} must be an integer from {low} to {high}, got {text[:20]}...")
+        if len(text.lstrip("+-0")) > 40:
+            raise UsageError(f"{name} must be at most {high}, got {text[:24]}...")
         try:
             value = int(text)
         except ValueError:
@@ -60,9 +62,10 @@ def bounded_int(name: str, value: Any, low: int, high: int) -> int:
         value = int(value)
     elif not isinstance(value, int):
         raise UsageError(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        shown = value if abs(value) < 10**40 else f"{str(value)[:20]}..."
-        raise UsageError(f"{name} must be from {low} to {high}, got {shown}")
+    if value > high:
+        raise UsageError(f"{name} must be at most {high}, got {value}")
+    if value < low:
+        raise UsageError(f"{name} must be at least {low}, got {value}")
     return value
 
 

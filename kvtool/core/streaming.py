@@ -289,10 +289,8 @@ def open_capture(path: str | Path, layers: list[int] | None = None, parts: tuple
     meta, entries = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(path, meta)
-    indices = io.parse_json_meta(path, meta, "kvtool.layers")
+    indices = io.layer_list(path, meta, facts)
     info = io.parse_json_meta(path, meta, "kvtool.info", default={})
-    if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
-        raise BadDataError(f"{path}: kvtool.layers is not a list of layer indices")
     io.check_entries(path, facts, indices, entries)
     if layers is not None:
         missing = [i for i in layers if i not in indices]

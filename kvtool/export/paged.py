@@ -31,10 +31,11 @@ import torch
 from kvtool._version import __version__
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import MAX_PAGE_SIZE, bounded_int
 
 from kvtool.core.io import PAGED_SCHEMA  # one name for the schema, shared with kvtool info
 from kvtool.core.io import SCHEMA_VERSION, write_safetensors
-from kvtool.core.io import check_schema, facts_from_meta, parse_json_meta, read_header, read_tensors
+from kvtool.core.io import check_schema, facts_from_meta, layer_list, parse_json_meta, read_header, read_tensors
 LAYOUTS = ("NHD", "HND")
 TABLE_NAMES = ("kv_indptr", "kv_indices", "kv_last_page_len", "seq_lens", "block_table")
 
@@ -67,9 +68,10 @@ class PagedKV:
 
 
 def check_layout(page_size: int, layout: str) -> str:
-    """Validate ``--page-size`` and ``--layout``; return the layout in upper case."""
-    if page_size < 1:
-        raise UsageError(f"--page-size must be at least 1, got {page_size}")
+    """Validate ``--page-size`` (1 to MAX_PAGE_SIZE: the one bounded-size rule, so the pages of a
+    short capture cannot ask for gigabytes of padding) and ``--layout``; return the layout in upper
+    case."""
+    bounded_int("--page-size", page_size, 1, MAX_PAGE_SIZE)
     up = layout.upper()
     if up not in LAYOUTS:
         raise UsageError(f"--layout must be NHD or HND, got {layout!r}")
@@ -179,7 +181,7 @@ def load_paged(path: str | Path) -> PagedKV:
     check_schema(path, meta, PAGED_SCHEMA)
     facts = facts_from_meta(path, meta)
     geo = parse_json_meta(path, meta, "kvtool.paged")
-    indices = parse_json_meta(path, meta, "kvtool.layers")
+    indices = layer_list(path, meta, facts)
     info = parse_json_meta(path, meta, "kvtool.info", default={})
     try:
         page_size, layout = int(geo["page_size"]), str(geo["layout"])

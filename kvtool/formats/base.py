@@ -34,6 +34,7 @@ from kvtool._version import __version__
 from kvtool.core.attention import attend_partial
 from kvtool.core.cache import KVCache, LayerKV, ModelFacts
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
@@ -212,14 +213,23 @@ def get_format(name: str) -> Format:
 
 
 def _convert(value: Any, annotation: Any, name: str) -> Any:
-    if not isinstance(value, str):
-        return value
+    """``value`` (text from a spec or an option's value) as the field's type. Integers go through the
+    one bounded-size rule (:func:`kvtool.core.limits.bounded_int`: at most MAX_TOKENS in size, so no
+    number reaches torch too large for it), floats must be finite."""
     origin = typing.get_origin(annotation)
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", ())) and args:
-        if value.lower() in ("none", "null"):
+        if isinstance(value, str) and value.lower() in ("none", "null"):
+            return None
+        if value is None:
             return None
         annotation = args[0]
+    if annotation is int and not isinstance(value, bool) and isinstance(value, (int, str)):
+        return bounded_int(name, value, -MAX_TOKENS, MAX_TOKENS)
+    if annotation is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        return finite_float(name, value)
+    if not isinstance(value, str):
+        return value
     if origin is typing.Literal:
         if value not in typing.get_args(annotation):
             raise UsageError(f"{name} must be one of {', '.join(map(str, typing.get_args(annotation)))}, got {value!r}")
@@ -231,10 +241,6 @@ def _convert(value: Any, annotation: Any, name: str) -> Any:
             if value.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if annotation is int:
-            return int(value)
-        if annotation is float:
-            return float(value)
     except ValueError:
         raise UsageError(f"{name} must be a {annotation.__name__}, got {value!r}") from None
     return value

@@ -42,7 +42,7 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.core.spec import parse_spec
+from kvtool.core.spec import merge_options, parse_spec
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, get_format, load_all, make_params, register
 from kvtool.methods.evict import POLICIES, evict_with, parse_evict
 from kvtool.methods.prune import METHODS, check_sparsity, method_needs_queries, parse_method, prune_layer
@@ -161,7 +161,7 @@ def plan(evict: str | None, prune: str | None, fmt_spec: str, extra: dict[str, A
     storage format."""
     evict, prune, fmt_spec = (unsemi(s) for s in (evict, prune, fmt_spec))
     name, values = parse_spec(fmt_spec)
-    values.update({k: v for k, v in (extra or {}).items() if v is not None})
+    values = merge_options(name, values, extra or {})
     if name == "pipeline":
         raise UsageError("a pipeline's storage format cannot be another pipeline; give --evict/--prune with a plain --format")
     fmt = get_format(name)
@@ -203,9 +203,8 @@ def resolve(spec: str, options: dict[str, Any] | None = None):
     name, values = parse_spec(spec)
     if not evict and not prune:
         fmt = get_format(name)
-        values.update({k: v for k, v in options.items() if v is not None})
-        return fmt, make_params(fmt, values), name
-    values.update({k: v for k, v in options.items() if v is not None})
+        return fmt, make_params(fmt, merge_options(name, values, options)), name
+    values = merge_options(name, values, options)
     merged = name + (":" + ",".join(f"{k}={v}" for k, v in values.items()) if values else "")
     params = PipelineParams(evict=evict, prune=prune, format=merged)
     plan(params.evict, params.prune, params.format)  # refuse early, before any data is read

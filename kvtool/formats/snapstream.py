@@ -272,8 +272,9 @@ class SnapStreamFormat(Format):
             if other == "snapkv" and head.queries is None:
                 per_layer[str(i)] = row
                 continue
-            chosen = candidate_positions(head, p["budget"], p["sinks"], p["recent"], p["window"], p["pool"], other)
-            alt = layout_positions(prefix, chosen, p["sinks"], p["recent"], p["budget"] - p["sinks"] - p["recent"])
+            # the budget the file holds (clamped to the tokens there are), not the one asked for
+            chosen = candidate_positions(head, m["budget"], m["sinks"], m["recent"], p["window"], p["pool"], other)
+            alt = layout_positions(prefix, chosen, m["sinks"], m["recent"], m["topk"])
             row[f"recall_{other}"] = float(attention_mass_recall(q, keys, alt).mean())
             per_layer[str(i)] = row
         out["recall"] = sum(v["recall"] for v in per_layer.values()) / len(per_layer)
