@@ -25,6 +25,7 @@ from kvtool.commands._common import (
     command_of,
     err_console,
     error_object,
+    one_line,
     set_global_debug,
     set_global_quiet,
     set_no_color,
@@ -73,15 +74,19 @@ class KvtoolGroup(TyperGroup):
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
             ctx = getattr(exc, "ctx", None)
+            message = one_line(exc.format_message())
             if "--json" in argv:
-                sys.stdout.write(to_json_text(error_object("UsageError", exc.format_message(), exc.exit_code, command_of(ctx))))
+                sys.stdout.write(to_json_text(error_object("UsageError", message, exc.exit_code, command_of(ctx))))
                 sys.stdout.flush()
             hint = f" (see '{ctx.command_path} --help')" if ctx is not None and exc.exit_code == 2 else ""
-            err_console.print(Text.assemble(("error:", "red"), f" {exc.format_message()}{hint}"))
+            err_console.print(Text.assemble(("error:", "red"), f" {message}{hint}"))
             sys.exit(exc.exit_code)
         except click.exceptions.Exit as exc:
             sys.exit(exc.exit_code)
-        except click.Abort:
+        except click.Abort:  # Ctrl-C before a command ran (while its modules load)
+            if "--json" in argv:
+                sys.stdout.write(to_json_text(error_object("Interrupted", "interrupted (Ctrl-C)", 130, None)))
+                sys.stdout.flush()
             err_console.print("interrupted")
             sys.exit(130)
         sys.exit(rv if isinstance(rv, int) else 0)

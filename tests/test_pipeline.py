@@ -149,8 +149,10 @@ def test_steps_that_cannot_compose(cache):
         resolve("quant:bits=3", {"prune": "per-token:s=0.5"})
     with pytest.raises(UsageError, match="another pipeline"):
         resolve("pipeline", {"evict": "snapkv:budget=64"})
-    fmt, params, _ = resolve("quant:bits=4", {"evict": "snapkv:budget=64", "bits": 2, "group": None})
+    fmt, params, _ = resolve("quant", {"evict": "snapkv:budget=64", "bits": 2, "group": None})
     assert params.format == "quant:bits=2"
+    with pytest.raises(UsageError, match="contradicts --bits 2"):  # not last-wins (issue 34)
+        resolve("quant:bits=4", {"evict": "snapkv:budget=64", "bits": 2})
     with pytest.raises(UsageError, match="once"):
         resolve("snapkv:budget=64+quant", {"evict": "streaming:budget=64"})
 

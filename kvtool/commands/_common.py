@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,7 +155,23 @@ def error_object(exc_type: str, message: str, exit_code: int, command: str | Non
             "error": {"type": exc_type, "message": message, "exit_code": exit_code}}
 
 
+_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b.")
+MAX_MESSAGE = 2000
+
+
+def one_line(text: str, first_line_only: bool = False) -> str:
+    """``text`` as one printable line: terminal escapes (colours, titles) removed, other control
+    characters shown as ``?``, the lines joined (or only the first kept: a foreign error's first
+    line says what failed, the rest are frames), at most MAX_MESSAGE characters."""
+    lines = [" ".join(line.split()) for line in _ESCAPES.sub("", str(text)).splitlines()]
+    lines = [line for line in lines if line]
+    out = (lines[0] if first_line_only else " ".join(lines)) if lines else ""
+    out = "".join(ch if ch.isprintable() else "?" for ch in out)
+    return out if len(out) <= MAX_MESSAGE else out[: MAX_MESSAGE - 3] + "..."
+
+
 def _fail(exc_type: str, message: str, exit_code: int, json_mode: bool) -> None:
+    message = one_line(message)
     if json_mode:
         sys.stdout.write(to_json_text(error_object(exc_type, message, exit_code)))
         sys.stdout.flush()
@@ -186,18 +203,23 @@ def kvtool_command(fn: Callable) -> Callable:
                 err_console.print_exception()
             _fail(type(exc).__name__, str(exc), exc.exit_code, json_mode)
         except KeyboardInterrupt:
+            if json_mode:  # a script parsing stdout still gets its one object
+                sys.stdout.write(to_json_text(error_object("Interrupted", "interrupted (Ctrl-C)", 130)))
+                sys.stdout.flush()
             err_console.print("interrupted")
             raise typer.Exit(130) from None
         except Exception as exc:  # a bug or an environment problem: still one line by default
             if debug:
                 err_console.print_exception()
-            _fail(type(exc).__name__, f"{type(exc).__name__}: {exc} (run with --debug for the traceback)", 1, json_mode)
+            # the first line of a foreign error (torch's C++ frames, a library's coloured log follow it)
+            what = one_line(str(exc), first_line_only=True) or "no message"
+            _fail(type(exc).__name__, f"{type(exc).__name__}: {what} (run with --debug for the traceback)", 1, json_mode)
 
     return wrapper
 
 
 # the parameters (in every command) that name files or folders the command writes; every other path
-# argument is an input, which no output may be (tests/test_trust.py checks every command's options)
+# argument is an input, which no output may be (tests/test_outputs.py checks every command's options)
 OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "plot_output", "router_out", "router_out_old"})
 
 

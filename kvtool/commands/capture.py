@@ -124,11 +124,9 @@ def capture(
 
     dtype = canonical_dtype(dtype)
     check_dtype(dtype)
-    if device.startswith("cuda"):
-        import torch
+    from kvtool.core.placement import resolve_device  # deferred: start-up time (torch)
 
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    resolve_device(device)  # before the prompt is read or the model loaded
     if query_layers is not None and not queries:
         raise UsageError("--query-layers needs queries; drop --no-queries")
     if random_tokens is not None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.core.errors import UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._catalog import format_summaries
 from kvtool.commands._common import DEVICE_HELP
@@ -174,6 +174,10 @@ def eval_cmd(
     model, use_model = model_choice(model, no_model)
     result = run_eval(captures, specs, out_dir, use_paper, heldout, backend, model, use_model, generate, metric, x, force,
                       progress=progress, debug=debug_enabled(), layers=layers, device=device, threads=threads, texts=texts)
+    skipped = [r for r in result["rows"] if r.get("skipped")]
+    if result["rows"] and len(skipped) == len(result["rows"]):
+        first = skipped[0]
+        raise BadDataError(f"no point of the sweep could run: all {len(skipped)} were skipped (first, {first.get('spec')}: {first['skipped']})")
     data = {"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]}
     return Outcome(data, inputs=captures, output=out_dir, view=result)
 

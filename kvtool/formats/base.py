@@ -388,6 +388,21 @@ def check_container_meta(path: Path, facts: ModelFacts, params: Any, indices: An
         raise BadDataError(f"{path}: token_ids is {dt} {shape}; the file says [batch, {prefix} + {heldout}] int64")
 
 
+def check_geometry(meta: dict[str, Any], batch: int, kv_heads: int, tokens: int, head_dim: int) -> None:
+    """An encoded layer's declared geometry against the container's: ``shape`` (``[B, Hkv, T, D]``:
+    mixed, bitmapq), ``tokens`` (bitmap, pagestat, pipeline) and ``prefix_tokens``/``length``
+    (snapstream) must describe the ``tokens`` compressed tokens of ``batch`` x ``kv_heads`` x
+    ``head_dim``; a file holds no appended tokens, so ``length`` equals the tokens too. A forged but
+    self-consistent layer (snapstream length 2^40, a mixed shape of other tokens) is refused here
+    instead of reaching a decoder or a model with the wrong size (BadDataError)."""
+    want = [batch, kv_heads, tokens, head_dim]
+    if "shape" in meta and meta["shape"] != want:
+        raise BadDataError(f"its metadata shape {meta['shape']} is not the file's {want} (batch, KV heads, compressed tokens, head_dim)")
+    for key in ("tokens", "prefix_tokens", "length"):
+        if key in meta and meta[key] != tokens:
+            raise BadDataError(f"its metadata {key} {meta[key]} is not the file's {tokens} compressed tokens")
+
+
 def check_tail(path: Path, i: int, tensors: dict[str, torch.Tensor], facts: ModelFacts, heldout: int) -> LayerKV | None:
     """Layer ``i``'s dense held-out tail: keys and values ``[B, Hkv, heldout, D]`` in the model dtype,
     both present when ``heldout`` > 0, absent otherwise."""
@@ -442,6 +457,7 @@ def load_compressed(path: str | Path, allow_nonfinite: bool | None = None) -> Co
         layers[i] = Encoded(own, enc_meta)
         try:
             fmt.validate(layers[i])
+            check_geometry(enc_meta, int(tensors["token_ids"].shape[0]), facts.num_kv_heads, int(info["prefix_tokens"]), facts.head_dim)
         except BadDataError as exc:
             raise BadDataError(f"{path}: layer {i}: {exc}") from None
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as exc:

@@ -26,7 +26,7 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, check_geometry, register
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.base import get_format
 
@@ -208,9 +208,10 @@ class MixedFormat(Format):
         extra = named - {f"g{j}" for j in range(len(groups))}
         if extra:
             raise BadDataError(f"mixed layer holds tensors of group {sorted(extra)[0]!r}, which its metadata does not list")
-        for j, (_, fmt, inner) in enumerate(groups):
+        for j, (group_heads, fmt, inner) in enumerate(groups):
             try:
                 fmt.validate(inner)
+                check_geometry(inner.meta, shape[0], len(group_heads), shape[2], shape[3])
             except BadDataError as exc:
                 raise BadDataError(f"group {j} ({fmt.name}): {exc}") from None
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtool.core.cache import KVCache, LayerKV, ModelFacts
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import read_json_input
 from kvtool.formats.mixed import resolve_spec
 from kvtool.core.io import atomic_write_text
 from kvtool.formats.base import CompressedCache, get_format
@@ -77,8 +78,18 @@ def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
     """Parse a plan dict (see the module docstring); UsageError naming what is wrong."""
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
         raise UsageError(f"{where} is not a kvtool plan (expected \"schema\": \"{PLAN_SCHEMA}\")")
-    if int(data.get("version", 0)) > PLAN_VERSION:
-        raise UsageError(f"{where} has plan version {data.get('version')}; this kvtool reads up to {PLAN_VERSION}")
+    version = data.get("version", PLAN_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise UsageError(f"{where}: \"version\" must be a plan version number (1), got {json.dumps(version)[:40]}")
+    if version > PLAN_VERSION:
+        raise UsageError(f"{where} has plan version {version}; this kvtool reads up to {PLAN_VERSION}")
+    model = data.get("model") or {}
+    if not isinstance(model, dict):
+        raise UsageError(f"{where}: \"model\" must be an object (name, num_layers, num_kv_heads, head_dim), got {json.dumps(model)[:40]}")
+    for key in ("num_layers", "num_kv_heads", "head_dim"):
+        value = model.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise UsageError(f"{where}: \"model\".{key} must be an integer, got {json.dumps(value)[:40]}")
     raw = data.get("layers")
     if not isinstance(raw, dict):
         raise UsageError(f"{where}: \"layers\" must map layer indices to specs")
@@ -96,18 +107,14 @@ def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
     if not isinstance(default, str):
         raise UsageError(f"{where}: \"default\" must be a spec")
     known = {"schema", "version", "model", "default", "layers"}
-    return Plan(layers, default, dict(data.get("model") or {}), {k: v for k, v in data.items() if k not in known})
+    return Plan(layers, default, dict(model), {k: v for k, v in data.items() if k not in known})
 
 
 def load_plan(path: str | Path) -> Plan:
+    """A plan file: a regular UTF-8 file of bounded size and nesting (:mod:`kvtool.core.limits`)
+    holding a plan (:func:`plan_from_dict`); UsageError naming the file otherwise."""
     path = Path(path)
-    if not path.exists():
-        raise UsageError(f"--plan {path}: no such file")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--plan {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    return plan_from_dict(data, str(path))
+    return plan_from_dict(read_json_input(path, f"--plan {path}", error=UsageError), str(path))
 
 
 def save_plan(plan: Plan, path: str | Path, force: bool = True) -> Path:

