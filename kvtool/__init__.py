@@ -36,6 +36,8 @@ _LAZY = {
         # functions: one per command (built from its declaration), and the few written by hand
         "info", "stats", "plot", "prune", "compress", "decompress", "heads", "verify", "recommend", "evaluate", "report",
         "export", "generate", "env", "version", "capture", "load", "save", "to_hf_cache", "sample_path",
+        # live use: a model decoding through compressed caches (written by hand, kvtool/api.py's last section)
+        "load_model", "press",
         # their results
         "Result", "CompressResult", "DecompressResult", "VerifyResult", "EvalResult", "ExportResult", "StatsResult",
         "PruneResult", "InfoResult", "PlotResult", "HeadsResult", "RecommendResult", "ReportResult", "GenerateResult",

@@ -152,12 +152,15 @@ def _freeze(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class CompressResult(Result):
-    """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction)."""
+    """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction).
+    ``compressed``: the in-memory :class:`~kvtool.formats.base.CompressedCache` when a
+    :class:`~kvtool.core.cache.KVCache` was compressed (None for files)."""
 
     format: str = ""
     storage_ratio: float = _at("ratio", 0.0)
     compressed_bytes: int = 0
     dense_bytes: int = 0
+    compressed: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -447,7 +450,117 @@ def capture(
 @_python_errors
 def to_hf_cache(path: PathLike, model: Any, mode: str = "auto", hold_last: bool = False) -> Any:
     """A transformers cache (``model.generate(..., cache=cache)``, ``past_key_values=`` on older
-    transformers) from a kvtool file; see :func:`kvtool.hf.cache.to_hf_cache`."""
+    transformers) from a kvtool file: a compressed file becomes a *live* cache (the format's
+    encoded tensors on the model's device, attended through its kernel, growing the format's way),
+    a capture a ``DynamicCache``; ``mode`` picks another way in (see
+    :func:`kvtool.hf.cache.to_hf_cache`)."""
     from kvtool.hf.cache import to_hf_cache as _to_hf_cache  # deferred: transformers loads only when asked for
 
     return _to_hf_cache(_path(path), model, mode=mode, hold_last=hold_last)
+
+
+# --------------------------------------------------------------------------- live use (compression in a running model)
+
+
+@_python_errors
+def load_model(model: str | PathLike | None = None, *, device: str = "cpu", dtype: str | None = None, device_map: str | None = None) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` loaded offline, in eval mode: None / ``"embedded"`` (SmolLM2-135M
+    shipped with kvtool), a local Hugging Face folder or a ``.gguf`` file (nothing is downloaded);
+    ``dtype``: float16/fp16, bfloat16/bf16, float32/fp32 (default: the checkpoint's)."""
+    import torch  # deferred: start-up time
+
+    from kvtool.hf.models import load  # deferred: transformers loads only when asked for
+
+    name = canonical_dtype(dtype)
+    mdl, tok, _ = load(None if model is None else str(model), device=device, device_map=device_map, torch_dtype=getattr(torch, name) if name else None)
+    return mdl, tok
+
+
+def press(spec: str | PathLike, model: Any = None):
+    """A context manager that compresses prompts' caches in place as a model fills them, then decodes
+    through the live cache (kvpress-style)::
+
+        model, tok = kvtool.load_model()
+        with kvtool.press("bitmap:sparsity=0.7"):
+            out = model.generate(ids, max_new_tokens=64)
+
+    ``spec``: a format spec (chains included) or a plan file (``plan.json``); ``model``: also switch
+    that model's attention implementation to kvtool's explicitly (needed only for models that do not
+    dispatch attention by name). See :func:`kvtool.hf.live.press`."""
+    from kvtool.hf.live import press as _press  # deferred: transformers loads only when asked for
+
+    spec = _path(spec) if str(spec).endswith(".json") else spec
+    return _press(spec, model)
+
+
+_COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "dense_window", "bits", "group", "center", "sinks", "keep_top",
+                     "page_size", "score", "budget", "budget_ratio", "lam", "recent", "window", "pool", "residual", "evict", "prune")
+
+
+@_python_errors
+def compress_cache_object(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int = 64, plan: PathLike | None = None,
+                          param: Sequence[str] | None = None, force: bool = False, progress: Any = None, **options: Any) -> Any:
+    """:func:`compress` of an in-memory cache. A :class:`~kvtool.core.cache.KVCache`: its first
+    ``T - heldout`` tokens encoded as the command does a file (``format`` or ``plan``, the same format
+    options); returns a :class:`CompressResult` whose ``compressed`` is the
+    :class:`~kvtool.formats.base.CompressedCache`, written to ``output`` only when one is given. A
+    transformers cache: compressed in place into a live cache (each dense layer in the format's
+    encoded tensors on its device, attending through the format's kernel; ``heldout`` does not
+    apply), which is returned for ``model.generate(ids, cache=cache)``; ``format`` may be a plan file."""
+    from kvtool.core.cache import KVCache  # deferred: start-up time (torch)
+    from kvtool.core.errors import UsageError  # deferred: start-up time
+
+    unknown = sorted(k for k, v in options.items() if k not in _COMPRESS_OPTIONS and v is not None)
+    if unknown:
+        raise UsageError(f"compress of an in-memory cache takes no {unknown[0]}=")
+    values = {k: v for k, v in options.items() if v is not None}
+    for item in param or []:
+        key, sep, value = str(item).partition("=")
+        if not sep:
+            raise UsageError(f"param {item!r} is not key=value")
+        values[key.strip().replace("-", "_")] = value.strip()
+    spec = str(plan if plan is not None else format)
+    if isinstance(cache, KVCache):
+        from kvtool.formats.base import compress_cache, save_compressed  # deferred: start-up time (torch)
+        from kvtool.formats.files import build_report  # deferred: start-up time (torch)
+        from kvtool.formats.pipeline import resolve  # deferred: start-up time (torch)
+
+        if plan is not None or spec.endswith(".json"):
+            from kvtool.formats.plan import compress_plan, load_plan  # deferred: start-up time (torch)
+
+            if values:
+                raise UsageError("plan sets every layer's format; drop the format options")
+            cc = compress_plan(cache, load_plan(_path(spec)), heldout=heldout)
+        else:
+            fmt, fparams, _ = resolve(spec, values)
+            cc = compress_cache(cache, fmt, fparams, heldout=heldout)
+        report = build_report(cc, cache)
+        out = None
+        if output is not None:
+            out = str(save_compressed(cc, Path(output), force=force))
+            report["output"] = out
+        return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["ratio"],
+                              compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
+    if hasattr(cache, "layers") and hasattr(cache, "get_seq_length"):
+        from kvtool.hf.live import compress_hf_cache  # deferred: transformers loads only when asked for
+
+        if values or output is not None:
+            raise UsageError("a transformers cache is compressed in place: give its format parameters inside the spec (bitmap:sparsity=0.7), no output")
+        return compress_hf_cache(cache, _path(spec) if spec.endswith(".json") else spec)
+    raise UsageError(f"compress takes a capture path, a kvtool KVCache or a transformers cache, not {type(cache).__name__}")
+
+
+_compress_file = compress
+
+
+@functools.wraps(_compress_file)
+def compress(capture: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: F811 - the command's function, widened to in-memory caches
+    if isinstance(capture, (str, Path)):
+        return _compress_file(capture, *args, **kwargs)
+    return compress_cache_object(capture, *args, **kwargs)
+
+
+compress.__doc__ = (_compress_file.__doc__ or "") + (
+    "\n\nIn-memory caches too: a kvtool KVCache (the result's ``compressed`` holds the CompressedCache) or a transformers "
+    "cache (compressed in place into a live cache, returned); see :func:`compress_cache_object`.")
+COMMAND_FUNCTIONS["compress"] = compress

@@ -297,17 +297,18 @@ def test_snapstream_continues_through_its_ring(tiny, tiny_cap, tmp_path):
     assert export_file(path, "hf", tmp_path / "snap.hf.safetensors")["mode"] == "ring"
     cache = to_hf_cache(tmp_path / "snap.hf.safetensors", model)
     t = cap.num_tokens
-    ring = cache.layers[0].ring
+    ring = cache.layers[0].live  # snapstream's own live layer: its ring
     assert ring.length == t and cache.get_seq_length() == t
     pos = ring.enc.tensors["positions"][0, 0]
     assert set(range(t - 16, t)) <= set(pos.tolist()) and set(range(4)) <= set(pos.tolist())  # recent ring and sinks
     victim = ring_slot(t, 4, 16)
     keep = [s for s in range(40) if s != victim and int(pos[s]) >= 0]
-    kept = [(cache.layers[i].ring.enc.tensors["keys"][:, :, keep].float(), cache.layers[i].ring.enc.tensors["values"][:, :, keep].float()) for i in range(2)]
+    kept = [(cache.layers[i].live.enc.tensors["keys"][:, :, keep].float(), cache.layers[i].live.enc.tensors["values"][:, :, keep].float()) for i in range(2)]
     new = torch.tensor([tok("?", add_special_tokens=False)["input_ids"]])
     ref = model(input_ids=new, position_ids=torch.tensor([[t]]), use_cache=True, **cache_kwargs(model, DynamicCache(ddp_cache_data=kept, config=model.config))).logits
     out = model(input_ids=new, use_cache=True, **cache_kwargs(model, cache)).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert int(cache.layers[0].ring.enc.tensors["positions"][0, 0, victim]) == t and cache.layers[0].keys.shape[2] == 40
+    assert int(cache.layers[0].live.enc.tensors["positions"][0, 0, victim]) == t and cache.layers[0].live.tokens == 40
     result = generate(path, "", max_new_tokens=4, loaded=(model, tok))
-    assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 4
+    assert result["mode"] == "live" and len(result["new_tokens"][0]) == 4
+    assert generate(path, "", max_new_tokens=4, loaded=(model, tok), mode="ring")["new_tokens"] == result["new_tokens"]

@@ -87,6 +87,9 @@ class Format(ABC):
     - ``paper_rows``: (comparison, label, spec) rows of the papers' tables for ``eval --paper``;
     - ``has_kernel``: :meth:`attend_kernel` runs a Triton kernel;
     - ``appends_tokens``: :meth:`append_token` adds a decoded token to the stored layer;
+    - ``live_grows``: :meth:`live_layer` gives a live cache layer that encodes new tokens the
+      format's way while a model decodes (:mod:`kvtool.formats._live`); without it the live layer
+      keeps the encoded prefix and holds new tokens dense beside it;
     - :meth:`storage_after_pruning`: how the format stores tensors pruned by a pipeline step;
     - :meth:`reads_queries`: whether encoding (or the report) reads the captured queries.
 
@@ -105,6 +108,7 @@ class Format(ABC):
     swept_by_default: ClassVar[bool] = True
     paper_rows: ClassVar[tuple[tuple[str, str, str], ...]] = ()
     appends_tokens: ClassVar[bool] = False
+    live_grows: ClassVar[bool] = False
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         """Raise UsageError/BadDataError if ``params`` cannot apply to ``layer`` (called before encode)."""
@@ -154,6 +158,23 @@ class Format(ABC):
         (``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``) added the way the format's decoder would (a ring
         buffer, say); a copy unless ``inplace``."""
         raise UsageError(f"format {self.name} does not append tokens")
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> Any:
+        """The encoded layer as a live cache layer (a :class:`kvtool.formats._live.LiveLayer`) on
+        ``like``'s device and dtype (``like``: any
+        tensor ``[B, Hkv, *, D]`` of the layer). Default: the encoded prefix read through
+        :meth:`attend` (or :meth:`attend_kernel` on CUDA) with new tokens held dense beside it;
+        formats with ``live_grows`` override it (:mod:`kvtool.formats._live`)."""
+        from kvtool.formats._live import PrefixLive  # deferred: _live imports this module
+
+        return PrefixLive(self, enc, like)
+
+    def live_from_dense(self, layer: LayerKV, params: FormatParams) -> Any:
+        """A live layer holding the tokens of ``layer`` (keys/values ``[B, Hkv, T, D]`` on the
+        model's device, queries ``[B, H, T, D]`` when the format reads them), encoded with
+        ``params``: what ``kvtool.press`` does to each layer of a prompt's cache."""
+        self.check(layer, params)
+        return self.live_layer(self.encode(layer, params), layer.keys)
 
     def sweep_specs(self) -> tuple[str, ...]:
         """What ``kvtool eval`` sweeps for this format by default."""

@@ -18,19 +18,21 @@ as stored; the kernel path converts them to version 2 on load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from kvtool.core.attention import attend_partial
+from kvtool.formats._live import ChunkedLive, on_gpu
 from kvtool.core.cache import KVCache, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.selection import keep_count
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
 from kvtool.kernels.bitmap_prune_encode import can_run_cuda, prune_encode
-from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, BitmapCache, BitmapTensor, popcount64
-from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2
+from kvtool.kernels.common import interpreting
+from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor, popcount64
+from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2, stage_capacity
 from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
 
 ENCODE_BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -176,6 +178,25 @@ class BitmapFormat(Format):
         ('what is pruned at 70% (Mustafar)', 'keys and values', 'bitmap:sparsity=0.7'),
     )
     has_kernel = True
+    live_grows = True
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "BitmapLive":
+        """The layer as a live cache layer (:class:`BitmapLive`): its whole 64-token blocks stay
+        encoded; the tokens of a last partial block (decoded as pruned) join the dense window."""
+        cache = cache_from_encoded(enc)
+        if cache.version != LAYOUT_V2:
+            cache = convert_layout(cache, LAYOUT_V2, backend="triton" if cache.window_keys.is_cuda else "torch")
+        return BitmapLive.from_cache(self, cache, chunk_params(enc.meta), int(enc.meta.get("window", cache.window_keys.shape[2])), like)
+
+    def live_from_dense(self, layer: LayerKV, params: FormatParams) -> "BitmapLive":
+        """Prune and encode the whole 64-token blocks before the dense window of ``layer`` (on the
+        GPU: one launch per keys / values), the rest dense: a live layer."""
+        assert isinstance(params, BitmapParams)
+        self.check(layer, params)
+        t = layer.num_tokens
+        tc = (t - min(params.dense_window, t)) // TILE * TILE
+        enc = self.encode(layer, replace(params, dense_window=t - tc))
+        return BitmapLive.from_cache(self, cache_from_encoded(enc), chunk_params(enc.meta), params.dense_window, layer.keys)
 
     def reads_queries(self, params: FormatParams) -> bool:
         """Only the output-aware pruning methods read queries."""
@@ -298,3 +319,140 @@ class BitmapFormat(Format):
         out["bytes_by_part_values"] = by_kind["values"]
         return out
 
+
+
+# ----------------------------------------------------------------------------- live cache
+
+
+def chunk_params(meta: dict[str, Any]) -> BitmapParams:
+    """How a live layer prunes each filled block: the layer's key / value sparsity and pruning
+    method, per-token where the method reads queries (a decoded block has none), no window."""
+    method = str(meta.get("method", "per-token"))
+    try:
+        if any(m in QUERY_METHODS for m in parse_method(method)):
+            method = "per-token"
+    except UsageError:
+        method = "per-token"
+    ks, vs = float(meta.get("key_sparsity", 0.7)), float(meta.get("value_sparsity", 0.7))
+    return BitmapParams(sparsity=ks, key_sparsity=ks, value_sparsity=vs, method=method, dense_window=0)
+
+
+def append_blocks(a: BitmapTensor, c: BitmapTensor) -> BitmapTensor:
+    """``a`` followed along the tokens by ``c`` (same orientation, batch, heads and head_dim; ``a``
+    holds whole 64-token blocks): each KV head's runs of ``a``, then its runs of ``c``, with the
+    offsets rebased. One concatenation when every head of ``a`` (and of ``c``) stores the same number
+    of elements, as per-token pruning gives; else one copy per KV head."""
+    if a.tokens % TILE:
+        raise UsageError(f"append_blocks: the first tensor holds {a.tokens} tokens, not whole blocks of {TILE}")
+    if a.tokens == 0:
+        return c
+    if c.tokens == 0:
+        return a
+    bh, na, nc = a.batch * a.kv_heads, a.blocks, c.blocks
+    oa, oc = a.offsets, c.offsets
+    start_a, end_a = oa[0:bh * na:na], oa[na::na]
+    start_c, end_c = oc[0:bh * nc:nc], oc[nc::nc]
+    len_a, len_c = end_a - start_a, end_c - start_c
+    head = torch.cumsum(len_a + len_c, 0) - (len_a + len_c)
+    rel_a = oa[:-1].view(bh, na) - start_a[:, None] + head[:, None]
+    rel_c = oc[:-1].view(bh, nc) - start_c[:, None] + (head + len_a)[:, None]
+    total = (len_a + len_c).sum()
+    offsets = torch.cat([torch.cat([rel_a, rel_c], 1).reshape(-1), total.reshape(1)])
+    la, lc = len_a.tolist(), len_c.tolist()
+    if len(set(la)) == 1 and len(set(lc)) == 1 and int(oa[0]) == 0 and int(oc[0]) == 0 and a.nz.numel() == bh * la[0] and c.nz.numel() == bh * lc[0]:
+        nz = torch.cat([a.nz.view(bh, la[0]), c.nz.view(bh, lc[0])], 1).reshape(-1)
+    else:
+        sa, sc = start_a.tolist(), start_c.tolist()
+        nz = a.nz.new_empty(int(total))
+        pos = 0
+        for i in range(bh):
+            nz[pos:pos + la[i]] = a.nz[sa[i]:sa[i] + la[i]]
+            pos += la[i]
+            nz[pos:pos + lc[i]] = c.nz[sc[i]:sc[i] + lc[i]]
+            pos += lc[i]
+    bitmaps = torch.cat([a.bitmaps, c.bitmaps], dim=2)
+    return BitmapTensor(a.kind, nz, bitmaps, offsets, a.tokens + c.tokens, a.head_dim, label=a.label)
+
+
+class BitmapLive(ChunkedLive):
+    """A live ``bitmap`` layer: layout-v2 keys and values of whole 64-token blocks, and a dense tail
+    of the ``window`` most recent tokens plus the block being filled. When the tail holds ``window +
+    64`` tokens its oldest 64 are pruned and encoded (``BitmapFormat.encode``: on the GPU the fused
+    prune + encode, one launch each for keys and values) and joined to the blocks
+    (:func:`append_blocks`). A step attends through :func:`bitmap_sparse_attention` with the tail as
+    the kernel's dense window (one launch), or through the torch decode on the CPU. The kernel's
+    staging capacity is computed when a block joins, so a step does no host syncs."""
+
+    def __init__(self, fmt: "BitmapFormat", keys: BitmapTensor, values: BitmapTensor, params: BitmapParams, window: int,
+                 like: torch.Tensor, tail_keys: torch.Tensor | None, tail_values: torch.Tensor | None) -> None:
+        self.k, self.v, self.params = keys, values, params
+        self.capacity: tuple[int, int] | None = None
+        self._refresh()
+        super().__init__(fmt, like, window, TILE, tail_keys, tail_values)
+
+    @classmethod
+    def from_cache(cls, fmt: "BitmapFormat", cache: BitmapCache, params: BitmapParams, window: int, like: torch.Tensor) -> "BitmapLive":
+        """From a layout-v2 cache; the tokens of a last partial block join the dense tail."""
+        tc = cache.keys.tokens
+        aligned = tc // TILE * TILE
+        keys, values = cache.keys, cache.values
+        tail_k, tail_v = cache.window_keys, cache.window_values
+        if aligned != tc:
+            kd, vd = keys.decode(), values.decode()
+            backend = "triton" if kd.is_cuda and not interpreting() else "torch"
+            head = encode_cache_v2(kd[:, :, :aligned].contiguous(), vd[:, :, :aligned].contiguous(), window=0, backend=backend)
+            keys, values = head.keys, head.values
+            tail_k = torch.cat([kd[:, :, aligned:], tail_k], dim=2)
+            tail_v = torch.cat([vd[:, :, aligned:], tail_v], dim=2)
+        like = like.new_empty((keys.batch, keys.kv_heads, 0, keys.head_dim), dtype=tail_k.dtype, device=tail_k.device)
+        return cls(fmt, keys, values, params, window, like, tail_k.to(like.device), tail_v.to(like.device))
+
+    def _refresh(self) -> None:
+        self.capacity = stage_capacity(BitmapCache(self.k, self.v, self.k.nz.new_zeros(0), self.v.nz.new_zeros(0), LAYOUT_V2)) if on_gpu(self.k.nz) else None
+
+    @property
+    def encoded_tokens(self) -> int:
+        return self.k.tokens
+
+    def absorb(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        enc = self.fmt.encode(LayerKV(keys, values), self.params)
+        block = cache_from_encoded(enc)
+        self.k = append_blocks(self.k, block.keys)
+        self.v = append_blocks(self.v, block.values)
+        self._refresh()
+
+    def cache(self) -> BitmapCache:
+        """The blocks and the filled tail as one layout-v2 cache (no copy)."""
+        wk, wv = self.tail.view()
+        return BitmapCache(self.k, self.v, wk, wv, LAYOUT_V2)
+
+    def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache()
+        if on_gpu(q):
+            return bitmap_sparse_attention(q, cache, scale, validate=False, capacity=self.capacity)
+        keys, values = cache.decode()
+        return attend_partial(q, keys, values, scale)
+
+    def encoded_partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.k.decode(), self.v.decode()
+        return attend_partial(q, keys, values, scale)
+
+    def encoded_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for bt in (self.k, self.v) for t in (bt.nz, bt.bitmaps, bt.offsets))
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        """A step: the kernel's split partials (float32, at most one split per pair of blocks and
+        the window) and the tail copies; a block's encode: the new layout (the old one is freed
+        after the join) plus the block's dense keys and values."""
+        b, h, _, d = self.encoded_shape()
+        splits = -(-self.k.blocks // 2) + 1
+        partials = 4 * b * h * splits * max(16, query_rows // max(1, b * h)) * max(64, d) * 3
+        return partials + self.tail.nbytes() + self.encoded_bytes() + 2 * self.tail.nbytes()
+
+    def encoded(self) -> Encoded:
+        meta = {"layout_version": LAYOUT_V2, "tokens": self.tokens, "compressed_tokens": self.k.tokens, "window": self.tail.n,
+                "head_dim": self.k.head_dim, "dtype": dtype_name(self.k.nz.dtype), "method": self.params.method,
+                "key_sparsity": self.params.keys, "value_sparsity": self.params.values,
+                "achieved_key_sparsity": self.params.keys, "achieved_value_sparsity": self.params.values}
+        wk, wv = self.tail.view()
+        return encoded_from_cache(BitmapCache(self.k, self.v, wk.contiguous(), wv.contiguous(), LAYOUT_V2), meta)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError
 from kvtool.formats.base import Encoded, Format, FormatParams, register
+from kvtool.formats._live import DenseLive
 
 
 @dataclass
@@ -27,6 +30,15 @@ class DenseFormat(Format):
 
     def decode(self, enc: Encoded) -> LayerKV:
         return LayerKV(keys=enc.tensors["keys"], values=enc.tensors["values"])
+
+    live_grows = True
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> DenseLive:
+        """Dense keys / values in a preallocated buffer (:class:`~kvtool.formats._live.DenseLive`)."""
+        return DenseLive(self, enc.tensors["keys"].to(like.device), enc.tensors["values"].to(like.device))
+
+    def live_from_dense(self, layer: LayerKV, params: FormatParams) -> DenseLive:
+        return DenseLive(self, layer.keys, layer.values)
 
     def validate(self, enc: Encoded) -> None:
         for name in ("keys", "values"):

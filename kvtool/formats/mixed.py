@@ -28,6 +28,7 @@ from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, check_geometry, register
 from kvtool.formats.pipeline import resolve
+from kvtool.formats._live import LiveLayer
 from kvtool.formats.base import get_format
 
 
@@ -120,6 +121,32 @@ class MixedFormat(Format):
     # a mixed file without checking; continuation and export go through ``attend``.
     selects = True
     needs_queries = False
+    live_grows = True  # each group as its own format grows
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "MixedLive":
+        """Each head group's own live layer (:class:`MixedLive`)."""
+        b, hkv, _, d = enc.meta["shape"]
+        groups = []
+        for heads, fmt, inner in groups_of(enc):
+            sub = like.new_empty((b, len(heads), 0, d))
+            groups.append((heads, fmt.live_layer(inner, sub)))
+        return MixedLive(self, groups, hkv, enc.meta)
+
+    def live_from_dense(self, layer: LayerKV, params: FormatParams) -> "MixedLive":
+        """Each head group encoded by its spec and made live."""
+        specs = params.heads.split("|")
+        hkv = layer.keys.shape[1]
+        if len(specs) == 1:
+            specs = specs * hkv
+        if len(specs) != hkv:
+            raise UsageError(f"the plan gives {len(specs)} head specs for a layer of {hkv} KV heads")
+        groups = []
+        for spec, heads in head_groups(specs):
+            fmt, p = resolve_spec(spec)
+            part = layer if len(heads) == hkv else slice_heads(layer, heads)
+            groups.append((heads, fmt.live_from_dense(LayerKV(part.keys.to(layer.keys.device), part.values.to(layer.keys.device), None if part.queries is None else part.queries.to(layer.keys.device)), p)))
+        b, _, t, d = layer.keys.shape
+        return MixedLive(self, groups, hkv, {"shape": [b, hkv, t, d], "groups": [{"heads": h, "spec": s} for s, h in head_groups(specs)]})
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         for spec in params.heads.split("|"):
@@ -226,3 +253,94 @@ class MixedFormat(Format):
                 specs.append(g["spec"] if len(enc.meta.get("groups", [])) == 1 else f"{g['spec']} (heads {','.join(map(str, g['heads']))})")
             per_layer[str(i)] = "; ".join(specs)
         return {"kv_heads_by_spec": heads_by_spec, "layer_specs": per_layer, "distinct_specs": len(heads_by_spec)}
+
+
+class MixedLive(LiveLayer):
+    """A live ``mixed`` layer: one live layer per head group, each fed its KV heads' new tokens and
+    its query heads' queries; the outputs are placed back by head. Groups whose heads are one
+    contiguous range are sliced without copies."""
+
+    def __init__(self, fmt: Format, groups: list[tuple[list[int], LiveLayer]], kv_heads: int, meta: dict[str, Any]) -> None:
+        self.fmt, self.groups, self.kv_heads, self.meta = fmt, groups, kv_heads, meta
+        self._index: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+    def _heads(self, j: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(KV head index, query head index) tensors of group ``j``, or None when its heads are one range."""
+        key = (j, str(device))
+        if key not in self._index:
+            heads = self.groups[j][0]
+            if heads == list(range(heads[0], heads[0] + len(heads))):
+                self._index[key] = None
+            else:
+                self._index[key] = (torch.tensor(heads, dtype=torch.int64, device=device), torch.tensor(_q_heads(heads, group), dtype=torch.int64, device=device))
+        return self._index[key]
+
+    def _split(self, x: torch.Tensor, j: int, group: int, query: bool) -> torch.Tensor:
+        heads = self.groups[j][0]
+        idx = self._heads(j, group, x.device)
+        if len(heads) == self.kv_heads:
+            return x
+        if idx is None:
+            width = group if query else 1
+            return x.narrow(1, heads[0] * width, len(heads) * width)
+        return x.index_select(1, idx[1] if query else idx[0])
+
+    @property
+    def tokens(self) -> int:
+        return max(layer.tokens for _, layer in self.groups)
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        b, _, _, d = self.meta["shape"]
+        return b, self.kv_heads, self.tokens, d
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for j, (_, layer) in enumerate(self.groups):
+            layer.append(self._split(keys, j, 1, False), self._split(values, j, 1, False))
+
+    def _place(self, parts: list[torch.Tensor], q: torch.Tensor, group: int) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        out = torch.empty((*q.shape[:3], parts[0].shape[-1]) if parts[0].ndim == 4 else q.shape[:3], dtype=parts[0].dtype, device=q.device)
+        for j, part in enumerate(parts):
+            heads = self.groups[j][0]
+            idx = self._heads(j, group, q.device)
+            if idx is None:
+                out.narrow(1, heads[0] * group, len(heads) * group).copy_(part.to(out.dtype))
+            else:
+                out.index_copy_(1, idx[1], part.to(out.dtype))
+        return out
+
+    def step(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float | None) -> torch.Tensor:
+        group = q.shape[1] // self.kv_heads
+        outs = [layer.step(self._split(q, j, group, True), self._split(keys, j, 1, False), self._split(values, j, 1, False), scale).float()
+                for j, (_, layer) in enumerate(self.groups)]
+        return self._place(outs, q, group)
+
+    def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        group = q.shape[1] // self.kv_heads
+        parts = [layer.partial(self._split(q, j, group, True), scale) for j, (_, layer) in enumerate(self.groups)]
+        return self._place([p[0].float() for p in parts], q, group), self._place([p[1].float() for p in parts], q, group)
+
+    def prepare(self, query_tokens: int = 1) -> None:
+        for _, layer in self.groups:
+            layer.prepare(query_tokens)
+
+    def room(self) -> int:
+        return min(layer.room() for _, layer in self.groups)
+
+    def stored_bytes(self) -> int:
+        return sum(layer.stored_bytes() for _, layer in self.groups)
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        return max(layer.workspace_bytes(query_rows * len(heads) // self.kv_heads) for heads, layer in self.groups) + 4 * query_rows * (self.encoded_shape()[3] + 1)
+
+    def encoded(self) -> Encoded:
+        tensors: dict[str, torch.Tensor] = {}
+        groups = []
+        for j, (heads, layer) in enumerate(self.groups):
+            inner = layer.encoded()
+            tensors.update({f"g{j}.{n}": t for n, t in inner.tensors.items()})
+            spec = self.meta.get("groups", [{}] * len(self.groups))[j].get("spec", layer.fmt.name)
+            groups.append({"heads": heads, "spec": spec, "format": layer.fmt.name, "params": {}, "meta": inner.meta})
+        b, _, _, d = self.meta["shape"]
+        return Encoded(tensors, {"shape": [b, self.kv_heads, self.tokens, d], "groups": groups})

@@ -24,6 +24,7 @@ from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats._retrieval import oracle_recall, resolve_budget, selection_recall
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.formats._live import ChunkedLive, nbytes as tensor_nbytes, on_gpu
 from kvtool.kernels.common import random_decode_inputs
 from kvtool.kernels.pages import (
     SCORE_ID,
@@ -121,6 +122,11 @@ class PageStatFormat(Format):
     )
     selects = True
     has_kernel = True
+    live_grows = True
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "PageStatLive":
+        """The layer as a live cache layer (:class:`PageStatLive`) on ``like``'s device."""
+        return PageStatLive(self, Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta)))
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         p: PageStatParams = params  # type: ignore[assignment]
@@ -295,3 +301,113 @@ def make_pagestat_inputs(
     q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
     enc = PageStatFormat().encode(lay, PageStatParams(page_size=page_size, score=score, budget=budget, budget_ratio=None, dense_window=dense_window))
     return q, enc
+
+
+# ----------------------------------------------------------------------------- live cache
+
+
+class PageStatLive(ChunkedLive):
+    """A live ``pagestat`` layer: dense keys / values of the stored pages in a preallocated buffer
+    (grown by half when full), their statistics, and a dense tail of the ``dense_window`` most recent
+    new tokens plus the page being filled. When the tail holds ``dense_window + page_size`` tokens
+    its oldest ones complete the stored layer's last page (or make a new page) and the page's
+    statistics are computed. A step selects pages as the stored layer does (its forced pages and
+    page count) until the first page joins; from then on the first page and the best-scoring other
+    pages up to the layer's token budget, counting the tail against it. Selection and paged
+    attention run through the page kernels on CUDA (:func:`pagestat_decode`) or the torch reference;
+    the tail is attended densely and the two partials merge."""
+
+    def __init__(self, fmt: "PageStatFormat", enc: Encoded) -> None:
+        m, ts = enc.meta, enc.tensors
+        self.page_size, self.score, self.lam = int(m["page_size"]), m["score"], float(m["lam"])
+        self.budget = int(m["budget"])
+        self.first_meta = {"forced_pages": list(m["forced_pages"]), "select": int(m["select"])}
+        t = int(m["tokens"])
+        keys, values = ts["keys"], ts["values"]
+        b, h, _, d = keys.shape
+        cap = max(t + 4 * self.page_size, t + t // 2)
+        self.kbuf = keys.new_zeros((b, h, cap, d))
+        self.vbuf = values.new_zeros((b, h, cap, d))
+        self.kbuf[:, :, :t] = keys
+        self.vbuf[:, :, :t] = values
+        self.t = t
+        self.stats = {n.split(".", 1)[1]: x.contiguous() for n, x in ts.items() if n.startswith("stats.")}
+        like = keys.new_zeros((b, h, 0, d))
+        super().__init__(fmt, like, int(m["dense_window"]), self.page_size)
+
+    @property
+    def encoded_tokens(self) -> int:
+        return self.t
+
+    @property
+    def pages(self) -> int:
+        return -(-self.t // self.page_size)
+
+    def next_chunk(self) -> int:
+        return self.page_size - self.t % self.page_size
+
+    def select_count(self) -> int:
+        """Pages chosen besides the first once pages have joined: what the token budget leaves after
+        the first page and the dense window, in whole pages, at most the other pages there are."""
+        return max(0, min(self.pages - 1, (self.budget - self.page_size - self.window) // self.page_size))
+
+    def absorb(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        t, n = self.t, keys.shape[2]
+        if t + n > self.kbuf.shape[2]:
+            cap = self.kbuf.shape[2] + self.kbuf.shape[2] // 2 + self.page_size
+            for name in ("kbuf", "vbuf"):
+                old = getattr(self, name)
+                new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
+                new[:, :, :t] = old[:, :, :t]
+                setattr(self, name, new)
+        self.kbuf[:, :, t:t + n] = keys
+        self.vbuf[:, :, t:t + n] = values
+        first = t // self.page_size
+        self.t = t + n
+        page = page_stats(self.kbuf[:, :, first * self.page_size:self.t], self.page_size, self.score)
+        for name, x in page.items():
+            self.stats[name] = torch.cat([self.stats[name][:, :, :first], x.to(self.stats[name].dtype)], dim=2)
+        self.first_meta = None
+
+    def _enc(self) -> Encoded:
+        t = self.t
+        tensors = {"keys": self.kbuf[:, :, :t], "values": self.vbuf[:, :, :t]}
+        tensors.update({f"stats.{n}": x for n, x in self.stats.items()})
+        chosen = self.first_meta or {"forced_pages": [0], "select": self.select_count()}
+        meta = {"tokens": t, "page_size": self.page_size, "pages": self.pages, "score": self.score, "lam": self.lam, "dense_window": 0,
+                "budget": self.budget, "dtype": str(self.kbuf.dtype).removeprefix("torch."), **chosen}
+        return Encoded(tensors, meta)
+
+    def encoded_partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self._enc()
+        if on_gpu(q):
+            return pagestat_decode(q, enc, scale)
+        return PageStatFormat.attend(self.fmt, q, enc, scale)
+
+    def prepare(self, query_tokens: int = 1) -> None:
+        if self.t and self.kbuf.is_cuda:
+            forced_index(self._enc().meta["forced_pages"], self.kbuf.device)
+
+    def encoded_bytes(self) -> int:
+        return tensor_nbytes(self.kbuf, self.vbuf, *self.stats.values())
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        """A step: page scores (float32 per page and query row), page lists and split partials; a
+        page's join: a grown buffer pair when full (about 1.5x the keys / values held)."""
+        b, h, _, d = self.encoded_shape()
+        rows = max(1, query_rows)
+        return 4 * rows * (self.pages + 64 * (d + 2)) + tensor_nbytes(self.kbuf, self.vbuf) * 3 // 2
+
+    def encoded(self) -> Encoded:
+        t = self.tokens
+        wk, wv = self.tail.view()
+        keys = torch.cat([self.kbuf[:, :, :self.t], wk], dim=2)
+        values = torch.cat([self.vbuf[:, :, :self.t], wv], dim=2)
+        stats = page_stats(keys, self.page_size, self.score)
+        tensors = {"keys": keys, "values": values}
+        tensors.update({f"stats.{n}": x.to(keys.dtype) for n, x in stats.items()})
+        window = min(self.window, t)
+        meta = {"tokens": t, "page_size": self.page_size, "pages": -(-t // self.page_size), "score": self.score, "lam": self.lam,
+                "dense_window": window, "budget": self.budget, "forced_pages": forced_pages(t, self.page_size, window),
+                "select": pages_to_select(t, self.page_size, window, self.budget), "dtype": str(keys.dtype).removeprefix("torch.")}
+        return Encoded(tensors, meta)

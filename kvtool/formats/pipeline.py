@@ -288,6 +288,14 @@ class PipelineFormat(Format):
         fmt, inner = storage_of(enc)
         return fmt.decode(inner)
 
+    live_grows = True  # as its storage format grows; evicted tokens stay gone
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor):
+        """The storage format's live layer over the kept tokens (new tokens join it the storage
+        format's way)."""
+        fmt, inner = storage_of(enc)
+        return fmt.live_layer(inner, like)
+
     def nbytes(self, enc: Encoded) -> dict[str, int]:
         fmt, inner = storage_of(enc)
         parts = dict(fmt.nbytes(inner))

@@ -32,6 +32,7 @@ import torch
 
 from kvtool.core.cache import DTYPES, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.attention import attend_partial
 from kvtool.methods.quantize import (
     check_bits,
     dequantize_groups,
@@ -45,6 +46,7 @@ from kvtool.methods.quantize import (
     unpack_codes,
 )
 from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
+from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -194,6 +196,12 @@ class QuantFormat(Format):
         ('pruning with KIVI quantisation (Mustafar 4.2)', 'KIVI 4-bit', 'quant:bits=4'),
     )
 
+    live_grows = True
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "QuantLive":
+        """The layer as a live cache layer (:class:`QuantLive`) on ``like``'s device."""
+        return QuantLive(self, Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta)))
+
     def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple[Format, FormatParams]:
         """Pruned tensors keep their bitmap and quantise only the kept elements: ``bitmapq`` (the
         joint Mustafar + KIVI case), which needs scheme kivi."""
@@ -274,3 +282,194 @@ class QuantFormat(Format):
             "quantised_share": quantised / elements if elements else float("nan"),
             "scale_dtype": first.get("scale_dtype"),
         }
+
+
+# ----------------------------------------------------------------------------- live cache
+
+LIVE_CHUNK_SYMMETRIC = 32  # int8 / fp8: recent tokens quantised 32 at a time in a live cache
+
+
+def quantize_keys_kivi(keys: torch.Tensor, bits: int, group: int, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI keys ``[B, Hkv, n, D]`` (n a multiple of ``group``) -> packed codes ``[B, Hkv, D, n*bits/8]``
+    and scales / zero points ``[B, Hkv, D, n/group]`` (the key half of :func:`encode_kivi`)."""
+    b, h, n, d = keys.shape
+    rows = keys.transpose(-1, -2).reshape(b * h * d, n)
+    idx, groups = row_groups(b * h * d, n, group, keys.device)
+    codes, scale, zero = quantize_groups(rows, idx, groups, bits, sdt)
+    return pack_codes(codes.reshape(b, h, d, n), bits), scale.reshape(b, h, d, n // group), zero.reshape(b, h, d, n // group)
+
+
+def quantize_values_kivi(values: torch.Tensor, bits: int, group: int, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI values ``[B, Hkv, n, D]`` -> packed codes ``[B, Hkv, n, ceil(D*bits/8)]`` and scales /
+    zero points ``[B, Hkv, n, ceil(D/group)]`` (the value half of :func:`encode_kivi`)."""
+    b, h, n, d = values.shape
+    rows = values.reshape(b * h * n, d)
+    idx, groups = row_groups(b * h * n, d, group, values.device)
+    codes, scale, zero = quantize_groups(rows, idx, groups, bits, sdt)
+    g = math.ceil(d / group)
+    return pack_codes(codes.reshape(b, h, n, d), bits), scale.reshape(b, h, n, g), zero.reshape(b, h, n, g)
+
+
+def unpack_fast(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """:func:`unpack_codes` in uint8 arithmetic (no int32 temporaries): ``[..., m]`` -> ``[..., n]``."""
+    if bits == 8:
+        return packed[..., :n]
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.uint8, device=packed.device) * bits
+    codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
+
+
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """``codes [..., L]`` (uint8) with one scale / zero point per ``group`` along the last axis
+    ``[..., ceil(L/group)]`` -> ``[..., L]`` in ``dtype``, computed in float32 as :func:`dequantize_groups`."""
+    length = codes.shape[-1]
+    s = scale.float().repeat_interleave(group, dim=-1)[..., :length]
+    z = zero.float().repeat_interleave(group, dim=-1)[..., :length]
+    return (codes.float() * s + z).to(dtype)
+
+
+class QuantLive(LiveLayer):
+    """A live ``quant`` layer. KIVI: packed key codes with a scale and zero point per channel and
+    group of tokens, packed value codes per token, and full-precision residual keys / values (R to
+    R + group - 1 tokens each). A new token joins both residuals; when one reaches R + group tokens
+    its oldest ``group`` are quantised (keys per channel, values per token) and their codes joined
+    to the stored ones. int8 / fp8 do the same with per-token scales, 32 tokens at a time. A step
+    dequantises the codes (float32 maths, the cache dtype out), then attends with torch SDPA over
+    the dequantised and residual tokens on CUDA (kvtool has no KIVI kernel), or with the float32
+    reference on the CPU; the dequantised copy lives for one layer's attention (the workspace)."""
+
+    def __init__(self, fmt: "QuantFormat", enc: Encoded) -> None:
+        self.fmt = fmt
+        m, ts = enc.meta, enc.tensors
+        self.scheme, self.bits, self.group = m["scheme"], int(m["bits"]), m.get("group")
+        self.residual = int(m["residual"])
+        self.dtype = DTYPES[m["dtype"]]
+        self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
+        b, h, t, d = m["shape"]
+        self.b, self.h, self.d = b, h, d
+        self.chunk = int(self.group) if self.scheme == "kivi" else LIVE_CHUNK_SYMMETRIC
+        if self.scheme == "kivi" and self.chunk * self.bits % 8:
+            raise UsageError(f"a live KIVI cache packs whole groups of codes: group {self.chunk} x {self.bits} bits is not a whole number of bytes")
+        self.codes = {kind: ts[f"codes.{kind}"] for kind in ("keys", "values")}
+        self.scales = {kind: ts[f"scales.{kind}"] for kind in ("keys", "values")}
+        self.zeros = {kind: ts[f"zeros.{kind}"] for kind in ("keys", "values")} if self.scheme == "kivi" else {}
+        cap = self.residual + self.chunk
+        self.res: dict[str, torch.Tensor] = {}
+        self.res_n: dict[str, int] = {}
+        for kind in ("keys", "values"):
+            r = ts[f"residual.{kind}"]
+            buf = r.new_zeros((b, h, max(cap, r.shape[2]), d))
+            buf[:, :, :r.shape[2]] = r
+            self.res[kind], self.res_n[kind] = buf, r.shape[2]
+        for kind in ("keys", "values"):
+            self._absorb_full(kind)
+
+    # -- growth
+
+    @property
+    def capacity(self) -> int:
+        return self.residual + self.chunk
+
+    @property
+    def tokens(self) -> int:
+        return self.kt + self.res_n["keys"]
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        return self.b, self.h, self.tokens, self.d
+
+    def _absorb_full(self, kind: str) -> None:
+        while self.res_n[kind] >= self.capacity:
+            self._absorb(kind)
+
+    def _absorb(self, kind: str) -> None:
+        g, buf, n = self.chunk, self.res[kind], self.res_n[kind]
+        x = buf[:, :, :g]
+        sdt = self.scales[kind].dtype
+        want = scale_dtype_for(x)
+        if want == torch.float32 and sdt != torch.float32:  # a chunk beyond float16's range: widen the stored scales
+            self.scales[kind] = self.scales[kind].float()
+            if self.zeros:
+                self.zeros[kind] = self.zeros[kind].float()
+            sdt = torch.float32
+        if self.scheme == "kivi":
+            quant = quantize_keys_kivi if kind == "keys" else quantize_values_kivi
+            codes, scale, zero = quant(x, self.bits, self.group, sdt)
+            along = 3 if kind == "keys" else 2
+            self.codes[kind] = torch.cat([self.codes[kind], codes], dim=along)
+            self.scales[kind] = torch.cat([self.scales[kind], scale], dim=along)
+            self.zeros[kind] = torch.cat([self.zeros[kind], zero], dim=along)
+        else:
+            codes, scale = quantize_symmetric(x, self.scheme, sdt)
+            self.codes[kind] = torch.cat([self.codes[kind], codes], dim=2)
+            self.scales[kind] = torch.cat([self.scales[kind], scale], dim=2)
+        rest = n - g
+        buf[:, :, :rest] = buf[:, :, g:n].clone()
+        self.res_n[kind] = rest
+        if kind == "keys":
+            self.kt += g
+        else:
+            self.vt += g
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for kind, x in (("keys", keys), ("values", values)):
+            done = 0
+            while done < x.shape[2]:
+                take = min(x.shape[2] - done, self.capacity - self.res_n[kind])
+                n = self.res_n[kind]
+                self.res[kind][:, :, n:n + take] = x[:, :, done:done + take]
+                self.res_n[kind] = n + take
+                done += take
+                self._absorb_full(kind)
+
+    def room(self) -> int:
+        return self.capacity - max(self.res_n.values()) - 1
+
+    # -- attention
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: dequantised codes, then the residual."""
+        out = []
+        for kind in ("keys", "values"):
+            n = self.kt if kind == "keys" else self.vt
+            codes, scale = self.codes[kind], self.scales[kind]
+            if self.scheme == "kivi":
+                if kind == "keys":
+                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.dtype).transpose(-1, -2)
+                else:
+                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.dtype)
+            else:
+                deq = dequantize_symmetric(codes, scale, self.scheme).to(self.dtype)
+            out.append(torch.cat([deq, self.res[kind][:, :, :self.res_n[kind]]], dim=2))
+        return out[0], out[1]
+
+    def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.dense()
+        return attend_partial(q, keys, values, scale)
+
+    def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        keys, values = self.dense()
+        return dense_attention_out(q, keys, values, scale)
+
+    # -- bytes
+
+    def stored_bytes(self) -> int:
+        return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.zeros.values(), *self.res.values())
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        """A step: the dequantised keys and values (cache dtype) and their float32 intermediates
+        for one of them, and the unpacked codes of one (one byte per element)."""
+        b, h, t, d = self.encoded_shape()
+        dense = b * h * t * d * self.dtype.itemsize
+        return 2 * dense + dense * 4 // self.dtype.itemsize * 2 + b * h * t * d + 4 * query_rows * t // max(1, b * h) * b * h
+
+    def encoded(self) -> Encoded:
+        tensors = {f"codes.{k}": v for k, v in self.codes.items()}
+        tensors.update({f"scales.{k}": v for k, v in self.scales.items()})
+        tensors.update({f"zeros.{k}": v for k, v in self.zeros.items()})
+        for kind in ("keys", "values"):
+            tensors[f"residual.{kind}"] = self.res[kind][:, :, :self.res_n[kind]].contiguous()
+        sdt = self.scales["keys"].dtype
+        meta = {"scheme": self.scheme, "bits": self.bits, "group": self.group, "residual": self.residual, "shape": [self.b, self.h, self.tokens, self.d],
+                "dtype": dtype_name(self.dtype), "scale_dtype": dtype_name(sdt), "key_tokens": self.kt, "value_tokens": self.vt}
+        return Encoded(tensors, meta)

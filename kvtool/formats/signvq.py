@@ -32,6 +32,7 @@ from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats._retrieval import oracle_recall, resolve_budget, selection_recall
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.formats._live import ChunkedLive, on_gpu
 from kvtool.methods.quantize import pack_codes, unpack_codes
 from kvtool.kernels.common import random_decode_inputs
 from kvtool.kernels.pages import combine_splits
@@ -248,6 +249,11 @@ class SignVQFormat(Format):
     )
     selects = True
     has_kernel = True
+    live_grows = True
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "SignVQLive":
+        """The layer as a live cache layer (:class:`SignVQLive`) on ``like``'s device."""
+        return SignVQLive(self, Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta)))
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         p: SignVQParams = params  # type: ignore[assignment]
@@ -546,3 +552,73 @@ def make_signvq_inputs(
     q, lay = random_decode_inputs(batch, heads, kv_heads, tokens, head_dim, dtype, device, seed)
     params = SignVQParams(bits=bits, group=group, budget=budget, budget_ratio=None, sinks=sinks, dense_window=dense_window, gqa=gqa)
     return q, SignVQFormat().encode(lay, params)
+
+
+# ----------------------------------------------------------------------------- live cache
+
+LIVE_CHUNK = 64  # tokens a live sign-VQ layer encodes at a time
+
+
+class SignVQLive(ChunkedLive):
+    """A live ``signvq`` layer: the stored layer (sign codes, codebooks, quantised magnitudes and
+    values, the full-precision sink / keep-top / window tokens) and a dense tail of the layer's
+    ``dense_window`` most recent new tokens plus up to 63 more. When the tail holds ``dense_window +
+    64`` tokens its oldest 64 are encoded against the layer's centre, per-channel scale and codebooks
+    (sign codes, token-wise quantised magnitudes and values; the codebooks are not refitted, so a
+    code first seen then reads as a zero centroid in the scores) and joined to the stored tokens. A
+    step scores and selects among the stored tokens as the format does (the LUT kernel and the fused
+    attention on CUDA, :func:`signvq_decode`; the torch reference elsewhere), attends the tail densely
+    and merges the partials. The number of tokens selected per step stays the stored layer's."""
+
+    def __init__(self, fmt: "SignVQFormat", enc: Encoded) -> None:
+        self.t = dict(enc.tensors)
+        self.m = dict(enc.meta)
+        keys = self.t["full.keys"]
+        b, h, _, d = keys.shape
+        super().__init__(fmt, keys.new_zeros((b, h, 0, d)), int(self.m["dense_window"]), LIVE_CHUNK)
+
+    @property
+    def encoded_tokens(self) -> int:
+        return int(self.m["compressed_tokens"]) + int(self.m["full_tokens"])
+
+    def absorb(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        t, m = self.t, self.m
+        dtype = t["full.keys"].dtype
+        bits, group = int(m["bits"]), int(m["group"])
+        centred = keys.float() - t["keys.center"].float()[:, :, None]
+        nib = sign_nibbles(centred)
+        a = t["keys.alpha"].float()[:, :, None]
+        norm = torch.where(a > 0, centred.abs() / torch.where(a > 0, a, torch.ones_like(a)), torch.zeros_like(centred))
+        kmag, kq = quantize(norm, bits, group, dtype)
+        vq, vqp = quantize(values.float(), bits, group, dtype)
+        new = {"index.codes": pack_nibbles(nib), "keys.mag": kmag, "keys.qparams": kq, "values.q": vq, "values.qparams": vqp}
+        for name, x in new.items():
+            t[name] = torch.cat([t[name], x.to(t[name].dtype)], dim=2)
+        seen = torch.zeros(*nib.shape[:2], nib.shape[3], CODES, dtype=torch.int64, device=nib.device)
+        seen.scatter_add_(3, nib.to(torch.int64).permute(0, 1, 3, 2), torch.ones_like(nib, dtype=torch.int64).permute(0, 1, 3, 2))
+        t["index.used"] = t["index.used"] | used_mask_bytes(seen)
+        m["compressed_tokens"] = int(m["compressed_tokens"]) + keys.shape[2]
+        m["tokens"] = int(m["tokens"]) + keys.shape[2]
+
+    def _enc(self) -> Encoded:
+        return Encoded(self.t, self.m)
+
+    def encoded_partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if on_gpu(q):
+            return signvq_decode(q, self._enc(), scale)
+        return self.fmt.attend(q, self._enc(), scale)
+
+    def encoded_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.t.values())
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        """A step: float32 scores of every stored token per KV head and query token, the selected
+        indices and the fused attention's partials; a join: the stored tensors once more."""
+        b, h, _, d = self.encoded_shape()
+        tq = max(1, query_rows // max(1, b * 4 * h))
+        tc = int(self.m["compressed_tokens"])
+        return 4 * b * h * tq * tc * 2 + 4 * query_rows * (d + 2) * 8 + self.encoded_bytes()
+
+    def encoded(self) -> Encoded:
+        """The stored layer (the tail's tokens are not in it: they are dense; see :meth:`tokens`)."""
+        return Encoded(dict(self.t), dict(self.m))

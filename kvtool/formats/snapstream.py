@@ -32,6 +32,7 @@ from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.methods.evict import POLICIES, attention_mass_recall, candidate_positions, check_evict
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
+from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
 
 
 @dataclass
@@ -128,7 +129,12 @@ class SnapStreamFormat(Format):
     selects = True
     evicts = True
     appends_tokens = True
+    live_grows = True
     default_sweep = ("snapstream:budget=64,128,256",)
+
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "RingLive":
+        """The layer as a live cache layer: its slots on ``like``'s device, a ring (:class:`RingLive`)."""
+        return RingLive(self, Encoded({n: t.to(like.device).clone() for n, t in enc.tensors.items()}, dict(enc.meta)))
 
     def append_token(self, enc: Encoded, key: torch.Tensor, value: torch.Tensor, inplace: bool = False) -> Encoded:
         """The ring-buffer update of :func:`append_token`."""
@@ -284,3 +290,52 @@ class SnapStreamFormat(Format):
             out[f"{name}_same_budget"] = sum(vals) / len(vals)
         out["recall_by_layer"] = per_layer
         return out
+
+
+# ----------------------------------------------------------------------------- live cache
+
+
+class RingLive(LiveLayer):
+    """A live ``snapstream`` layer: the ``budget`` slots per KV head and nothing else. Each new token
+    is written into its ring-buffer slot (:func:`append_token`, overwriting the oldest recent token)
+    before its own query attends to the slots (``writes_first``), so the layer never grows. Empty
+    slots are masked; while every slot is filled a step runs torch SDPA over the slots on CUDA."""
+
+    writes_first = True
+
+    def __init__(self, fmt: "SnapStreamFormat", enc: Encoded) -> None:
+        self.fmt, self.enc = fmt, enc
+        self.full = bool((enc.tensors["positions"] >= 0).all())
+
+    @property
+    def tokens(self) -> int:
+        return int(self.enc.tensors["keys"].shape[2])
+
+    @property
+    def length(self) -> int:
+        """Positions seen (the next token's position)."""
+        return int(self.enc.meta["length"])
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        b, h, s, d = self.enc.tensors["keys"].shape
+        return b, h, s, d
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for j in range(keys.shape[2]):
+            append_token(self.enc, keys[:, :, j], values[:, :, j], inplace=True)
+        if not self.full and int(self.enc.meta["length"]) >= int(self.enc.meta["sinks"]) + int(self.enc.meta["recent"]):
+            self.full = bool((self.enc.tensors["positions"] >= 0).all())
+
+    def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fmt.attend(q, self.enc, scale)
+
+    def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
+        if self.full and on_gpu(q):
+            return dense_attention_out(q, self.enc.tensors["keys"], self.enc.tensors["values"], scale)
+        return self.partial(q, scale)[0]
+
+    def stored_bytes(self) -> int:
+        return tensor_nbytes(*self.enc.tensors.values())
+
+    def encoded(self) -> Encoded:
+        return self.enc

@@ -135,17 +135,50 @@ def _source_for(layer: int | None, key: torch.Tensor) -> Any:
 
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
     """The transformers attention function ``kvtool``: a layer with a compressed source attends
-    through it; every other layer (and every other call) is the model's SDPA attention."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    through it; every other layer (and every other call) is the model's SDPA attention (after which
+    an active ``kvtool.press`` may compress the layer it just filled, :func:`set_prefill_hook`)."""
+    dense = kwargs.pop("_dense", None)
     idx = getattr(module, "layer_idx", None)
     source = _source_for(idx, key)
     if source is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if dense is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward as dense
+        result = dense(module, query, key, value, attention_mask, **kwargs)
+        hook = getattr(_state, "prefill_hook", None)
+        if hook is not None:
+            hook(module, query, key, value)
+        return result
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise UsageError(f"layer {idx}: soft-capped or sliding-window attention is not supported on a compressed prefix")
     out = source.attend_layer(idx, query, key, value, kwargs.get("scaling"))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def set_prefill_hook(hook: Any) -> None:
+    """``hook(module, query, key, value)`` runs after every dense (SDPA) attention call through
+    kvtool's function in this thread (None: no hook). ``kvtool.press`` compresses with it the layers
+    whose format reads the prefill's queries."""
+    _state.prefill_hook = hook
+
+
+def dispatching_sdpa():
+    """Route transformers' ``sdpa`` attention through kvtool's function (which is SDPA for every layer
+    without a compressed source) for all models until the returned ``restore()`` is called."""
+    from transformers import AttentionInterface
+
+    register_attention()
+    mapping = AttentionInterface._global_mapping
+    original = mapping["sdpa"]
+
+    def sdpa_or_kvtool(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
+        return _attention(module, query, key, value, attention_mask, _dense=original, **kwargs)
+
+    mapping["sdpa"] = sdpa_or_kvtool
+
+    def restore() -> None:
+        mapping["sdpa"] = original
+
+    return restore
 
 
 def use_kvtool_attention(model: Any) -> None:

@@ -34,7 +34,7 @@ import torch
 from kvtool.hf import models, shapes
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
-from kvtool.formats.files import check_all_layers, dense_of, needs_attention, read_kv_file
+from kvtool.formats.files import check_all_layers, dense_of, read_kv_file
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.hf.attention import CompressedPrefix, hand_over, use_kvtool_attention
 from kvtool.hf.interface import cache_kwargs
@@ -150,14 +150,17 @@ def check_model(model: Any, facts: ModelFacts, path: Path | str) -> None:
         raise UsageError(f"{path}: the model does not match: {problem}")
 
 
-MODES = ("auto", "dense", "attend", "ring")
+MODES = ("auto", "live", "dense", "attend", "ring")
 
 
 def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<memory>", mode: str = "auto", hold_last: bool = False) -> Any:
     """The transformers cache for a loaded kvtool object (see :func:`to_hf_cache`). ``mode``:
-    ``auto`` (dense when a dense cache can stand in for the file, else ``ring`` when the format has a
-    ring buffer, else ``attend``), ``dense``, ``attend`` (the compressed prefix through kvtool's
-    attention function, new tokens dense) or ``ring`` (new tokens through the format's ring buffer).
+    ``auto`` (a capture: dense; a compressed file: ``live``, or ``ring`` for a ring-buffer format
+    without a live layer of its own), ``live`` (the format's encoded tensors
+    on the model's device, growing the format's way: :mod:`kvtool.hf.live`), ``dense`` (decoded
+    tensors, where a dense cache can stand in for the file), ``attend`` (the compressed prefix through
+    kvtool's attention function, new tokens dense) or ``ring`` (new tokens through the format's ring
+    buffer).
     ``hold_last``: leave the file's last token out of the cache so it can be fed again (a
     continuation without new prompt tokens)."""
     from transformers import DynamicCache
@@ -165,7 +168,7 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
     path = Path(str(path))
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode in ("attend", "ring") and not isinstance(obj, CompressedCache):
+    if mode in ("attend", "ring", "live") and not isinstance(obj, CompressedCache):
         raise UsageError(f"{path} is a capture: it has no compressed prefix to attend through")
     if mode == "ring" and not obj.fmt.appends_tokens:
         raise UsageError(f"{path}: format {obj.format} has no ring buffer (its module offers no append_token); use attend")
@@ -176,10 +179,16 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
     param = next(model.parameters())
     dtype, device = param.dtype, param.device
     if mode == "auto":
-        if isinstance(obj, KVCache) or not needs_attention(obj):
+        if isinstance(obj, KVCache):
             mode = "dense"
-        else:
-            mode = "ring" if obj.fmt.appends_tokens else "attend"
+        else:  # a format's own live layer; a ring of a format without one; else the generic live prefix
+            mode = "ring" if obj.fmt.appends_tokens and not obj.fmt.live_grows else "live"
+    if mode == "live":
+        from kvtool.hf.live import live_cache_from  # deferred: the live layers import the formats' kernels
+
+        if hold_last and not any(t.keys.shape[2] for t in obj.tails.values()):
+            raise UsageError(f"{path} has no held-out tokens after its compressed prefix: give --prompt text to continue from")
+        return live_cache_from(obj, model, hold_last)
     if mode == "dense":
         dense = dense_of(obj, path, "hf")
         data = [(dense.layers[i].keys.to(device, dtype), dense.layers[i].values.to(device, dtype)) for i in range(obj.facts.num_layers)]
@@ -235,8 +244,11 @@ def to_hf_cache(path: str | Path, model: Any, mode: str = "auto", hold_last: boo
     """A transformers cache from a kvtool file (capture, compressed, or ``export --to hf``) for
     ``model`` (a transformers causal LM whose shapes match the file's model facts).
 
-    Keys/values come out ``[B, Hkv, T, D]`` in the model's dtype on its device, for every layer
-    (a capture that lacks layers is refused). Continue with
+    A compressed file becomes a live cache (``mode="live"``, :mod:`kvtool.hf.live`): each layer
+    holds the format's encoded tensors on the model's device, attends through the format's kernel
+    (CUDA) or torch reference, and encodes new tokens the format's way. A capture becomes a
+    ``DynamicCache`` of keys/values ``[B, Hkv, T, D]`` in the model's dtype on its device, for every
+    layer (a capture that lacks layers is refused). Continue with
     ``model.generate(continuation_ids(path, new_ids), cache=cache)`` (``past_key_values=`` on
     older transformers). For selection formats the model is switched to kvtool's attention
     function (module docstring)."""
@@ -282,7 +294,11 @@ def plain_model_path(candidate: Path) -> bool:
 
 
 def cache_mode(cache: Any) -> str:
-    """``dense``, ``attend`` or ``ring``: how a cache from :func:`cache_from` carries the file."""
+    """``live``, ``dense``, ``attend`` or ``ring``: how a cache from :func:`cache_from` carries the file."""
+    from kvtool.hf.live import is_live  # deferred: the live layers import the formats' kernels
+
+    if is_live(cache):
+        return "live"
     if getattr(cache, "kvtool_prefix", None) is not None:
         return "attend"
     if any(isinstance(getattr(layer, "ring", None), RingState) for layer in cache.layers):

@@ -226,7 +226,8 @@ def paged_attention(
         raise UsageError(f"pages holds an index outside 0..{npages - 1}")
     if check and n > 1 and bool((pages.sort(-1).values.diff(dim=-1) == 0).any()):
         raise UsageError("pages lists a page twice for one query")
-    keys, values = keys.contiguous(), values.contiguous()
+    if keys.stride(-1) != 1 or values.stride() != keys.stride():  # the kernel reads both with the keys' strides
+        keys, values = keys.contiguous(), values.contiguous()
     g = h // hkv
     gp = max(16, triton.next_power_of_2(g))
     dp = max(16, triton.next_power_of_2(d))
