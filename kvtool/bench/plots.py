@@ -104,3 +104,57 @@ def plot_records(doc: dict[str, Any], path: str | Path, force: bool = True) -> P
         fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(fig)
     return path
+
+
+def plot_decode(doc: dict[str, Any], path: str | Path) -> Path:
+    """``bench decode``: left, tokens/s per provider against the batch, one panel line per context
+    length (budget rows as stars at their largest batch); right, peak GPU memory beside the weights
+    against the bytes the cache holds, per provider at the largest batch and context. Written
+    atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in doc["records"] if r["median_us"] is not None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    env = doc["env"]
+    fig.suptitle(f"kvtool bench decode — {env['device']}" + ("" if env.get("timing_valid", True) else " (CPU: timings meaningless)"), fontsize=10)
+    palette = list(plt.get_cmap("tab10").colors) + list(plt.get_cmap("Dark2").colors)
+    providers = sorted({r["provider"] for r in recs})
+    colour = {p: palette[i % len(palette)] for i, p in enumerate(providers)}
+    seqs = sorted({r["seq"] for r in recs if r["kernel"] == "decode"})
+    for p in providers:
+        for k, seq in enumerate(seqs):
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in recs if r["provider"] == p and r["seq"] == seq and r["kernel"] == "decode")
+            if pts:
+                ax1.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color=colour[p], linestyle=LINE_STYLES[k % len(LINE_STYLES)],
+                         label=f"{p} {seq // 1024}k" if seq >= 1024 else f"{p} {seq}")
+        for r in recs:
+            if r["provider"] == p and r["kernel"] == "decode-budget":
+                ax1.plot([r["batch"]], [r["tokens_per_s"]], marker="*", markersize=12, color=colour[p], linestyle="none")
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("batch (stars: largest batch under the memory budget)")
+    ax1.set_ylabel("tokens / s")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=6, ncol=2)
+    main = [r for r in recs if r["kernel"] == "decode" and r.get("peak_bytes") is not None]
+    if main:
+        top = max((r["batch"], r["seq"]) for r in main)
+        rows = [r for r in main if (r["batch"], r["seq"]) == top]
+        xs = range(len(rows))
+        ax2.bar([x - 0.2 for x in xs], [r["stored_bytes"] / 2**30 for r in rows], width=0.4, label="cache held (stored bytes)", color="#4c72b0")
+        ax2.bar([x + 0.2 for x in xs], [r["peak_bytes"] / 2**30 for r in rows], width=0.4, label="peak beside the weights", color="#dd8452")
+        ax2.set_xticks(list(xs))
+        ax2.set_xticklabels([r["provider"] for r in rows], rotation=30, ha="right", fontsize=7)
+        ax2.set_ylabel("GiB")
+        ax2.set_title(f"memory at batch {top[0]} x {top[1]} tokens", fontsize=9)
+        ax2.legend(fontsize=7)
+        ax2.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    with io.atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return path

@@ -85,6 +85,55 @@ def build_context(sub: str, model_shape: str, heads, kv_heads, head_dim, batch: 
     )
 
 
+SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, what: str) -> int:
+    """``"40GiB"`` -> bytes (units B, KB, MB, GB, TB and KiB, MiB, GiB, TiB)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text or "")
+    unit = (m.group(2).lower() if m else "") or "b"
+    if not m or unit not in SIZE_UNITS:
+        raise UsageError(f"--{what}: {text!r} is not a size like 40GiB or 500MB")
+    value = int(float(m.group(1)) * SIZE_UNITS[unit])
+    if value < 1:
+        raise UsageError(f"--{what} must be positive")
+    return value
+
+
+def build_decode_context(model_shape: str, model: str | None, batch: str, seq: str, formats: list[str] | None, plan: list[Path] | None,
+                         memory_budget: str | None, runs: int, dtype: str, step=None) -> Any:
+    """The context of ``kvtool bench decode``: a named model shape (:mod:`kvtool.hf.shapes`) or a
+    model folder, the providers, the sweep and the budget."""
+    if dtype.lower() not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: use fp16 or bf16")
+    if runs < 3:
+        raise UsageError("--runs must be at least 3")
+    env = B.detect_env(cold_l2=False)
+    shape = B.ModelShape(model or model_shape, 0, 0, 0)
+    if model is None:
+        try:
+            from kvtool.hf.shapes import shape_named  # deferred: the hf layer loads only for the decode suite
+
+            s = shape_named(model_shape)
+            shape = B.ModelShape(s.name, s.heads, s.kv_heads, s.head_dim)
+        except ImportError:
+            shape = B.model_shape(model_shape)
+    for p in plan or []:
+        if not Path(p).is_file():
+            raise UsageError(f"--plan {p}: no such file")
+    specs = list(formats or []) + [str(p) for p in plan or []]
+    if env.device_type == "cuda":
+        env.notes.append("decode steps: a CUDA graph of the whole step, replayed; times are device times of the replays")
+    timer = B.Timer(env, hide_launch=False)
+    return BenchContext(
+        env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
+        dtype=getattr(torch, DTYPES[dtype.lower()]), step=step or (lambda msg: None),
+        options={"model": model, "formats": specs or None, "memory_budget": parse_size(memory_budget, "memory-budget") if memory_budget else None, "runs": runs},
+    )
+
+
 def run_suite(sub: str, ctx) -> dict[str, Any]:
     """Run one subcommand's suite; the result document written by --json."""
     suites = load_suites()
@@ -110,7 +159,7 @@ def run_suite(sub: str, ctx) -> dict[str, Any]:
 
 def _shape_of(ctx, records: list[dict]) -> dict[str, Any]:
     """The attention shape timed: the model shape, or with --capture the captured model's."""
-    if ctx.capture is not None and records:
+    if (ctx.capture is not None or ctx.options.get("model")) and records:
         r = records[0]
         return {"name": r["data"], "heads": r["heads"], "kv_heads": r["kv_heads"], "head_dim": r["head_dim"]}
     return {"name": ctx.shape.name, "heads": ctx.shape.heads, "kv_heads": ctx.shape.kv_heads, "head_dim": ctx.shape.head_dim}

@@ -86,7 +86,10 @@ class LazyBenchGroup(TyperGroup):
 
             real = typer.Typer(rich_markup_mode="rich")
             for suite in load_suites().values():
-                _add_subcommand(real, suite)
+                if suite.name == "decode":  # a model, not kernels: options of its own
+                    _add_decode(real, suite)
+                else:
+                    _add_subcommand(real, suite)
             _add_report(real)
             LazyBenchGroup._real = typer.main.get_group(real)
         return LazyBenchGroup._real
@@ -189,6 +192,76 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
         if any(r["status"] == "wrong" for r in doc["records"]):
             err_console.print("[red]error:[/red] a kernel failed its correctness check (status 'wrong'); its timing was skipped")
             raise typer.Exit(1)
+
+
+DECODE_CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench decode --model-shape tiny --batch 1 --seq 256 --formats bitmap:sparsity=0.7"
+
+
+def print_decode(doc: dict[str, Any]) -> None:
+    env = doc["env"]
+    v = env["versions"]
+    show("[bold]{}[/bold]  torch {}  CUDA {}  flashinfer {}", env["device"], v["torch"], v["cuda"], v["flashinfer"])
+    for note in env.get("notes", []):
+        show("[yellow]note:[/yellow] {}", note)
+    cols = ["provider", "batch", "context", "ms/step", "tokens/s", "x dense", "attn share", "KV GiB", "peak GiB", "peak/stated", "encode us/tok", "method", "status"]
+    rows = []
+    for r in doc["records"]:
+        sp = r.get("throughput_vs_dense") if r["kernel"] == "decode-budget" else r["speedup"].get("dense")
+        gib = (lambda x: None if x is None else x / 2**30)
+        rows.append([r["provider"] + (" (budget)" if r["kernel"] == "decode-budget" else ""), r["batch"], r["seq"],
+                     None if r["median_us"] is None else r["median_us"] / 1e3, r.get("tokens_per_s"), sp if isinstance(sp, float) else None,
+                     None if r.get("attention_share") is None else f"{100 * r['attention_share']:.0f}%", gib(r.get("stored_bytes")),
+                     gib(r.get("peak_bytes")), r.get("peak_over_stated"), r.get("encode_us_per_token"), r.get("method"), r["status"]])
+    console.print(make_table("kvtool bench decode", cols, rows))
+    if not env["timing_valid"]:
+        console.print("[yellow]timings above are meaningless (CPU run)[/yellow]")
+
+
+def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
+    @bench_app.command("decode", help=suite.summary, epilog=example_epilog(
+        suite.example, "kvtool bench decode --model-shape llama3-8b --batch 8 --seq 32k --formats bitmap:sparsity=0.7 snapstream:budget=4096 --plan plan.json",
+        DECODE_CPU_EXAMPLE))
+    @kvtool_command
+    def decode(
+        model_shape: Annotated[str, typer.Option("--model-shape", help="A named model shape built with seeded random weights on the device: llama3-8b, llama3-70b, llama2-7b, smollm2, tiny.")] = "llama3-8b",
+        model: Annotated[str | None, typer.Option("--model", "-m", help="A local Hugging Face folder, a .gguf file or 'embedded' instead of --model-shape.")] = None,
+        batch: Annotated[str, typer.Option("--batch", help="Batch sizes, comma-separated.")] = "1,8,32",
+        seq: Annotated[str, typer.Option("--seq", help="Cached tokens per sequence, comma-separated (k = 1024).")] = "4k,32k",
+        formats: Annotated[list[str] | None, typer.Option("--formats", help="Format specs to decode through (default: bitmap 0.7 / 0.5, KIVI 4 / 2, sign-VQ, pages, snapstream); repeat or give several.")] = None,
+        plan: Annotated[list[Path] | None, typer.Option("--plan", help="Plan files (kvtool recommend -o plan.json) to decode through too.", dir_okay=False)] = None,
+        memory_budget: Annotated[str | None, typer.Option("--memory-budget", help="A KV-cache budget beside the weights (40GiB): each provider's largest batch that fits it, and its throughput.")] = None,
+        runs: Annotated[int, typer.Option("--runs", help="Timed replays of the decode step per configuration.")] = 20,
+        dtype: Annotated[str, typer.Option("--dtype", help="fp16 (float16) or bf16 (bfloat16) for the model and its cache.")] = "fp16",
+        output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the records as JSON to this file (the table still prints).", dir_okay=False)] = None,
+        plot: Annotated[Path | None, typer.Option("--plot-output", help="Write a figure (PNG/PDF/SVG): tokens/s per provider and batch, and peak memory.", dir_okay=False)] = None,
+        force: ForceOpt = False,
+        json_out: JsonOpt = False,
+        quiet: QuietOpt = False,
+        debug: DebugOpt = False,
+    ) -> None:
+        from kvtool.bench.runner import build_decode_context, run_suite  # deferred: start-up time
+        from kvtool.core import io  # deferred: start-up time
+
+        for path in (output, plot):
+            if path is not None:
+                io.check_output(path, force)
+        silent = json_out or quiet_enabled(quiet)
+        ctx = build_decode_context(model_shape, model, batch, seq, formats, plan, memory_budget, runs, dtype,
+                                   step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)))
+        doc = run_suite("decode", ctx)
+        if output is not None:
+            io.atomic_write_text(output, to_json_text(doc), force=force)
+        if plot is not None:
+            from kvtool.bench.plots import plot_decode  # deferred: matplotlib loads only with --plot-output
+
+            plot_decode(doc, plot)
+        if json_out:
+            emit_json(doc, input=model, output=output)
+        else:
+            print_decode(doc)
+            for path in (output, plot):
+                if path is not None:
+                    show("wrote {}", path)
 
 
 def _add_report(bench_app: typer.Typer) -> None:

@@ -30,8 +30,10 @@ queries; query head h reads KV head ``h // (H / Hkv)``):
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 import torch
 
@@ -43,9 +45,24 @@ if TYPE_CHECKING:
     from kvtool.formats.base import Format
 
 
+_REFERENCE = threading.local()
+
+
 def on_gpu(x: torch.Tensor) -> bool:
     """Whether the kernels (not the torch references) serve tensors like ``x``."""
-    return x.is_cuda and not interpreting()
+    return x.is_cuda and not interpreting() and not getattr(_REFERENCE, "on", False)
+
+
+@contextlib.contextmanager
+def reference_paths() -> Iterator[None]:
+    """Within the block live layers attend through the torch references on every device (the
+    kernels' checks compare the two on the same live layer)."""
+    before = getattr(_REFERENCE, "on", False)
+    _REFERENCE.on = True
+    try:
+        yield
+    finally:
+        _REFERENCE.on = before
 
 
 def causal_new_mask(tq: int, device: torch.device) -> torch.Tensor:

@@ -69,6 +69,7 @@ class BenchContext:
     baselines: bool = True
     step: Callable[[str], None] = lambda msg: None
     backend: str = "auto"  # bitmap attention: auto, triton or cuda
+    options: dict[str, Any] = field(default_factory=dict)  # a suite's own options (decode: model, formats, memory_budget, runs)
 
     @property
     def device(self) -> torch.device:
