@@ -142,9 +142,14 @@ class LiveLayer(ABC):
         return 1 << 30
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """Bytes one step allocates and frees again, for ``query_rows`` = B * H * Tq query rows,
-        beyond the layer's stored bytes (the attention's partials by default)."""
+        """Bytes one decode step allocates and frees again, for ``query_rows`` = B * H * Tq query
+        rows, beyond the layer's stored bytes (the attention's partials by default)."""
         return 4 * query_rows * (self.head_dim + 2) * 2
+
+    def join_bytes(self) -> int:
+        """Bytes the encoding of one filled block allocates and frees again (once every ``chunk``
+        tokens, outside the steady decode step; 0 for layers that never encode)."""
+        return 0
 
     @property
     def head_dim(self) -> int:
@@ -266,6 +271,10 @@ class ChunkedLive(LiveLayer):
 
     def stored_bytes(self) -> int:
         return self.encoded_bytes() + self.tail.nbytes()
+
+    def join_bytes(self) -> int:
+        """The encoded part once more (joined by concatenation) and the block's dense copy."""
+        return self.encoded_bytes() + 2 * self.tail.nbytes()
 
 
 class DenseLive(LiveLayer):

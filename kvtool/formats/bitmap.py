@@ -441,13 +441,13 @@ class BitmapLive(ChunkedLive):
         return sum(t.numel() * t.element_size() for bt in (self.k, self.v) for t in (bt.nz, bt.bitmaps, bt.offsets))
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step: the kernel's split partials (float32, at most one split per pair of blocks and
-        the window) and the tail copies; a block's encode: the new layout (the old one is freed
-        after the join) plus the block's dense keys and values."""
+        """A step: the kernel's split partials (float32 ``[B * Hkv, splits + 1, rows, D]`` plus
+        their maxima and sums, at most one split per pair of blocks, rows padded to 16) and the
+        copies of the filled tail it reads as its window."""
         b, h, _, d = self.encoded_shape()
         splits = -(-self.k.blocks // 2) + 1
-        partials = 4 * b * h * splits * max(16, query_rows // max(1, b * h)) * max(64, d) * 3
-        return partials + self.tail.nbytes() + self.encoded_bytes() + 2 * self.tail.nbytes()
+        rows = max(16, query_rows // max(1, b * h))
+        return 4 * b * h * (splits + 1) * rows * (max(64, d) + 2) + self.tail.nbytes()
 
     def encoded(self) -> Encoded:
         meta = {"layout_version": LAYOUT_V2, "tokens": self.tokens, "compressed_tokens": self.k.tokens, "window": self.tail.n,

@@ -334,6 +334,9 @@ class MixedLive(LiveLayer):
     def workspace_bytes(self, query_rows: int) -> int:
         return max(layer.workspace_bytes(query_rows * len(heads) // self.kv_heads) for heads, layer in self.groups) + 4 * query_rows * (self.encoded_shape()[3] + 1)
 
+    def join_bytes(self) -> int:
+        return max(layer.join_bytes() for _, layer in self.groups)
+
     def encoded(self) -> Encoded:
         tensors: dict[str, torch.Tensor] = {}
         groups = []

@@ -308,7 +308,7 @@ def make_pagestat_inputs(
 
 class PageStatLive(ChunkedLive):
     """A live ``pagestat`` layer: dense keys / values of the stored pages in a preallocated buffer
-    (grown by half when full), their statistics, and a dense tail of the ``dense_window`` most recent
+    (room for 64 more pages or 1/32 more tokens; grown by a quarter when full), their statistics, and a dense tail of the ``dense_window`` most recent
     new tokens plus the page being filled. When the tail holds ``dense_window + page_size`` tokens
     its oldest ones complete the stored layer's last page (or make a new page) and the page's
     statistics are computed. A step selects pages as the stored layer does (its forced pages and
@@ -325,7 +325,7 @@ class PageStatLive(ChunkedLive):
         t = int(m["tokens"])
         keys, values = ts["keys"], ts["values"]
         b, h, _, d = keys.shape
-        cap = max(t + 4 * self.page_size, t + t // 2)
+        cap = t + max(64 * self.page_size, t // 32)  # room for a few thousand new tokens; grows by a quarter when full
         self.kbuf = keys.new_zeros((b, h, cap, d))
         self.vbuf = values.new_zeros((b, h, cap, d))
         self.kbuf[:, :, :t] = keys
@@ -354,7 +354,7 @@ class PageStatLive(ChunkedLive):
     def absorb(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         t, n = self.t, keys.shape[2]
         if t + n > self.kbuf.shape[2]:
-            cap = self.kbuf.shape[2] + self.kbuf.shape[2] // 2 + self.page_size
+            cap = self.kbuf.shape[2] + self.kbuf.shape[2] // 4 + self.page_size
             for name in ("kbuf", "vbuf"):
                 old = getattr(self, name)
                 new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
@@ -392,11 +392,15 @@ class PageStatLive(ChunkedLive):
         return tensor_nbytes(self.kbuf, self.vbuf, *self.stats.values())
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step: page scores (float32 per page and query row), page lists and split partials; a
-        page's join: a grown buffer pair when full (about 1.5x the keys / values held)."""
-        b, h, _, d = self.encoded_shape()
+        """A step: page scores (float32 per page and query row), page lists, split partials (up to
+        64 per row) and the tail's partial."""
         rows = max(1, query_rows)
-        return 4 * rows * (self.pages + 64 * (d + 2)) + tensor_nbytes(self.kbuf, self.vbuf) * 3 // 2
+        return 4 * rows * (self.pages + 64 * (self.head_dim + 2) + 2 * (self.head_dim + 2))
+
+    def join_bytes(self) -> int:
+        """A page's join: the statistics once more, and when the buffer is full a grown pair
+        (1.25x the keys / values held)."""
+        return tensor_nbytes(*self.stats.values()) + tensor_nbytes(self.kbuf, self.vbuf) * 5 // 4
 
     def encoded(self) -> Encoded:
         t = self.tokens

@@ -320,13 +320,22 @@ def unpack_fast(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
 
 
-def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype, exact: bool = True) -> torch.Tensor:
     """``codes [..., L]`` (uint8) with one scale / zero point per ``group`` along the last axis
-    ``[..., ceil(L/group)]`` -> ``[..., L]`` in ``dtype``, computed in float32 as :func:`dequantize_groups`."""
+    ``[..., ceil(L/group)]`` -> ``[..., L]`` in ``dtype``. ``exact``: float32 maths, the numbers of
+    :func:`dequantize_groups` (the torch reference); else in ``dtype`` in place (the GPU path: two
+    temporaries of the output's size instead of five float32 ones; within ``dtype``'s rounding)."""
     length = codes.shape[-1]
-    s = scale.float().repeat_interleave(group, dim=-1)[..., :length]
-    z = zero.float().repeat_interleave(group, dim=-1)[..., :length]
-    return (codes.float() * s + z).to(dtype)
+    ct = torch.float32 if exact else dtype
+    if length % group == 0:
+        out = codes.to(ct).unflatten(-1, (length // group, group))
+        out.mul_(scale.to(ct)[..., None]).add_(zero.to(ct)[..., None])
+        out = out.flatten(-2)
+    else:
+        s = scale.to(ct).repeat_interleave(group, dim=-1)[..., :length]
+        z = zero.to(ct).repeat_interleave(group, dim=-1)[..., :length]
+        out = codes.to(ct) * s + z
+    return out.to(dtype)
 
 
 class QuantLive(LiveLayer):
@@ -427,17 +436,18 @@ class QuantLive(LiveLayer):
 
     # -- attention
 
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: dequantised codes, then the residual."""
+    def dense(self, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: dequantised codes, then the residual
+        (``exact``: float32 dequantisation maths, as ``decode``)."""
         out = []
         for kind in ("keys", "values"):
             n = self.kt if kind == "keys" else self.vt
             codes, scale = self.codes[kind], self.scales[kind]
             if self.scheme == "kivi":
                 if kind == "keys":
-                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.dtype).transpose(-1, -2)
+                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.dtype, exact).transpose(-1, -2)
                 else:
-                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.dtype)
+                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.dtype, exact)
             else:
                 deq = dequantize_symmetric(codes, scale, self.scheme).to(self.dtype)
             out.append(torch.cat([deq, self.res[kind][:, :, :self.res_n[kind]]], dim=2))
@@ -448,7 +458,7 @@ class QuantLive(LiveLayer):
         return attend_partial(q, keys, values, scale)
 
     def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        keys, values = self.dense()
+        keys, values = self.dense(exact=not on_gpu(q))
         return dense_attention_out(q, keys, values, scale)
 
     # -- bytes
@@ -456,12 +466,18 @@ class QuantLive(LiveLayer):
     def stored_bytes(self) -> int:
         return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.zeros.values(), *self.res.values())
 
+    def join_bytes(self) -> int:
+        """A group's join: the stored codes and scales once more (concatenation)."""
+        return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.zeros.values())
+
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step: the dequantised keys and values (cache dtype) and their float32 intermediates
-        for one of them, and the unpacked codes of one (one byte per element)."""
+        """A step on the GPU: the dequantised keys and values with the residual (cache dtype), and
+        while one of them is made, its unpacked codes (one byte per element and one more for the
+        shifts) and the dequantised copy before the residual joins: 4 dense copies of the layer's
+        keys or values in all (the float32 reference path on the CPU takes more)."""
         b, h, t, d = self.encoded_shape()
         dense = b * h * t * d * self.dtype.itemsize
-        return 2 * dense + dense * 4 // self.dtype.itemsize * 2 + b * h * t * d + 4 * query_rows * t // max(1, b * h) * b * h
+        return 3 * dense + 2 * b * h * t * d + 4 * query_rows * (d + 2) * 2
 
     def encoded(self) -> Encoded:
         tensors = {f"codes.{k}": v for k, v in self.codes.items()}

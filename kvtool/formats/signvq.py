@@ -612,12 +612,12 @@ class SignVQLive(ChunkedLive):
         return sum(x.numel() * x.element_size() for x in self.t.values())
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step: float32 scores of every stored token per KV head and query token, the selected
-        indices and the fused attention's partials; a join: the stored tensors once more."""
+        """A step: float32 scores of every stored token per KV head and query token (and their
+        top-k), the selected indices and the fused attention's partials, the tail's partial."""
         b, h, _, d = self.encoded_shape()
         tq = max(1, query_rows // max(1, b * 4 * h))
         tc = int(self.m["compressed_tokens"])
-        return 4 * b * h * tq * tc * 2 + 4 * query_rows * (d + 2) * 8 + self.encoded_bytes()
+        return 4 * b * h * tq * tc * 2 + 4 * query_rows * (d + 2) * 8 + self.tail.nbytes()
 
     def encoded(self) -> Encoded:
         """The stored layer (the tail's tokens are not in it: they are dense; see :meth:`tokens`)."""
