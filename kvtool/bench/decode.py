@@ -41,6 +41,7 @@ from kvtool.core.errors import UsageError
 from kvtool.formats._live import DenseLive, LiveLayer, Tail, on_gpu
 from kvtool.formats.base import get_format
 from kvtool.hf.interface import cache_kwargs, output_cache
+from kvtool.hf.attention import clear_handovers
 from kvtool.hf.live import live_layers, make_live_layer, prepare, resolve_layer_specs, room
 
 DENSE_SDPA = "dense/sdpa"
@@ -286,9 +287,16 @@ def _pct(vals: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-@torch.no_grad()
 def measure(model: Any, provider: str, batch: int, context: int, runs: int = 20, graph: bool = True, growth: bool = True) -> dict[str, Any]:
     """One provider at one batch and context (module docstring): a dict of measured numbers."""
+    try:
+        return _measure(model, provider, batch, context, runs, graph, growth)
+    finally:
+        clear_handovers()  # an interrupted step leaves none behind to keep a cache alive
+
+
+@torch.no_grad()
+def _measure(model: Any, provider: str, batch: int, context: int, runs: int, graph: bool, growth: bool) -> dict[str, Any]:
     info = ModelInfo.of(model)
     dev = info.device
     cuda = dev.type == "cuda"

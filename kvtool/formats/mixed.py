@@ -63,11 +63,11 @@ def _q_heads(kv_heads: list[int], group: int) -> list[int]:
 
 def slice_heads(layer: LayerKV, kv_heads: list[int]) -> LayerKV:
     """The KV heads ``kv_heads`` of ``layer`` and the query heads that read them."""
-    idx = torch.tensor(kv_heads, dtype=torch.int64)
+    idx = torch.tensor(kv_heads, dtype=torch.int64, device=layer.keys.device)
     q = None
     if layer.queries is not None:
         group = layer.queries.shape[1] // layer.keys.shape[1]
-        q = layer.queries.index_select(1, torch.tensor(_q_heads(kv_heads, group), dtype=torch.int64)).contiguous()
+        q = layer.queries.index_select(1, torch.tensor(_q_heads(kv_heads, group), dtype=torch.int64, device=layer.queries.device)).contiguous()
     return LayerKV(layer.keys.index_select(1, idx).contiguous(), layer.values.index_select(1, idx).contiguous(), q, layer.hidden)
 
 

@@ -112,6 +112,17 @@ def compressed_layer_attention(
     return out
 
 
+def handed_over(layer: int) -> bool:
+    """Whether a hand-over of ``layer`` is still waiting for its attention call (a model that does
+    not attend through kvtool's function never takes it)."""
+    return layer in getattr(_state, "pending", {})
+
+
+def clear_handovers() -> None:
+    """Drop hand-overs no attention call took (after an interrupted forward)."""
+    _state.pending = {}
+
+
 def hand_over(layer: int, source: Any, key: torch.Tensor) -> None:
     """Called by a cache layer's ``update``: the next attention call of ``layer`` whose keys are
     ``key`` attends through ``source`` (an object with ``attend_layer(layer, query, key, value,
@@ -161,24 +172,44 @@ def set_prefill_hook(hook: Any) -> None:
     _state.prefill_hook = hook
 
 
-def dispatching_sdpa():
-    """Route transformers' ``sdpa`` attention through kvtool's function (which is SDPA for every layer
-    without a compressed source) for all models until the returned ``restore()`` is called."""
+_DISPATCHING: dict[str, Any] = {}
+
+
+def dispatch_through_kvtool() -> None:
+    """Route transformers' ``sdpa`` and ``eager`` attention of every model through kvtool's function,
+    which calls the original one for every layer without a compressed source (a mapping lookup per
+    call) and the layer's live cache for the others; done once per process, the first time a live
+    cache is made, so that a live cache attends right in any model that dispatches attention by
+    name, without switching the model's implementation. ``kvtool.press`` relies on it too."""
+    if _DISPATCHING:
+        return
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     register_attention()
     mapping = AttentionInterface._global_mapping
-    original = mapping["sdpa"]
+    for name in ("sdpa", "eager"):
+        original = mapping.get(name)
+        if original is None:  # eager attention is each model's own function: found at call time
+            original = _eager_of
+        elif name == "sdpa" and original is not sdpa_attention_forward and getattr(original, "__name__", "") == "kvtool_dispatch":
+            continue
 
-    def sdpa_or_kvtool(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
-        return _attention(module, query, key, value, attention_mask, _dense=original, **kwargs)
+        def kvtool_dispatch(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, _original=original, **kwargs: Any):
+            return _attention(module, query, key, value, attention_mask, _dense=_original, **kwargs)
 
-    mapping["sdpa"] = sdpa_or_kvtool
+        _DISPATCHING[name] = original
+        mapping[name] = kvtool_dispatch
 
-    def restore() -> None:
-        mapping["sdpa"] = original
 
-    return restore
+def _eager_of(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
+    """The eager attention of ``module``'s model (its modeling file's ``eager_attention_forward``)."""
+    import sys
+
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+    return fn(module, query, key, value, attention_mask, **kwargs)
 
 
 def use_kvtool_attention(model: Any) -> None:

@@ -37,7 +37,7 @@ from kvtool.formats.base import CompressedCache, Format, FormatParams, get_forma
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import load_plan
 from kvtool.hf import interface as hfinterface
-from kvtool.hf.attention import ATTN_NAME, dispatching_sdpa, hand_over, register_attention, set_prefill_hook, use_kvtool_attention
+from kvtool.hf.attention import ATTN_NAME, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
 
 _state = threading.local()
 
@@ -79,6 +79,11 @@ def live_layer_class() -> type:
                 self.is_initialized = True
 
             def update(self, key_states, value_states, *args, **kwargs):
+                if handed_over(self.layer_idx):
+                    raise UsageError(
+                        f"layer {self.layer_idx}: the model did not attend through its live cache at the last step (its attention "
+                        "implementation does not dispatch through kvtool's: use attn_implementation='sdpa' or 'eager', or "
+                        "kvtool.hf.attention.use_kvtool_attention(model))")
                 hand_over(self.layer_idx, self, key_states)
                 return key_states, value_states
 
@@ -223,6 +228,9 @@ def resolve_layer_specs(spec: str | Path, num_layers: int | None = None) -> Any:
 
 
 def make_live_layer(layer_idx: int, live: LiveLayer, seen: int) -> Any:
+    """A transformers cache layer for ``live`` (models attend through it from now on:
+    :func:`~kvtool.hf.attention.dispatch_through_kvtool`)."""
+    dispatch_through_kvtool()
     return live_layer_class()(layer_idx, live, seen)
 
 
@@ -362,8 +370,9 @@ def press(spec: str | Path, model: Any = None) -> Iterator[_Press]:
     ``spec``: a format spec (``quant:bits=4``, chains ``snapkv:budget=512+quant:bits=4``) or a plan
     file (``plan.json`` from ``kvtool recommend``). Within the block every transformers model that
     dispatches attention by name (SDPA, the default) attends through kvtool's function, which is
-    SDPA for every cache that is not live; ``model``: also switch that model's attention to it
-    explicitly. Yields an object whose ``layers`` counts the layers compressed."""
+    SDPA for every cache that is not live (:func:`~kvtool.hf.attention.dispatch_through_kvtool`);
+    ``model``: also switch that model's attention to it explicitly. Yields an object whose ``layers``
+    counts the layers compressed."""
     from transformers.cache_utils import Cache
 
     num_layers = int(model.config.num_hidden_layers) if model is not None else None
@@ -374,7 +383,7 @@ def press(spec: str | Path, model: Any = None) -> Iterator[_Press]:
     original = Cache.update
     _state.press = state
     Cache.update = _patched_update(original)  # type: ignore[method-assign]
-    restore = dispatching_sdpa()
+    dispatch_through_kvtool()
     set_prefill_hook(press_attention)
     previous = hfinterface.set_attention(model, ATTN_NAME) if model is not None else None
     try:
@@ -382,7 +391,6 @@ def press(spec: str | Path, model: Any = None) -> Iterator[_Press]:
     finally:
         Cache.update = original  # type: ignore[method-assign]
         set_prefill_hook(None)
-        restore()
         _state.press = None
         if model is not None and previous not in (None, ATTN_NAME):
             try:
