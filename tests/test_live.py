@@ -262,3 +262,29 @@ def test_live_caches_refuse_what_they_cannot_do(tiny, long_cap, tmp_path):
 def test_load_model(tiny_llama_dir):
     model, tok = kvtool.load_model(tiny_llama_dir, dtype="bf16")
     assert next(model.parameters()).dtype == torch.bfloat16 and tok("a")["input_ids"]
+
+
+def test_a_model_that_bypasses_kvtools_attention_is_an_error(tiny, long_cap, tmp_path):
+    """A live cache in a model whose attention does not dispatch through kvtool's function (here a
+    registered copy of SDPA under another name) fails at the next step instead of attending only to
+    the new tokens."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvtool.hf.attention import clear_handovers
+
+    model, tok = tiny
+    cc = compress_cache(long_cap, *resolve("quant:bits=4")[:2], heldout=4)
+    cache = to_hf_cache(save_compressed(cc, tmp_path / "q.safetensors"), model)
+    AttentionInterface.register("plain-copy", sdpa_attention_forward)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = "plain-copy"
+    try:
+        ids = torch.tensor([[5]])
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+            with pytest.raises(UsageError, match="did not attend through its live cache"):
+                model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    finally:
+        model.config._attn_implementation = before
+        clear_handovers()

@@ -102,4 +102,8 @@ def markdown(doc: dict[str, Any], title: str | None = None, summary: bool = Fals
     provider, or with ``summary`` the kvtool kernels against the primary baselines)."""
     head = title or f"`kvtool bench {doc['subcommand']}`"
     command = f"\n\n`{doc['command']}`" if doc.get("command") else ""
+    if doc.get("subcommand") == "decode":  # a model's decode steps, not kernels: its own columns
+        from kvtool.bench.suites.decode import decode_table  # deferred: the suite imports the hf layer
+
+        return f"### {head}\n\n{environment_line(doc)}{command}\n\n{decode_table(doc)}\n"
     return f"### {head}\n\n{environment_line(doc)}{command}\n\n{summary_table(doc) if summary else table(doc)}\n"

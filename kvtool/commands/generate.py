@@ -42,7 +42,7 @@ def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text appended after the cached tokens (empty: continue the cached text).")] = "",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 32,
-    mode: Annotated[str, typer.Option("--mode", help="auto | dense | attend | ring: how a compressed file enters the model (auto picks).")] = "auto",
+    mode: Annotated[str, typer.Option("--mode", help="auto | live | dense | attend | ring: how a compressed file enters the model (auto: live for compressed files, dense for captures).")] = "auto",
     device: Annotated[str, typer.Option("--device", help="torch device for the model.")] = "cpu",
     *,
     progress: Progress,
