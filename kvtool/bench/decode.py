@@ -138,6 +138,9 @@ class FlashInferDenseLive(LiveLayer):
     def tokens(self) -> int:
         return self.n
 
+    def reference_tensor(self) -> torch.Tensor:
+        return self.k
+
     def encoded_shape(self) -> tuple[int, int, int, int]:
         return self.shared.batch, self.shared.kv_heads, self.n, self.shared.head_dim
 
@@ -156,7 +159,7 @@ class FlashInferDenseLive(LiveLayer):
         self.shared.plan(self.n + query_tokens)
 
     def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        if not torch.cuda.is_current_stream_capturing():
+        if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.shared.plan(self.n)
         out = self.shared.wrapper.run(q[:, :, 0].contiguous(), (self.k, self.v))
         return out[:, :, None]

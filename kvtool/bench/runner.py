@@ -103,7 +103,7 @@ def parse_size(text: str, what: str) -> int:
 
 
 def build_decode_context(model_shape: str, model: str | None, batch: str, seq: str, formats: list[str] | None, plan: list[Path] | None,
-                         memory_budget: str | None, runs: int, dtype: str, step=None) -> Any:
+                         memory_budget: str | None, runs: int, dtype: str, step=None, budget_only: bool = False) -> Any:
     """The context of ``kvtool bench decode``: a named model shape (:mod:`kvtool.hf.shapes`) or a
     model folder, the providers, the sweep and the budget."""
     if dtype.lower() not in DTYPES:
@@ -120,6 +120,8 @@ def build_decode_context(model_shape: str, model: str | None, batch: str, seq: s
             shape = B.ModelShape(s.name, s.heads, s.kv_heads, s.head_dim)
         except ImportError:
             shape = B.model_shape(model_shape)
+    if budget_only and not memory_budget:
+        raise UsageError("--budget-only needs --memory-budget")
     for p in plan or []:
         if not Path(p).is_file():
             raise UsageError(f"--plan {p}: no such file")
@@ -130,7 +132,8 @@ def build_decode_context(model_shape: str, model: str | None, batch: str, seq: s
     return BenchContext(
         env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
         dtype=getattr(torch, DTYPES[dtype.lower()]), step=step or (lambda msg: None),
-        options={"model": model, "formats": specs or None, "memory_budget": parse_size(memory_budget, "memory-budget") if memory_budget else None, "runs": runs},
+        options={"model": model, "formats": specs or None, "memory_budget": parse_size(memory_budget, "memory-budget") if memory_budget else None, "runs": runs,
+                 "budget_only": budget_only},
     )
 
 

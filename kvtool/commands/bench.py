@@ -230,6 +230,7 @@ def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
         formats: Annotated[list[str] | None, typer.Option("--formats", help="Format specs to decode through (default: bitmap 0.7 / 0.5, KIVI 4 / 2, sign-VQ, pages, snapstream); repeat or give several.")] = None,
         plan: Annotated[list[Path] | None, typer.Option("--plan", help="Plan files (kvtool recommend -o plan.json) to decode through too.", dir_okay=False)] = None,
         memory_budget: Annotated[str | None, typer.Option("--memory-budget", help="A KV-cache budget beside the weights (40GiB): each provider's largest batch that fits it, and its throughput.")] = None,
+        budget_only: Annotated[bool, typer.Option("--budget-only", help="Only the --memory-budget runs (the batch sweep is left out; --seq still applies).")] = False,
         runs: Annotated[int, typer.Option("--runs", help="Timed replays of the decode step per configuration.")] = 20,
         dtype: Annotated[str, typer.Option("--dtype", help="fp16 (float16) or bf16 (bfloat16) for the model and its cache.")] = "fp16",
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the records as JSON to this file (the table still prints).", dir_okay=False)] = None,
@@ -247,7 +248,8 @@ def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
                 io.check_output(path, force)
         silent = json_out or quiet_enabled(quiet)
         ctx = build_decode_context(model_shape, model, batch, seq, formats, plan, memory_budget, runs, dtype,
-                                   step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)))
+                                   step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)),
+                                   budget_only=budget_only)
         doc = run_suite("decode", ctx)
         if output is not None:
             io.atomic_write_text(output, to_json_text(doc), force=force)

@@ -159,6 +159,18 @@ class LiveLayer(ABC):
         """``(B, Hkv, tokens, D)``."""
         raise NotImplementedError
 
+    def reference_tensor(self) -> torch.Tensor:
+        """A tensor of the layer in the cache dtype on its device (new tokens are converted to it)."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reference_tensor().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.reference_tensor().device
+
 
 class Tail:
     """A preallocated buffer of recent dense tokens ``[B, Hkv, capacity, D]`` holding ``n`` of them
@@ -241,6 +253,9 @@ class ChunkedLive(LiveLayer):
     def tokens(self) -> int:
         return self.encoded_tokens + self.tail.n
 
+    def reference_tensor(self) -> torch.Tensor:
+        return self.tail.keys
+
     def encoded_shape(self) -> tuple[int, int, int, int]:
         b, h, _, d = self._shape
         return b, h, self.tokens, d
@@ -293,6 +308,9 @@ class DenseLive(LiveLayer):
     @property
     def tokens(self) -> int:
         return self.buf.n
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.buf.keys
 
     def encoded_shape(self) -> tuple[int, int, int, int]:
         b, h, _, d = self.buf.keys.shape
@@ -350,6 +368,9 @@ class PrefixLive(LiveLayer):
     @property
     def tokens(self) -> int:
         return self.prefix_tokens + self.recent.tokens
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.recent.buf.keys
 
     def encoded_shape(self) -> tuple[int, int, int, int]:
         b, h, _, d = self.recent.buf.keys.shape

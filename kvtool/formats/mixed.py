@@ -289,6 +289,9 @@ class MixedLive(LiveLayer):
     def tokens(self) -> int:
         return max(layer.tokens for _, layer in self.groups)
 
+    def reference_tensor(self) -> torch.Tensor:
+        return self.groups[0][1].reference_tensor()
+
     def encoded_shape(self) -> tuple[int, int, int, int]:
         b, _, _, d = self.meta["shape"]
         return b, self.kv_heads, self.tokens, d

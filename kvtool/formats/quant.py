@@ -353,7 +353,7 @@ class QuantLive(LiveLayer):
         m, ts = enc.meta, enc.tensors
         self.scheme, self.bits, self.group = m["scheme"], int(m["bits"]), m.get("group")
         self.residual = int(m["residual"])
-        self.dtype = DTYPES[m["dtype"]]
+        self.cache_dtype = DTYPES[m["dtype"]]
         self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
         b, h, t, d = m["shape"]
         self.b, self.h, self.d = b, h, d
@@ -383,6 +383,9 @@ class QuantLive(LiveLayer):
     @property
     def tokens(self) -> int:
         return self.kt + self.res_n["keys"]
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.res["keys"]
 
     def encoded_shape(self) -> tuple[int, int, int, int]:
         return self.b, self.h, self.tokens, self.d
@@ -445,11 +448,11 @@ class QuantLive(LiveLayer):
             codes, scale = self.codes[kind], self.scales[kind]
             if self.scheme == "kivi":
                 if kind == "keys":
-                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.dtype, exact).transpose(-1, -2)
+                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.cache_dtype, exact).transpose(-1, -2)
                 else:
-                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.dtype, exact)
+                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.cache_dtype, exact)
             else:
-                deq = dequantize_symmetric(codes, scale, self.scheme).to(self.dtype)
+                deq = dequantize_symmetric(codes, scale, self.scheme).to(self.cache_dtype)
             out.append(torch.cat([deq, self.res[kind][:, :, :self.res_n[kind]]], dim=2))
         return out[0], out[1]
 
@@ -476,7 +479,7 @@ class QuantLive(LiveLayer):
         shifts) and the dequantised copy before the residual joins: 4 dense copies of the layer's
         keys or values in all (the float32 reference path on the CPU takes more)."""
         b, h, t, d = self.encoded_shape()
-        dense = b * h * t * d * self.dtype.itemsize
+        dense = b * h * t * d * self.cache_dtype.itemsize
         return 3 * dense + 2 * b * h * t * d + 4 * query_rows * (d + 2) * 2
 
     def encoded(self) -> Encoded:
@@ -487,5 +490,5 @@ class QuantLive(LiveLayer):
             tensors[f"residual.{kind}"] = self.res[kind][:, :, :self.res_n[kind]].contiguous()
         sdt = self.scales["keys"].dtype
         meta = {"scheme": self.scheme, "bits": self.bits, "group": self.group, "residual": self.residual, "shape": [self.b, self.h, self.tokens, self.d],
-                "dtype": dtype_name(self.dtype), "scale_dtype": dtype_name(sdt), "key_tokens": self.kt, "value_tokens": self.vt}
+                "dtype": dtype_name(self.cache_dtype), "scale_dtype": dtype_name(sdt), "key_tokens": self.kt, "value_tokens": self.vt}
         return Encoded(tensors, meta)

@@ -311,6 +311,9 @@ class RingLive(LiveLayer):
     def tokens(self) -> int:
         return int(self.enc.tensors["keys"].shape[2])
 
+    def reference_tensor(self) -> torch.Tensor:
+        return self.enc.tensors["keys"]
+
     @property
     def length(self) -> int:
         """Positions seen (the next token's position)."""

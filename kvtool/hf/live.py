@@ -70,8 +70,7 @@ def live_layer_class() -> type:
                 super().__init__()
                 self.layer_idx, self.live, self.seen = layer_idx, live, int(seen)
                 b, h, _, d = live.encoded_shape()
-                dtype = _live_dtype(live)
-                device = _live_device(live)
+                dtype, device = live.dtype, live.device
                 # what generic transformers code reads of a layer (batch size, dtype, device): an empty tensor
                 self.keys = torch.empty((b, h, 0, d), dtype=dtype, device=device)
                 self.values = self.keys
@@ -123,46 +122,6 @@ def live_layer_class() -> type:
 
         _LAYER_CLASS = LiveCacheLayer
     return _LAYER_CLASS
-
-
-def _live_dtype(live: LiveLayer) -> torch.dtype:
-    for t in _some_tensors(live):
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
-
-
-def _live_device(live: LiveLayer) -> torch.device:
-    for t in _some_tensors(live):
-        return t.device
-    return torch.device("cpu")
-
-
-def _some_tensors(live: LiveLayer) -> Iterator[torch.Tensor]:
-    """Tensors of a live layer, the dense recent tokens first (their dtype is the layer's)."""
-    for name in ("tail", "buf", "recent"):
-        obj = getattr(live, name, None)
-        if obj is not None:
-            inner = getattr(obj, "buf", obj)
-            if hasattr(inner, "keys") and isinstance(inner.keys, torch.Tensor):
-                yield inner.keys
-    if hasattr(live, "groups"):
-        for _, layer in live.groups:
-            yield from _some_tensors(layer)
-    enc = getattr(live, "enc", None)
-    if enc is not None:
-        for name in ("keys", "full.keys", "window.keys"):
-            if name in enc.tensors:
-                yield enc.tensors[name]
-        yield from enc.tensors.values()
-    for name in ("t",):
-        tensors = getattr(live, name, None)
-        if isinstance(tensors, dict):
-            yield from tensors.values()
-    for name in ("res",):
-        tensors = getattr(live, name, None)
-        if isinstance(tensors, dict):
-            yield from tensors.values()
 
 
 def is_live(cache: Any) -> bool:
@@ -256,7 +215,7 @@ def live_cache_from(cc: CompressedCache, model: Any, hold_last: bool = False) ->
         if tail is not None:
             stop = tail.keys.shape[2] - (1 if hold_last else 0)
             if stop > 0:
-                ld = _live_dtype(live)
+                ld = live.dtype
                 live.append(tail.keys[:, :, :stop].to(device, ld), tail.values[:, :, :stop].to(device, ld))
                 seen += stop
         cache.layers[i] = make_live_layer(i, live, seen)

@@ -98,7 +98,7 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
     runs = int(ctx.options.get("runs") or 20)
     recs: list[dict] = []
     names = providers(ctx)
-    for b, t in ctx.configs():
+    for b, t in ([] if ctx.options.get("budget_only") else ctx.configs()):
         for p in names:
             free = torch.cuda.mem_get_info(ctx.device)[0] if ctx.device.type == "cuda" else 1 << 62
             if not fits(info, p, b, t, free):
