@@ -288,3 +288,42 @@ def test_a_model_that_bypasses_kvtools_attention_is_an_error(tiny, long_cap, tmp
     finally:
         model.config._attn_implementation = before
         clear_handovers()
+
+
+def test_bench_decode_runs_on_the_cpu(tmp_path, monkeypatch):
+    """`kvtool bench decode` end to end on the tiny random model (timings meaningless on the CPU):
+    records for dense and each format with the decode fields, budget rows, the report's table."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "decode.json"
+    res = CliRunner().invoke(app, ["bench", "decode", "--model-shape", "tiny", "--batch", "1", "--seq", "160", "--formats", "bitmap:sparsity=0.7",
+                                   "--formats", "snapstream:budget=64", "--memory-budget", "2MiB", "--runs", "3", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    rows = {(r["kernel"], r["provider"]): r for r in doc["records"]}
+    assert {p for k, p in rows if k == "decode"} == {"dense/sdpa", "bitmap:sparsity=0.7", "snapstream:budget=64"}
+    assert {p for k, p in rows if k == "decode-budget"} == {"dense/sdpa", "bitmap:sparsity=0.7", "snapstream:budget=64"}
+    dense, bitmap = rows[("decode", "dense/sdpa")], rows[("decode", "bitmap:sparsity=0.7")]
+    assert bitmap["stored_bytes"] < dense["stored_bytes"] and bitmap["tokens_per_s"] > 0 and bitmap["encode_us_per_token"] > 0
+    assert not dense["timing_valid"] and bitmap["speedup"]["dense"] > 0 and bitmap["method"] == "eager"
+    assert rows[("decode-budget", "snapstream:budget=64")]["batch"] > rows[("decode-budget", "dense/sdpa")]["batch"]
+    table = CliRunner().invoke(app, ["bench", "report", str(out)])
+    assert table.exit_code == 0 and "| provider | batch | context | ms / step |" in table.stdout
+
+
+def test_the_shipped_decode_results_render():
+    """docs/benchmarks/decode.json (the H100 run docs/decode.md quotes) is a bench document whose
+    report table carries the numbers the docs cite."""
+    from pathlib import Path
+
+    from kvtool.bench.runner import read_bench_json
+    from kvtool.bench.tables import markdown
+
+    doc = read_bench_json(Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "decode.json")
+    text = markdown(doc)
+    assert doc["subcommand"] == "decode" and "H100" in doc["env"]["device"]
+    assert "| bitmap:sparsity=0.7 | 8 | 32768 | 15.43 | 518 | 1.26 |" in text
+    assert "| bitmap:sparsity=0.7 (budget) | 27 | 32768 | 30.02 | 900 | 2.14 |" in text

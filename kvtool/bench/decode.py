@@ -390,12 +390,22 @@ def stored_per_sequence(model: Any, provider: str, context: int) -> tuple[int, i
     return stored, workspace
 
 
-def largest_batch(model: Any, provider: str, context: int, budget: int) -> int:
+def largest_batch(model: Any, provider: str, context: int, budget: int) -> tuple[int, str]:
     """The largest batch whose live cache (stored bytes) and workspace (both scale with the batch)
-    plus one step's activations fit ``budget`` bytes beside the weights."""
+    plus one step's activations fit ``budget`` bytes beside the weights, and what bounds it:
+    ``budget``, or ``build`` where this bench cannot make the cache at that batch (it fills each
+    layer from a dense random layer of the whole batch before encoding it, which must fit beside the
+    layers made so far)."""
     info = ModelInfo.of(model)
     stored, ws = stored_per_sequence(model, provider, context)
     b = max(1, budget // max(1, stored))
     while b > 1 and b * (stored + ws) + info.activation_bytes(b) > budget:
         b -= 1
-    return b
+    if info.device.type != "cuda":
+        return b, "budget"
+    free = torch.cuda.mem_get_info(info.device)[0]
+    dense_layer = info.dense_bytes(1, context) // info.layers
+    bound = "budget"
+    while b > 1 and b * (stored + 3 * dense_layer) > free:  # the dense layer, its encode's copies, the cache so far
+        b, bound = b - 1, "build"
+    return b, bound

@@ -28,7 +28,7 @@ DEFAULT_FORMATS = (
 )
 EXTRA_FIELDS = ("tokens_per_s", "ms_per_token", "attention_us", "attention_method", "attention_share", "stored_bytes", "dense_kv_bytes",
                 "storage_ratio", "workspace_bytes", "weights_bytes", "peak_bytes", "build_peak_bytes", "peak_over_stated",
-                "encode_us_per_token", "chunk", "capture_error", "build_s", "memory_budget", "throughput_vs_dense")
+                "encode_us_per_token", "chunk", "capture_error", "build_s", "memory_budget", "throughput_vs_dense", "bounded_by")
 
 
 def load_model(ctx: BenchContext):
@@ -118,8 +118,9 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
             for p in names:
                 ctx.step(f"decode {p} under {budget / 2**30:.0f} GiB at {t} tokens")
                 try:
-                    b = largest_batch(model, p, t, budget)
+                    b, bound = largest_batch(model, p, t, budget)
                     m = measure(model, p, b, t, runs=runs, growth=False)
+                    m["bounded_by"] = bound
                 except torch.OutOfMemoryError:
                     recs.append(failed(ctx, info, p, 0, t, data, "skipped: out of memory", kernel="decode-budget"))
                     continue
