@@ -38,9 +38,9 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
-from kvtool.formats._live import DenseLive, LiveLayer, Tail, on_gpu
+from kvtool.formats._live import DenseLive, LiveLayer
 from kvtool.formats.base import get_format
-from kvtool.hf.interface import cache_kwargs, output_cache
+from kvtool.hf.interface import cache_kwargs
 from kvtool.hf.attention import clear_handovers
 from kvtool.hf.live import live_layers, make_live_layer, prepare, resolve_layer_specs, room
 
