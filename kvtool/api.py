@@ -498,7 +498,7 @@ _COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "de
 
 
 @_python_errors
-def compress_cache_object(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int = 64, plan: PathLike | None = None,
+def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int = 64, plan: PathLike | None = None,
                           param: Sequence[str] | None = None, force: bool = False, progress: Any = None, **options: Any) -> Any:
     """:func:`compress` of an in-memory cache. A :class:`~kvtool.core.cache.KVCache`: its first
     ``T - heldout`` tokens encoded as the command does a file (``format`` or ``plan``, the same format
@@ -557,10 +557,10 @@ _compress_file = compress
 def compress(capture: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: F811 - the command's function, widened to in-memory caches
     if isinstance(capture, (str, Path)):
         return _compress_file(capture, *args, **kwargs)
-    return compress_cache_object(capture, *args, **kwargs)
+    return _compress_in_memory(capture, *args, **kwargs)
 
 
 compress.__doc__ = (_compress_file.__doc__ or "") + (
     "\n\nIn-memory caches too: a kvtool KVCache (the result's ``compressed`` holds the CompressedCache) or a transformers "
-    "cache (compressed in place into a live cache, returned); see :func:`compress_cache_object`.")
+    "cache (compressed in place into a live cache, returned); see :func:`kvtool.api._compress_in_memory`.")
 COMMAND_FUNCTIONS["compress"] = compress
