@@ -95,8 +95,9 @@ def _feed(live, keys, values, scale=None):
 
 
 def test_bitmap_live_blocks_are_the_encoders_bytes():
-    """Each filled block is pruned and encoded as `encode` does the same tokens: after 150 decoded
-    tokens the live layer's blocks equal the encoding of all tokens with the same dense window."""
+    """Each filled block is pruned and encoded as `encode` does the same tokens, in the kernel's
+    cache with room to grow: after 150 decoded tokens the blocks in use equal the encoding of all
+    tokens with the same dense window, and the window holds the rest."""
     from kvtool.formats.base import get_format
     from kvtool.formats.bitmap import BitmapLive, cache_from_encoded
 
@@ -104,27 +105,22 @@ def test_bitmap_live_blocks_are_the_encoders_bytes():
     layer = synthetic_cache(tokens=300, head_dim=64, heads=4, kv_heads=2, queries=False).layers[0]
     params = fmt.Params(sparsity=0.7, dense_window=16)
     live = fmt.live_from_dense(layer.slice_tokens(0, 150), params)
-    assert isinstance(live, BitmapLive) and live.k.tokens == 128 and live.tail.n == 22
+    assert isinstance(live, BitmapLive) and live.nblocks == 2 and live.wn == 22
+    assert [int(x) for x in live.cache.lengths] == [128, 22]
     _feed(live, layer.keys[:, :, 150:], layer.values[:, :, 150:])
-    assert live.k.tokens == 256 and live.tail.n == 44 and live.tokens == 300
+    assert live.nblocks == 4 and live.wn == 44 and live.tokens == 300 and [int(x) for x in live.cache.lengths] == [256, 44]
+    got = cache_from_encoded(live.encoded())
     whole = cache_from_encoded(fmt.encode(layer, fmt.Params(sparsity=0.7, dense_window=44)))
-    assert live.k.same_bytes(whole.keys) and live.v.same_bytes(whole.values)
-    wk, wv = live.tail.view()
-    assert torch.equal(wk, layer.keys[:, :, 256:]) and torch.equal(wv, layer.values[:, :, 256:])
+    assert got.keys.same_bytes(whole.keys) and got.values.same_bytes(whole.values)
+    assert torch.equal(got.window_keys, layer.keys[:, :, 256:]) and torch.equal(got.window_values, layer.values[:, :, 256:])
     fmt.validate(live.encoded())
-
-
-def test_bitmap_append_blocks_with_unequal_runs():
-    """Blocks whose runs differ per head (a token with fewer non-zeros than kept) join head by head."""
-    from kvtool.formats.bitmap import append_blocks
-    from kvtool.kernels.bitmap_compress import encode_torch
-
-    x = torch.randn(1, 2, 192, 64, dtype=torch.float16)
-    x[0, 1, 70:90] = 0  # head 1 stores fewer elements in its second block
-    whole = encode_torch(x, "values")
-    joined = append_blocks(encode_torch(x[:, :, :128].contiguous(), "values"), encode_torch(x[:, :, 128:].contiguous(), "values"))
-    assert joined.same_bytes(whole)
-    joined.validate()
+    # past its capacity the layer re-lays itself into a larger one and keeps every block
+    cap = live.capacity_blocks
+    more = synthetic_cache(tokens=64 * (cap - 3), head_dim=64, heads=4, kv_heads=2, queries=False, seed=1).layers[0]
+    live.append(more.keys, more.values)
+    assert live.capacity_blocks > cap and live.tokens == 300 + 64 * (cap - 3)
+    dec = fmt.decode(live.encoded())
+    assert torch.equal(dec.keys[:, :, :256], fmt.decode(fmt.encode(layer, fmt.Params(sparsity=0.7, dense_window=44))).keys[:, :, :256])
 
 
 def test_kivi_live_groups_are_the_encoders_codes():
@@ -327,3 +323,23 @@ def test_the_shipped_decode_results_render():
     assert doc["subcommand"] == "decode" and "H100" in doc["env"]["device"]
     assert "| bitmap:sparsity=0.7 | 8 | 32768 | 15.43 | 518 | 1.26 |" in text
     assert "| bitmap:sparsity=0.7 (budget) | 27 | 32768 | 30.02 | 900 | 2.14 |" in text
+
+
+def test_bitmap_live_cache_is_what_the_kernel_reads():
+    """The live layer's cache with room to grow, attended by the kernel (its Triton backend under the
+    interpreter reads the lengths in use), equals the torch reference over the same tokens, before
+    and after blocks join."""
+    from kvtool.formats.base import get_format
+    from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention
+
+    fmt = get_format("bitmap")
+    layer = synthetic_cache(tokens=260, head_dim=64, heads=4, kv_heads=2, queries=False).layers[0]
+    live = fmt.live_from_dense(layer.slice_tokens(0, 170), fmt.Params(sparsity=0.7, dense_window=8))
+    for stop in (170, 235, 260):
+        if stop > live.tokens:
+            _feed(live, layer.keys[:, :, live.tokens:stop], layer.values[:, :, live.tokens:stop])
+        q = torch.randn(1, 4, 1, 64, dtype=torch.float16)
+        out, lse = bitmap_sparse_attention(q, live.cache, backend="triton")
+        ref, ref_lse = live.partial(q, None)
+        assert float((out - ref).norm() / ref.norm()) < 1e-2, stop
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)

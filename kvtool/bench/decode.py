@@ -42,7 +42,7 @@ from kvtool.formats._live import DenseLive, LiveLayer
 from kvtool.formats.base import get_format
 from kvtool.hf.interface import cache_kwargs
 from kvtool.hf.attention import clear_handovers
-from kvtool.hf.live import live_layers, make_live_layer, prepare, resolve_layer_specs, room
+from kvtool.hf.live import live_layers, make_live_layer, prepare, reserve, resolve_layer_specs, room
 
 DENSE_SDPA = "dense/sdpa"
 DENSE_FLASHINFER = "dense/flashinfer"
@@ -329,6 +329,7 @@ def _measure(model: Any, provider: str, batch: int, context: int, runs: int, gra
     for _ in range(2):
         step()
     _sync(dev)
+    reserve(cache, 2 * runs + 8)  # the step's replays and the attention's: layers that append on the device advance
     if room(cache) < 8:
         raise UsageError(f"{provider}: the live layers would encode a block inside the timed steps (room {room(cache)})")
     prepare(cache, 1)

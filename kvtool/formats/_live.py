@@ -141,6 +141,10 @@ class LiveLayer(ABC):
         (a large number when it never does)."""
         return 1 << 30
 
+    def reserve(self, steps: int) -> None:
+        """Make :meth:`room` at least ``steps`` where the layer can (by encoding a block now);
+        before capturing steps in a CUDA graph. Default: nothing to do."""
+
     def workspace_bytes(self, query_rows: int) -> int:
         """Bytes one decode step allocates and frees again, for ``query_rows`` = B * H * Tq query
         rows, beyond the layer's stored bytes (the attention's partials by default)."""

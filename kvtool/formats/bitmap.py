@@ -24,15 +24,15 @@ from typing import Any
 import torch
 
 from kvtool.core.attention import attend_partial
-from kvtool.formats._live import ChunkedLive, on_gpu
+from kvtool.formats._live import LiveLayer, on_gpu
 from kvtool.core.cache import KVCache, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.selection import keep_count
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
 from kvtool.kernels.bitmap_prune_encode import can_run_cuda, prune_encode
 from kvtool.kernels.common import interpreting
-from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor, popcount64
-from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2, stage_capacity
+from kvtool.kernels.bitmap_layout import LAYOUT_V1, LAYOUT_V2, ORIENTATIONS, TILE, BitmapCache, BitmapTensor, append_blocks, growable_cache, popcount64
+from kvtool.kernels.bitmap_sparse_attention import bitmap_sparse_attention, convert_layout, encode_cache_v2, prepare_attention
 from kvtool.methods.prune import DEFAULT_WINDOW, QUERY_METHODS, check_sparsity, parse_method, prune_layer
 
 ENCODE_BACKENDS = ("auto", "torch", "triton", "cuda")
@@ -325,74 +325,50 @@ class BitmapFormat(Format):
 
 
 def chunk_params(meta: dict[str, Any]) -> BitmapParams:
-    """How a live layer prunes each filled block: the layer's key / value sparsity and pruning
-    method, per-token where the method reads queries (a decoded block has none), no window."""
-    method = str(meta.get("method", "per-token"))
-    try:
-        if any(m in QUERY_METHODS for m in parse_method(method)):
-            method = "per-token"
-    except UsageError:
-        method = "per-token"
+    """How a live layer prunes each filled block: per token (the fused prune + encode on the GPU) at
+    the layer's key / value sparsity, no window."""
     ks, vs = float(meta.get("key_sparsity", 0.7)), float(meta.get("value_sparsity", 0.7))
-    return BitmapParams(sparsity=ks, key_sparsity=ks, value_sparsity=vs, method=method, dense_window=0)
+    return BitmapParams(sparsity=ks, key_sparsity=ks, value_sparsity=vs, method="per-token", dense_window=0)
 
 
-def append_blocks(a: BitmapTensor, c: BitmapTensor) -> BitmapTensor:
-    """``a`` followed along the tokens by ``c`` (same orientation, batch, heads and head_dim; ``a``
-    holds whole 64-token blocks): each KV head's runs of ``a``, then its runs of ``c``, with the
-    offsets rebased. One concatenation when every head of ``a`` (and of ``c``) stores the same number
-    of elements, as per-token pruning gives; else one copy per KV head."""
-    if a.tokens % TILE:
-        raise UsageError(f"append_blocks: the first tensor holds {a.tokens} tokens, not whole blocks of {TILE}")
-    if a.tokens == 0:
-        return c
-    if c.tokens == 0:
-        return a
-    bh, na, nc = a.batch * a.kv_heads, a.blocks, c.blocks
-    oa, oc = a.offsets, c.offsets
-    start_a, end_a = oa[0:bh * na:na], oa[na::na]
-    start_c, end_c = oc[0:bh * nc:nc], oc[nc::nc]
-    len_a, len_c = end_a - start_a, end_c - start_c
-    head = torch.cumsum(len_a + len_c, 0) - (len_a + len_c)
-    rel_a = oa[:-1].view(bh, na) - start_a[:, None] + head[:, None]
-    rel_c = oc[:-1].view(bh, nc) - start_c[:, None] + (head + len_a)[:, None]
-    total = (len_a + len_c).sum()
-    offsets = torch.cat([torch.cat([rel_a, rel_c], 1).reshape(-1), total.reshape(1)])
-    la, lc = len_a.tolist(), len_c.tolist()
-    if len(set(la)) == 1 and len(set(lc)) == 1 and int(oa[0]) == 0 and int(oc[0]) == 0 and a.nz.numel() == bh * la[0] and c.nz.numel() == bh * lc[0]:
-        nz = torch.cat([a.nz.view(bh, la[0]), c.nz.view(bh, lc[0])], 1).reshape(-1)
-    else:
-        sa, sc = start_a.tolist(), start_c.tolist()
-        nz = a.nz.new_empty(int(total))
-        pos = 0
-        for i in range(bh):
-            nz[pos:pos + la[i]] = a.nz[sa[i]:sa[i] + la[i]]
-            pos += la[i]
-            nz[pos:pos + lc[i]] = c.nz[sc[i]:sc[i] + lc[i]]
-            pos += lc[i]
-    bitmaps = torch.cat([a.bitmaps, c.bitmaps], dim=2)
-    return BitmapTensor(a.kind, nz, bitmaps, offsets, a.tokens + c.tokens, a.head_dim, label=a.label)
+def largest_run(bt: BitmapTensor) -> int:
+    """The most elements one block of ``bt`` stores, padded as stored (one host sync)."""
+    if not bt.blocks or bt.batch * bt.kv_heads == 0:
+        return 0
+    return int((bt.offsets[1:] - bt.offsets[:-1]).max())
 
 
-class BitmapLive(ChunkedLive):
-    """A live ``bitmap`` layer: layout-v2 keys and values of whole 64-token blocks, and a dense tail
-    of the ``window`` most recent tokens plus the block being filled. When the tail holds ``window +
-    64`` tokens its oldest 64 are pruned and encoded (``BitmapFormat.encode``: on the GPU the fused
-    prune + encode, one launch each for keys and values) and joined to the blocks
-    (:func:`append_blocks`). A step attends through :func:`bitmap_sparse_attention` with the tail as
-    the kernel's dense window (one launch), or through the torch decode on the CPU. The kernel's
-    staging capacity is computed when a block joins, so a step does no host syncs."""
+class BitmapLive(LiveLayer):
+    """A live ``bitmap`` layer on the kernel's cache with room to grow
+    (:func:`~kvtool.kernels.bitmap_layout.growable_cache`): each 64-token block's keys and values in a
+    fixed slot of ``nz`` (``64 * keep`` elements for per-token pruning), capacity for 1/32 more
+    tokens (at least two blocks), and a dense window of ``window + 64`` slots; the tokens in use are
+    ``lengths`` on the device. A new token is written into the window at ``lengths[1]`` on the
+    device; when the window holds ``window + 64`` tokens its oldest 64 are pruned and encoded
+    (``BitmapFormat.encode``: on the GPU the fused prune + encode) and written into the next block's
+    slots (:func:`~kvtool.kernels.bitmap_layout.append_blocks`, device work), the rest of the window
+    moves down. A step attends through :func:`bitmap_sparse_attention` (planned once for the cache:
+    no host syncs, capturable in a CUDA graph that stays valid while blocks join), or the torch
+    decode of the blocks in use on the CPU. A full capacity is re-laid once into a larger one."""
 
     def __init__(self, fmt: "BitmapFormat", keys: BitmapTensor, values: BitmapTensor, params: BitmapParams, window: int,
-                 like: torch.Tensor, tail_keys: torch.Tensor | None, tail_values: torch.Tensor | None) -> None:
-        self.k, self.v, self.params = keys, values, params
-        self.capacity: tuple[int, int] | None = None
-        self._refresh()
-        super().__init__(fmt, like, window, TILE, tail_keys, tail_values)
+                 tail_keys: torch.Tensor, tail_values: torch.Tensor) -> None:
+        self.fmt, self.params, self.window = fmt, params, int(window)
+        self.chunk = TILE
+        self.wcap = self.window + TILE
+        d = keys.head_dim
+        per_token = TILE * max(keep_count(d, params.keys), keep_count(d, params.values))
+        align = 16 // tail_keys.element_size()
+        self.slot = -(-max(per_token, largest_run(keys), largest_run(values)) // align) * align
+        self.cache_dtype = tail_keys.dtype
+        self._make(keys, values, keys.blocks + max(2, keys.blocks // 32))
+        self.wn = 0
+        self.append(tail_keys, tail_values)
 
     @classmethod
     def from_cache(cls, fmt: "BitmapFormat", cache: BitmapCache, params: BitmapParams, window: int, like: torch.Tensor) -> "BitmapLive":
-        """From a layout-v2 cache; the tokens of a last partial block join the dense tail."""
+        """From a packed layout-v2 cache; the tokens of a last partial block (decoded, pruned) join
+        the dense window."""
         tc = cache.keys.tokens
         aligned = tc // TILE * TILE
         keys, values = cache.keys, cache.values
@@ -404,55 +380,123 @@ class BitmapLive(ChunkedLive):
             keys, values = head.keys, head.values
             tail_k = torch.cat([kd[:, :, aligned:], tail_k], dim=2)
             tail_v = torch.cat([vd[:, :, aligned:], tail_v], dim=2)
-        like = like.new_empty((keys.batch, keys.kv_heads, 0, keys.head_dim), dtype=tail_k.dtype, device=tail_k.device)
-        return cls(fmt, keys, values, params, window, like, tail_k.to(like.device), tail_v.to(like.device))
+        return cls(fmt, keys, values, params, window, tail_k.to(like.device), tail_v.to(like.device))
 
-    def _refresh(self) -> None:
-        self.capacity = stage_capacity(BitmapCache(self.k, self.v, self.k.nz.new_zeros(0), self.v.nz.new_zeros(0), LAYOUT_V2)) if on_gpu(self.k.nz) else None
+    def _make(self, keys: BitmapTensor, values: BitmapTensor, capacity_blocks: int) -> None:
+        """A cache with room for ``capacity_blocks`` blocks holding the packed ``keys`` / ``values``
+        (whole blocks) and an empty window."""
+        self.cache = growable_cache(keys.batch, keys.kv_heads, keys.head_dim, capacity_blocks * TILE, self.wcap, self.slot, self.cache_dtype,
+                                    keys.bitmaps.device)
+        append_blocks(self.cache, keys, values)
+        self.nblocks = keys.blocks
 
     @property
-    def encoded_tokens(self) -> int:
-        return self.k.tokens
+    def capacity_blocks(self) -> int:
+        return self.cache.keys.blocks
 
-    def absorb(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        enc = self.fmt.encode(LayerKV(keys, values), self.params)
+    @property
+    def tokens(self) -> int:
+        return self.nblocks * TILE + self.wn
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.cache.window_keys
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        k = self.cache.keys
+        return k.batch, k.kv_heads, self.tokens, k.head_dim
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        done, n = 0, keys.shape[2]
+        wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths
+        while done < n:
+            take = min(n - done, self.wcap - self.wn)
+            # written where the device says the window ends, so a captured step keeps appending
+            idx = ln[1:2].long() + torch.arange(take, device=wk.device)
+            wk.index_copy_(2, idx, keys[:, :, done:done + take].to(wk.dtype))
+            wv.index_copy_(2, idx, values[:, :, done:done + take].to(wv.dtype))
+            ln[1:2] += take
+            self.wn += take
+            done += take
+            if self.wn == self.wcap:
+                self.absorb()
+
+    def absorb(self) -> None:
+        """The window's oldest 64 tokens pruned, encoded and appended as a block (eager: the encode
+        reads one flag on the host)."""
+        wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths
+        enc = self.fmt.encode(LayerKV(wk[:, :, :TILE].contiguous(), wv[:, :, :TILE].contiguous()), self.params)
         block = cache_from_encoded(enc)
-        self.k = append_blocks(self.k, block.keys)
-        self.v = append_blocks(self.v, block.values)
-        self._refresh()
+        run = max(largest_run(block.keys), largest_run(block.values))
+        if run > self.slot or self.nblocks + 1 > self.capacity_blocks:
+            self._relay(max(self.slot, run), self.nblocks + 1 + max(2, self.nblocks // 32))
+        append_blocks(self.cache, block.keys, block.values)
+        self.nblocks += 1
+        rest = self.wn - TILE
+        wk[:, :, :rest] = wk[:, :, TILE:self.wn].clone()
+        wv[:, :, :rest] = wv[:, :, TILE:self.wn].clone()
+        ln[1:2] -= TILE
+        self.wn = rest
 
-    def cache(self) -> BitmapCache:
-        """The blocks and the filled tail as one layout-v2 cache (no copy)."""
-        wk, wv = self.tail.view()
-        return BitmapCache(self.k, self.v, wk, wv, LAYOUT_V2)
+    def _relay(self, slot: int, capacity_blocks: int) -> None:
+        """Move the blocks in use into a cache of larger slots or capacity (once per growth)."""
+        wk, wv = self.cache.window_keys[:, :, :self.wn].clone(), self.cache.window_values[:, :, :self.wn].clone()
+        used = self.cache.in_use()
+        kd, vd = used.keys.decode(), used.values.decode()
+        backend = "triton" if kd.is_cuda and not interpreting() else "torch"
+        packed = encode_cache_v2(kd, vd, window=0, backend=backend)
+        align = 16 // wk.element_size()
+        self.slot = -(-slot // align) * align
+        self._make(packed.keys, packed.values, capacity_blocks)
+        self.cache.window_keys[:, :, :self.wn] = wk
+        self.cache.window_values[:, :, :self.wn] = wv
+        self.cache.lengths[1:2] += self.wn
+
+    def room(self) -> int:
+        return self.wcap - self.wn - 1
+
+    def reserve(self, steps: int) -> None:
+        """Encode a block now if fewer than ``steps`` single-token steps fit before the next one."""
+        while self.room() < steps and self.wn >= TILE:
+            self.absorb()
+
+    def prepare(self, query_tokens: int = 1) -> None:
+        if on_gpu(self.cache.window_keys):
+            prepare_attention(self.cache)
 
     def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = self.cache()
         if on_gpu(q):
-            return bitmap_sparse_attention(q, cache, scale, validate=False, capacity=self.capacity)
-        keys, values = cache.decode()
+            return bitmap_sparse_attention(q, self.cache, scale)
+        keys, values = self.cache.in_use().decode()
         return attend_partial(q, keys, values, scale)
 
-    def encoded_partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.k.decode(), self.v.decode()
-        return attend_partial(q, keys, values, scale)
-
-    def encoded_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for bt in (self.k, self.v) for t in (bt.nz, bt.bitmaps, bt.offsets))
+    def stored_bytes(self) -> int:
+        c = self.cache
+        return sum(t.numel() * t.element_size() for t in (c.keys.nz, c.keys.bitmaps, c.keys.offsets, c.values.nz, c.values.bitmaps,
+                                                          c.values.offsets, c.window_keys, c.window_values, c.lengths))
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step: the kernel's split partials (float32 ``[B * Hkv, splits + 1, rows, D]`` plus
-        their maxima and sums, at most one split per pair of blocks, rows padded to 16) and the
-        copies of the filled tail it reads as its window."""
+        """A step: the kernel's split partials (float32 ``[B * Hkv, splits + 1, rows, D]`` plus their
+        maxima and sums, at most one split per pair of blocks of the capacity, rows padded to 16)."""
         b, h, _, d = self.encoded_shape()
-        splits = -(-self.k.blocks // 2) + 1
+        splits = -(-self.capacity_blocks // 2) + 1
         rows = max(16, query_rows // max(1, b * h))
-        return 4 * b * h * (splits + 1) * rows * (max(64, d) + 2) + self.tail.nbytes()
+        return 4 * b * h * (splits + 1) * rows * (max(64, d) + 2)
+
+    def join_bytes(self) -> int:
+        """A block's encode (its dense tokens and their encoding); a re-laid capacity: the layer
+        decoded once (rare)."""
+        b, h, _, d = self.encoded_shape()
+        return 4 * b * h * TILE * d * self.cache.window_keys.element_size()
 
     def encoded(self) -> Encoded:
-        meta = {"layout_version": LAYOUT_V2, "tokens": self.tokens, "compressed_tokens": self.k.tokens, "window": self.tail.n,
-                "head_dim": self.k.head_dim, "dtype": dtype_name(self.k.nz.dtype), "method": self.params.method,
+        """The blocks in use and the window as a packed layout-v2 layer (the bytes ``encode`` writes)."""
+        used = self.cache.in_use()
+        kd, vd = used.keys.decode(), used.values.decode()
+        packed = encode_cache_v2(kd, vd, window=0, backend="torch" if not kd.is_cuda or interpreting() else "triton")
+        wk = self.cache.window_keys[:, :, :self.wn].contiguous()
+        wv = self.cache.window_values[:, :, :self.wn].contiguous()
+        meta = {"layout_version": LAYOUT_V2, "tokens": self.tokens, "compressed_tokens": packed.keys.tokens, "window": self.wn,
+                "head_dim": packed.keys.head_dim, "dtype": dtype_name(wk.dtype), "method": self.params.method,
                 "key_sparsity": self.params.keys, "value_sparsity": self.params.values,
                 "achieved_key_sparsity": self.params.keys, "achieved_value_sparsity": self.params.values}
-        wk, wv = self.tail.view()
-        return encoded_from_cache(BitmapCache(self.k, self.v, wk.contiguous(), wv.contiguous(), LAYOUT_V2), meta)
+        return encoded_from_cache(BitmapCache(packed.keys, packed.values, wk, wv, LAYOUT_V2), meta)

@@ -148,6 +148,13 @@ def prepare(cache: Any, query_tokens: int = 1) -> None:
         live.prepare(query_tokens)
 
 
+def reserve(cache: Any, steps: int) -> None:
+    """Let every live layer take ``steps`` single-token steps before it next encodes a block eagerly
+    (what a loop that replays a captured step needs)."""
+    for live in live_layers(cache):
+        live.reserve(steps)
+
+
 def room(cache: Any) -> int:
     """Decode steps every live layer takes before one encodes a block eagerly (host syncs)."""
     return min((live.room() for live in live_layers(cache)), default=1 << 30)
