@@ -157,7 +157,7 @@ class CompressResult(Result):
     :class:`~kvtool.core.cache.KVCache` was compressed (None for files)."""
 
     format: str = ""
-    storage_ratio: float = _at("ratio", 0.0)
+    storage_ratio: float = 0.0
     compressed_bytes: int = 0
     dense_bytes: int = 0
     compressed: Any = field(default=None, repr=False, compare=False)
@@ -179,8 +179,8 @@ class VerifyResult(Result):
     cosine: float = _at("attention.overall.cosine", 0.0)
     recall: float | None = _at("attention.recall.recall")
     storage_ratio: float = _at("attention.storage_ratio", 0.0)
-    nll_increase: float | None = _at("model.nll_increase")
-    agreement: float | None = _at("model.agreement")
+    nll_increase: float | None = _at("model_fidelity.nll_increase")
+    agreement: float | None = _at("model_fidelity.agreement")
     passed: bool = _at("thresholds.passed", True)
 
 

@@ -116,9 +116,9 @@ def test_verify_model_false_never_runs_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(verifying, "load_model", refuse)
     out = kvtool.compress("sample:", "quant:bits=4", tmp_path / "q.safetensors", layers="7", progress=False)
     v = kvtool.verify(out.output, model=False, progress=False)
-    assert v.nll_increase is None and v.report["model"] is None and 0 < v.rel_l2 < 1
+    assert v.nll_increase is None and v.report["model_fidelity"] is None and 0 < v.rel_l2 < 1
     with pytest.warns(DeprecationWarning):
-        assert kvtool.verify(out.output, use_model=False, progress=False).report["model"] is None
+        assert kvtool.verify(out.output, use_model=False, progress=False).report["model_fidelity"] is None
 
 
 def test_api_errors_name_python_parameters(tmp_path):

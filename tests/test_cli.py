@@ -74,7 +74,10 @@ def test_capture_cli_tiny_model_json_and_overwrite(tmp_path, tiny_llama_dir):
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["tokens"] == len("hello there") + 3 and data["kv_heads"] == 2 and data["generated_tokens"] == 3
+    assert data["tokens"] == len("hello there") + 3 and data["model_facts"]["num_kv_heads"] == 2 and data["generated_tokens"] == 3
+    assert len(data["generated_text"]) == 1 and isinstance(data["generated_text"][0], str)  # the text the 3 tokens decode to
+    res = runner.invoke(app, args[:-1] + ["--force"])
+    assert res.exit_code == 0 and f"generated: {data['generated_text'][0]}" in res.stdout
     res = runner.invoke(app, args)
     assert res.exit_code == 2 and "--force" in res.stderr
     res = runner.invoke(app, args + ["--force"])
@@ -105,7 +108,7 @@ def test_compress_decompress_dense_round_trip(tmp_path, sample_capture):
     res = runner.invoke(app, ["compress", str(sample_capture), "--format", "dense", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
-    assert rep["ratio"] == pytest.approx(1.0) and rep["prefix_tokens"] == 512 - 64
+    assert rep["storage_ratio"] == pytest.approx(1.0) and rep["prefix_tokens"] == 512 - 64
     back = tmp_path / "back.safetensors"
     res = runner.invoke(app, ["decompress", str(out), "-o", str(back)])
     assert res.exit_code == 0, res.output

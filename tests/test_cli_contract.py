@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from kvtool._version import __version__
 from kvtool.cli import app
+from kvtool.core.schema import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -24,13 +25,22 @@ NUMBER_TEXT = re.compile(r"^-?\d+(\.\d+)?([eE][-+]?\d+)?%?$")
 BENCH_TINY = ["--model-shape", "custom", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--batch", "1", "--seq", "24", "--rep-ms", "1"]
 
 
+# objects that hold a file's content as stored, which the JSON naming rules do not reach (docs/cli.md)
+AS_STORED = ("metadata", "plan")
+
+
 def numbers_are_numbers(obj, where="") -> list[str]:
-    """Paths of string values that are numbers written as text, and of maps keyed by layer numbers."""
+    """Paths of string values that are numbers written as text, of maps keyed by numbers (per-layer
+    and per-head data are lists of objects), and of lists of layer numbers under the name ``layers``."""
     bad = []
     if isinstance(obj, dict):
-        if "layer" in where.rsplit(".", 1)[-1] and obj and all(str(k).isdigit() for k in obj):
-            bad.append(f"{where}: a {{layer: ...}} map (per-layer results are lists)")
+        if obj and all(str(k).lstrip("-").isdigit() for k in obj):
+            bad.append(f"{where}: a map keyed by numbers (use a list of objects)")
         for k, v in obj.items():
+            if k in AS_STORED:
+                continue
+            if k == "layers" and isinstance(v, list) and v and not all(isinstance(e, dict) and "layer" in e for e in v):
+                bad.append(f"{where}.layers: not a list of objects with a layer field")
             bad += numbers_are_numbers(v, f"{where}.{k}")
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
@@ -106,6 +116,7 @@ def test_every_command_json_shape(files, tiny_capture, tiny_llama_dir, tmp_path,
         if writes:
             assert Path(data["output"]).exists(), (command, data.get("output"))
         assert numbers_are_numbers(data) == [], (command, numbers_are_numbers(data))
+        assert validate(data) == [], (command, validate(data)[:8])
         seen.add(command.split()[0])
     import typer.main
 
@@ -124,6 +135,8 @@ FAILURES = [
     ("eval", ["eval", "missing.safetensors", "--no-model"], 2),
     ("export", ["export", "sample:", "--to", "nosuch"], 2),
     ("generate", ["generate", "sample:", "-n", "0"], 2),
+    ("recommend", ["recommend", "missing.safetensors", "--budget", "15%", "--no-model"], 2),
+    ("report", ["report", "missing.safetensors", "--no-model"], 2),
     ("capture", ["capture", "--dtype", "int8"], 2),
     ("bench dense", ["bench", "dense", "--dtype", "fp8"], 2),
     ("bench report", ["bench", "report", "missing.json"], 1),
@@ -142,6 +155,45 @@ def test_failure_is_one_error_object(command, args, exit_code, monkeypatch, tmp_
     err = data["error"]
     assert set(err) == {"type", "message", "exit_code"} and err["exit_code"] == exit_code and err["message"]
     assert data["command"] == command and data["kvtool_version"] == __version__
+    assert validate(data) == [], validate(data)
+
+
+def test_error_types_are_the_documented_ones(tmp_path, monkeypatch):
+    """A subclass (an output that exists) is reported as its documented type; a bug as InternalError."""
+    out = tmp_path / "q.safetensors"
+    args = ["compress", "sample:", "--layers", "7", "--format", "quant:bits=4", "-o", str(out), "--json"]
+    assert runner.invoke(app, args).exit_code == 0
+    code, data = run_json(args)
+    assert code == 2 and data["error"]["type"] == "UsageError" and "exists" in data["error"]["message"]
+    from kvtool.formats import files
+
+    monkeypatch.setattr(files, "file_info", lambda path: 1 / 0)
+    code, data = run_json(["info", "sample:", "--json"])
+    assert code == 1 and data["error"]["type"] == "InternalError" and "ZeroDivisionError" in data["error"]["message"]
+    assert validate(data) == []
+
+
+def test_the_schema_refuses_what_the_contract_forbids():
+    """The checker is not a rubber stamp: undocumented keys, text numbers, numeric keys and unknown
+    error types fail."""
+    good = {"kvtool_version": "0.1.0", "command": "decompress", "input": "a", "output": "b", "format": "bitmap", "tokens": 8, "layers": [{"layer": 7}]}
+    assert validate(good) == []
+    assert validate({**good, "extra": 1}) and validate({**good, "tokens": "8"}) and validate({**good, "layers": [7]})
+    assert validate({**good, "command": "nosuch"})
+    bad_error = {"kvtool_version": "0.1.0", "command": "info", "error": {"type": "OutputExistsError", "message": "x", "exit_code": 2}}
+    assert validate(bad_error) and not validate({**bad_error, "error": {**bad_error["error"], "type": "UsageError"}})
+
+
+def test_the_schema_is_valid_json_schema_and_agrees_with_jsonschema():
+    jsonschema = pytest.importorskip("jsonschema")
+    from kvtool.core.schema import output_schema
+
+    schema = output_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    good = {"kvtool_version": "0.1.0", "command": "decompress", "input": "a", "format": "bitmap", "tokens": 8, "layers": [{"layer": 7}]}
+    for obj in (good, {**good, "extra": 1}, {**good, "layers": [7]}, {"kvtool_version": "0.1.0", "command": "x", "error": {"type": "Nope", "message": "m", "exit_code": 1}}):
+        theirs = list(jsonschema.Draft202012Validator(schema).iter_errors(obj))
+        assert bool(theirs) == bool(validate(obj)), (obj, theirs, validate(obj))
 
 
 def test_tables_off_a_terminal_are_never_cut_and_data_prints_literally(tmp_path):
@@ -208,7 +260,7 @@ def test_bench_json_path_alias(tmp_path, monkeypatch):
 def test_dtype_spellings_and_typed_thresholds(tmp_path, tiny_llama_dir, files):
     res = runner.invoke(app, ["capture", "--model", str(tiny_llama_dir), "--prompt", "abc", "--dtype", "fp16", "-o", str(tmp_path / "a.safetensors"), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["dtype"] == "float16"
+    assert json.loads(res.stdout)["model_facts"]["dtype"] == "float16"
     res = runner.invoke(app, ["verify", str(files["comp"]), "--no-model", "--max-error", "abc"])
     assert res.exit_code == 2 and "--max-error must be a number, got 'abc'" in res.stderr
 
@@ -262,9 +314,10 @@ def test_python_api_mirrors_the_cli(tmp_path, files):
     res = runner.invoke(app, ["compress", "sample:", "--format", "bitmap:sparsity=0.7", "--layers", "7", "-o", str(cli), "--json"])
     want = json.loads(res.stdout)
     got = json.loads(json.dumps(r.to_dict()))
-    for key in ("kvtool_version", "command", "format", "params", "layers", "dense_bytes", "compressed_bytes", "ratio"):
+    for key in ("kvtool_version", "command", "format", "params", "layers", "dense_bytes", "compressed_bytes", "storage_ratio"):
         assert got[key] == want[key], key
-    v = kvtool.verify(out, use_model=False)
+    v = kvtool.verify(out, model=False)
+    assert validate(json.loads(json.dumps(r.to_dict()))) == [] and validate(json.loads(json.dumps(v.to_dict()))) == []
     assert 0 < v.rel_l2 < 1 and v.nll_increase is None and v.to_dict()["attention"]["layers"][0]["layer"] == 7
     with pytest.raises(kvtool.UsageError) as err:
         kvtool.compress("sample:", "bitmap", out)

@@ -61,8 +61,8 @@ def test_error_curve_hand_example():
     norms = torch.tensor([[3.0, 4.0, 0.0, 0.0]])  # head 1 then head 0; two KV heads of 2
     rows = error_curve(norms, kv_heads=2)
     assert [r["k"] for r in rows] == [1, 2, 3, 4]
-    assert rows[0]["error"] == pytest.approx(3 / 5) and rows[1]["error"] == pytest.approx(0.0)
-    assert rows[0]["kv_traffic"] == 0.5 and rows[1]["kv_traffic"] == 0.5 and rows[2]["kv_traffic"] == 1.0
+    assert rows[0]["rel_l2"] == pytest.approx(3 / 5) and rows[1]["rel_l2"] == pytest.approx(0.0)
+    assert rows[0]["traffic_ratio"] == 0.5 and rows[1]["traffic_ratio"] == 0.5 and rows[2]["traffic_ratio"] == 1.0
     assert float(kv_traffic(torch.tensor([[True, False, False, True]]), 2)[0]) == 1.0
 
 
@@ -85,9 +85,9 @@ def test_router_beats_random_on_the_sample(sample_capture):
     assert set(routers) == {7, 23}
     assert a["random"]["recall"] == pytest.approx(5 / 9, abs=0.03)
     assert a["router"]["recall"] > a["random"]["recall"] + 0.1
-    assert a["router"]["error"] < a["random"]["error"] - 0.1
-    assert a["oracle"]["error"] <= a["router"]["error"]
-    curve = [r["error"] for r in report["curve"]]
+    assert a["router"]["rel_l2"] < a["random"]["rel_l2"] - 0.1
+    assert a["oracle"]["rel_l2"] <= a["router"]["rel_l2"]
+    curve = [r["rel_l2"] for r in report["curve"]]
     assert all(x >= y - 1e-6 for x, y in zip(curve, curve[1:])) and curve[-1] == pytest.approx(0.0)
 
 
@@ -99,7 +99,7 @@ def test_cli_heads_json_router_and_plot(sample_capture, tmp_path):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
-    assert rep["k"] == 3 and len(rep["curve"]) == 9 and rep["router_out"] == str(router)
+    assert rep["k"] == 3 and len(rep["curve"]) == 9 and rep["output"] == str(router) and "router_file" not in rep
     assert plot.read_bytes()[:4] == b"\x89PNG"
     routers, k = load_routers(router)
     assert k == 3 and routers[15].weight.shape == (9, 576)

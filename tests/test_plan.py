@@ -134,4 +134,4 @@ def test_plan_file_exports_and_generates(tiny_capture, tiny_llama_dir, tmp_path)
     res = r.invoke(app, ["verify", str(out), "--json", "--generate", "2", "--model", str(tiny_llama_dir)])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
-    assert rep["model"]["layers_compressed"] == [0, 1] and rep["attention"]["format"] == "mixed"
+    assert rep["model_fidelity"]["compressed_layers"] == [0, 1] and rep["attention"]["format"] == "mixed"

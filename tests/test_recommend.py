@@ -110,13 +110,13 @@ def test_recommend_cli_no_model(sample_capture, tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     b = out["budgets"][0]
-    assert b["predicted"]["exact_ratio"] <= 0.2 and out["model"] is None
+    assert b["predicted"]["exact_storage_ratio"] <= 0.2 and out["model"] is None and "capture" not in out
     plan = json.loads(plan_path.read_text())
     assert plan["schema"] == "kvtool.plan" and set(plan["layers"]) == {"0", "7", "15", "23"}
     comp = tmp_path / "c.safetensors"
     res = CliRunner().invoke(app, ["compress", str(sample_capture), "--plan", str(plan_path), "--heldout", "32", "-o", str(comp), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["ratio"] == pytest.approx(b["predicted"]["exact_ratio"])
+    assert json.loads(res.output)["storage_ratio"] == pytest.approx(b["predicted"]["exact_storage_ratio"])
     res = CliRunner().invoke(app, ["recommend", str(sample_capture), "--budget", "1%", "--no-model", "-o", str(tmp_path / "p2.json")])
     assert res.exit_code == 2 and "no plan fits" in res.output
     res = CliRunner().invoke(app, ["recommend", str(sample_capture), "--budget", "20%", "--no-model", "--max-nll-increase", "1%", "-o", str(tmp_path / "p3.json")])

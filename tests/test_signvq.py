@@ -264,7 +264,7 @@ def test_sample_ratio_bits_and_recall(sample_capture, tmp_path):
     d = rep["details"]
     # 448 compressed tokens of SmolLM2 (head_dim 64): at least 4.5x smaller than fp16
     assert d["times_smaller_than_dense"] >= 4.5
-    assert rep["ratio"] * d["times_smaller_than_dense"] == pytest.approx(1.0, rel=1e-3)
+    assert rep["storage_ratio"] * d["times_smaller_than_dense"] == pytest.approx(1.0, rel=1e-3)
     assert 3.5 < d["bits_per_element_keys"] < 4.5 and 2.5 < d["bits_per_element_values"] < 3.0
     assert set(d["recall_per_layer"]) == {"0", "7", "15", "23"} and 0.5 < d["recall"] <= 1
     assert d["sign_entropy_median_center"] >= d["sign_entropy_mean_center"] - 1e-3

@@ -164,7 +164,7 @@ def test_known_attention_pattern_gives_known_concentration():
     summary = S.attention_summary(att, settings)
     assert summary["heads"][2]["out_norm_share"] == pytest.approx(3 / 8)
     # norms 1,1,3,3 (x sqrt 8): 90% of 8 needs 3+3+1+1 -> 4 heads; 75% needs 2
-    assert summary["layer"]["heads90"] == 4.0
+    assert summary["all_heads"]["heads90"] == 4.0
     assert S.heads_for_norm(att.out_norm, 0.75).tolist() == [2] * len(pos)
     kv1 = S.kv_head_attention(summary, 1)
     assert kv1["query_heads"] == [2, 3] and kv1["keys90"] == 1.0 and kv1["sink_share"] == pytest.approx(1.0)
@@ -201,11 +201,12 @@ def test_attention_with_left_padding_uses_real_tokens_only():
 def test_outlier_consistency_hand_example():
     outl = {0: {0: [3, 5], 1: []}, 7: {0: [3], 1: [9]}, 15: {0: [3, 9], 1: [9]}}
     c = S.outlier_consistency(outl)
+    assert [h["kv_head"] for h in c["per_kv_head"]] == [0, 1]
     assert c["per_kv_head"][0]["persistent"] == [3]
-    assert c["per_kv_head"][0]["recurring"] == {3: [0, 7, 15]}
+    assert c["per_kv_head"][0]["recurring"] == [{"channel": 3, "layers": [0, 7, 15]}]
     assert c["per_kv_head"][0]["jaccard_consecutive"] == pytest.approx((1 / 2 + 1 / 2) / 2)
-    assert c["per_kv_head"][1]["recurring"] == {9: [7, 15]}
-    assert list(c["by_channel"].items()) == [(3, 3), (9, 3), (5, 1)]
+    assert c["per_kv_head"][1]["recurring"] == [{"channel": 9, "layers": [7, 15]}]
+    assert [(e["channel"], e["pairs"]) for e in c["by_channel"]] == [(3, 3), (9, 3), (5, 1)]
     assert c["layer_head_pairs"] == 6
 
 
@@ -262,7 +263,7 @@ def test_real_sample_has_key_outliers_in_middle_and_late_layers_but_not_value_ou
 def test_real_sample_attention_concentrates_in_later_layers(sample_capture):
     cache = kvtool.load(sample_capture, layers=[0, 23])
     r = S.capture_stats(cache, settings=S.StatsSettings(max_queries=16))
-    l0, l23 = (e["attention"]["layer"] for e in r["layers"])
+    l0, l23 = (e["attention"]["all_heads"] for e in r["layers"])
     assert l23["keys90_frac"] < l0["keys90_frac"]
     assert l23["sink_share"] > l0["sink_share"]
     assert l23["heads90"] >= 1 and l23["heads90"] <= l23["heads99"] <= 9
@@ -288,7 +289,7 @@ def test_cli_stats_table_and_json(sample_capture):
     counts = [r["k_outliers"] for r in data["rows"]]
     assert len(counts) == 3 and counts == sorted(counts, reverse=True)
     assert counts[0] == max(h["keys"]["outliers"] for e in data["layers"] for h in e["heads"])
-    assert data["selection"]["layers"] == [0, 7, 15, 23]
+    assert data["selection"]["selected_layers"] == [0, 7, 15, 23]
 
 
 def test_cli_stats_outlier_factor_and_heads(sample_capture):

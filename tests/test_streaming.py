@@ -189,7 +189,8 @@ def test_capture_cli_chunked_query_layers_and_device_map(tmp_path, tiny_llama_di
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
-    assert data["chunk_size"] == 7 and data["query_layers"] == [1] and data["bytes_written"] == out.stat().st_size
+    assert data["chunk_size"] == 7 and data["bytes_written"] == out.stat().st_size
+    assert data["layers"] == [{"layer": 0, "queries": False}, {"layer": 1, "queries": True}]
     one = kvtool.capture("a longer prompt for chunks", model=str(tiny_llama_dir))
     back = io.load(out)
     assert back.layers[0].queries is None

@@ -103,8 +103,8 @@ def test_verify_dense_on_the_tiny_model(tiny_capture, tiny_llama_dir, tmp_path):
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
     assert rep["attention"]["overall"]["rel_l2"] < 1e-6
-    assert rep["model"]["agreement"] == 1.0 and abs(rep["model"]["nll_increase"]) < 1e-5
-    assert rep["model"]["first_divergence"] == 4 and rep["model"]["positions"] == 16
+    assert rep["model_fidelity"]["agreement"] == 1.0 and abs(rep["model_fidelity"]["nll_increase"]) < 1e-5
+    assert rep["model_fidelity"]["first_divergence"] == 4 and rep["model_fidelity"]["positions"] == 16
     assert rep["thresholds"]["passed"]
     table = runner.invoke(app, ["verify", str(comp), "--model", str(tiny_llama_dir), "--generate", "2"])
     assert table.exit_code == 0 and "top-1 agreement" in table.output and "rel L2" in table.output
@@ -124,7 +124,7 @@ def test_verify_triton_backend_agrees_with_torch(tiny_capture, tiny_llama_dir, t
     rep = json.loads(res.output)
     assert rep["attention"]["backend"] == "triton"
     assert rep["attention"]["kernel_vs_torch"]["rel_l2"] < 1e-5
-    assert rep["model"]["agreement"] == 1.0 and abs(rep["model"]["nll_increase"]) < 1e-4
+    assert rep["model_fidelity"]["agreement"] == 1.0 and abs(rep["model_fidelity"]["nll_increase"]) < 1e-4
 
 
 def test_verify_bad_input(tiny_capture, tiny_llama_dir, tmp_path):
@@ -207,10 +207,10 @@ def test_verify_sample_defaults_to_the_embedded_model(sample_capture, tmp_path):
     res = runner.invoke(app, ["verify", str(comp), "--generate", "4", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
-    assert rep["model"]["name"].startswith("SmolLM2") and rep["model"]["layers_compressed"] == [0, 7, 15, 23]
+    assert rep["model_fidelity"]["model"].startswith("SmolLM2") and rep["model_fidelity"]["compressed_layers"] == [0, 7, 15, 23]
     # the capture stores fp16 keys/values, the model runs in fp32: dense storage is near-lossless, not bit-exact
-    assert rep["model"]["agreement"] == 1.0 and abs(rep["model"]["nll_increase"]) < 1e-3
-    assert rep["attention"]["overall"]["rel_l2"] < 1e-5 and rep["model"]["first_divergence"] == 4
+    assert rep["model_fidelity"]["agreement"] == 1.0 and abs(rep["model_fidelity"]["nll_increase"]) < 1e-3
+    assert rep["attention"]["overall"]["rel_l2"] < 1e-5 and rep["model_fidelity"]["first_divergence"] == 4
 
 
 def test_eval_layer_subset_and_paper_rows_skip_missing_formats(tiny_capture, tmp_path):
@@ -219,7 +219,7 @@ def test_eval_layer_subset_and_paper_rows_skip_missing_formats(tiny_capture, tmp
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output)["points"]
     # per-layer results are lists in the CLI's JSON (issue 19's contract; they were {"1": ...} maps)
-    assert [e["layer"] for e in rows[0]["per_layer_rel_l2"]] == [1] and rows[0]["rel_l2"] < 1e-6
+    assert [e["layer"] for e in rows[0]["layers"]] == [1] and rows[0]["rel_l2"] < 1e-6
     paper = [r for r in rows if r["comparison"]]
     assert paper and all(r.get("skipped") or r.get("rel_l2") is not None for r in paper)
 
@@ -232,4 +232,4 @@ def test_verify_selection_formats_inside_attention(spec, tiny_capture, tiny_llam
     rep = json.loads(res.output)
     recall = rep["attention"]["recall"]["recall"]
     assert 0 < recall <= 1 and rep["attention"]["traffic_ratio"] < 1
-    assert rep["attention"]["overall"]["rel_l2"] > 0 and rep["model"]["kl"] > 0
+    assert rep["attention"]["overall"]["rel_l2"] > 0 and rep["model_fidelity"]["kl"] > 0

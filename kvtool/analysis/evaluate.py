@@ -216,9 +216,9 @@ def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, ref
             row[f"{m}_mean"], row[f"{m}_lo"], row[f"{m}_hi"] = iv["mean"], iv["lo"], iv["hi"]
     row["backend"] = att["backend"]
     row["seconds"] = round(time.perf_counter() - start, 3)
-    row["per_layer_rel_l2"] = {str(i): r["errors"]["rel_l2"] for i, r in att["layers"].items()}
+    row["layers"] = [{"layer": int(i), "rel_l2": r["errors"]["rel_l2"]} for i, r in att["layers"].items()]
     if mod is not None:
-        row["layers_compressed"] = f"{len(mod['layers_compressed'])}/{mod['model_layers']}"
+        row["compressed_layers"], row["model_layers"] = list(mod["compressed_layers"]), mod["model_layers"]
     return row
 
 

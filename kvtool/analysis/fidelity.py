@@ -325,7 +325,7 @@ def model_fidelity(model: Any, cc: CompressedCache, reference: DenseReference, g
         logits = hfattn.forward(model, cache, cont)
         gen = hfattn.greedy(model, cache, logits[:, -1], generate)
     result = compare_logits(reference.logits, logits, cont[:, 1:])
-    result["layers_compressed"] = cc.layer_indices
+    result["compressed_layers"] = cc.layer_indices
     result["model_layers"] = int(model.config.num_hidden_layers)
     if generate:
         result["generate"] = generate

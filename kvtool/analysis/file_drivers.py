@@ -72,7 +72,7 @@ def stats_file(
 ) -> dict[str, Any]:
     """Read ``path`` one layer at a time (only the selected layers, queries only when needed) and
     compute the statistics, the attention part on ``device`` (default: CUDA when present); adds
-    ``file`` and ``rows`` (the flat per-head rows, sorted and cut as asked)."""
+    ``rows`` (the flat per-head rows, sorted and cut as asked)."""
     dev = resolve_device(device)
     meta, _ = io.read_header(path)
     io.check_schema(path, meta, io.CAPTURE_SCHEMA)
@@ -86,7 +86,7 @@ def stats_file(
     result = capture_stats(cache, layer_sel, head_sel, settings, attention, progress=lambda _: progress.advance(), device=dev)
     rows = [head_row(e["layer"], h) for e in result["layers"] for h in e["heads"]]
     result["rows"] = sorted_rows(rows, sort, top)
-    return {"file": str(path), **result}
+    return result
 
 
 def parse_kinds(text: str | None) -> tuple[tuple[str, ...], bool]:
@@ -180,7 +180,8 @@ def heads_file(
     force: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Analyse a capture's heads, optionally save the routers and a plot; returns the report."""
+    """Analyse a capture's heads, optionally save the routers and a plot; returns the report (with
+    ``router_file`` and ``plot_file`` when written)."""
     for out in (router_out, plot):
         if out is not None:
             io.check_output(out, force, inputs=(capture,))
@@ -202,9 +203,9 @@ def heads_file(
     progress.stage("heads: oracle curves" + (" and router training steps" if cache.has_hidden else ", layers"), len(cache.layers) * per_layer)
     report, routers = analyse_heads(cache, k, heldout, router=True, steps=steps, seed=seed, progress=lambda i: progress.advance(),
                                     tick=progress.advance if cache.has_hidden else None)
-    report["capture"] = str(capture)
+    written = {}
     if router_out is not None:
-        report["router_out"] = str(save_routers(router_out, routers, cache, report["k"], force=force))
+        written["router_file"] = str(save_routers(router_out, routers, cache, report["k"], force=force))
     if plot is not None:
-        report["plot"] = str(plot_curves(report, plot, force=force))
-    return report
+        written["plot_file"] = str(plot_curves(report, plot, force=force))
+    return {**report, **written}

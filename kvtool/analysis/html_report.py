@@ -251,7 +251,7 @@ def cut_summary(cache: Any, max_queries: int = 32) -> dict[str, Any]:
         if cache.has_queries:
             att = layer_attention(layer, cache.facts, settings, cache.attention_mask)
             atts[i] = att
-            summ = attention_summary(att, settings)["layer"]
+            summ = attention_summary(att, settings)["all_heads"]
             row["keys90_frac"], row["heads90_frac"] = summ["keys90_frac"], summ["heads90_frac"]
         per_layer.append(row)
     return {"layers": per_layer, "ratios": ratios, "attention": atts, "factor": settings.outlier_factor}

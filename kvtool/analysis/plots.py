@@ -387,12 +387,12 @@ def plot_curves(report: dict[str, Any], path: str | Path, force: bool = False) -
     check_output(path, force)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, rep in report["layers"].items():
-        ax.plot([r["density"] for r in rep["curve"]], [r["error"] for r in rep["curve"]], alpha=0.35, lw=1, label=f"oracle heads, layer {name}")
-    ax.plot([r["density"] for r in report["curve"]], [r["error"] for r in report["curve"]], "k-o", lw=2, ms=3, label="oracle heads, mean")
-    ax.plot([r["kv_traffic"] for r in report["group_curve"]], [r["error"] for r in report["group_curve"]], "b--s", ms=4, label="oracle KV groups (x = KV traffic)")
+        ax.plot([r["density"] for r in rep["curve"]], [r["rel_l2"] for r in rep["curve"]], alpha=0.35, lw=1, label=f"oracle heads, layer {name}")
+    ax.plot([r["density"] for r in report["curve"]], [r["rel_l2"] for r in report["curve"]], "k-o", lw=2, ms=3, label="oracle heads, mean")
+    ax.plot([r["traffic_ratio"] for r in report["group_curve"]], [r["rel_l2"] for r in report["group_curve"]], "b--s", ms=4, label="oracle KV groups (x = KV traffic)")
     for who, marker in (("router", "r*"), ("static", "g^"), ("random", "mx")):
         if who in report["at_k"]:
-            ax.plot([report["density"]], [report["at_k"][who]["error"]], marker, ms=10, label=f"{who} heads at k={report['k']}")
+            ax.plot([report["density"]], [report["at_k"][who]["rel_l2"]], marker, ms=10, label=f"{who} heads at k={report['k']}")
     ax.set_xlabel("attention density (heads computed / heads)")
     ax.set_ylabel("relative L2 error of the head outputs")
     ax.set_title(f"Selective head attention: {report['model']}", fontsize=9)

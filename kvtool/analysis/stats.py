@@ -467,7 +467,7 @@ def attention_summary(att: LayerAttention, settings: StatsSettings) -> dict[str,
         need = heads_for_norm(att.out_norm, m).float()
         layer[f"heads{mass_tag(m)}"] = float(need.mean())
         layer[f"heads{mass_tag(m)}_frac"] = float(need.mean() / h)
-    return {"layer": layer, "heads": heads}
+    return {"all_heads": layer, "heads": heads}
 
 
 def mass_tag(mass: float) -> str:
@@ -491,13 +491,15 @@ def kv_head_attention(summary: dict[str, Any], kv_head: int) -> dict[str, Any]:
 def outlier_consistency(outliers: dict[int, dict[int, list[int]]]) -> dict[str, Any]:
     """Whether outlier channels repeat across layers.
 
-    ``outliers``: {layer: {kv_head: [channels]}}. Returns, per KV head index, the channels that are
-    outliers in every layer (``persistent``), in two or more (``recurring``: channel -> layers) and the
-    mean Jaccard overlap of consecutive layers' sets; and over all (layer, head) pairs, how often each
-    channel index is an outlier (``by_channel``, most frequent first)."""
+    ``outliers``: {layer: {kv_head: [channels]}}. Returns ``per_kv_head``, one entry per KV head index:
+    the channels that are outliers in every layer (``persistent``), in two or more (``recurring``:
+    ``{"channel", "layers"}``) and the mean Jaccard overlap of consecutive layers' sets; and over all
+    (layer, head) pairs, how often each channel index is an outlier (``by_channel``: ``{"channel",
+    "pairs"}``, most frequent first). Lists of objects, so that channel and head numbers stay numbers
+    in JSON."""
     layers = sorted(outliers)
     heads = sorted({h for per in outliers.values() for h in per})
-    per_head: dict[int, Any] = {}
+    per_head: list[dict[str, Any]] = []
     for h in heads:
         sets = [set(outliers[l].get(h, [])) for l in layers]
         counts: dict[int, list[int]] = {}
@@ -505,17 +507,18 @@ def outlier_consistency(outliers: dict[int, dict[int, list[int]]]) -> dict[str, 
             for c in s:
                 counts.setdefault(c, []).append(l)
         jac = [len(a & b) / len(a | b) for a, b in zip(sets, sets[1:]) if a | b]
-        per_head[h] = {
+        per_head.append({
+            "kv_head": h,
             "persistent": sorted(set.intersection(*sets)) if sets else [],
-            "recurring": {c: ls for c, ls in sorted(counts.items()) if len(ls) >= 2},
+            "recurring": [{"channel": c, "layers": ls} for c, ls in sorted(counts.items()) if len(ls) >= 2],
             "jaccard_consecutive": float(np.mean(jac)) if jac else None,
-        }
+        })
     by_channel: dict[int, int] = {}
     for per in outliers.values():
         for chans in per.values():
             for c in chans:
                 by_channel[c] = by_channel.get(c, 0) + 1
-    ordered = dict(sorted(by_channel.items(), key=lambda kv: (-kv[1], kv[0])))
+    ordered = [{"channel": c, "pairs": n} for c, n in sorted(by_channel.items(), key=lambda kv: (-kv[1], kv[0]))]
     pairs = sum(len(per) for per in outliers.values())
     return {"per_kv_head": per_head, "by_channel": ordered, "layer_head_pairs": pairs}
 
@@ -541,7 +544,7 @@ def capture_stats(
 
     ``layers``/``kv_heads`` narrow the selection (default: all). ``attention``: True requires queries
     (BadDataError without them), None computes attention statistics when queries are there, False
-    skips them. Result keys: ``model``, ``settings``, ``selection``, ``layers`` (list of per-layer dicts
+    skips them. Result keys: ``model_facts``, ``settings``, ``selection``, ``layers`` (list of per-layer dicts
     with ``keys``/``values`` aggregates, ``heads`` per KV head, ``attention``), ``model_summary`` and
     ``outlier_consistency`` (for keys and values). The attention statistics (queries against every
     key) run on ``device``, one layer at a time; magnitudes are summed on the CPU."""
@@ -584,7 +587,7 @@ def capture_stats(
             entry["heads"].append(head_entry)
         if att is not None:
             entry["attention"] = att
-            att_layers.append(att["layer"])
+            att_layers.append(att["all_heads"])
         result_layers.append(entry)
         if progress is not None:
             progress(li)
@@ -594,7 +597,7 @@ def capture_stats(
     if att_layers:
         model_summary["attention"] = {k: float(np.mean([a[k] for a in att_layers])) for k in att_layers[0] if k != "queries"}
     return {
-        "model": facts.to_dict(),
+        "model_facts": facts.to_dict(),
         "tokens": cache.num_tokens,
         "batch": cache.batch_size,
         "settings": {
@@ -605,7 +608,7 @@ def capture_stats(
             "max_queries": settings.max_queries,
             "sink_tokens": settings.sink_tokens,
         },
-        "selection": {"layers": layers, "kv_heads": kv_heads, "attention": do_attention},
+        "selection": {"selected_layers": layers, "selected_kv_heads": kv_heads, "attention": do_attention},
         "layers": result_layers,
         "model_summary": model_summary,
         "outlier_consistency": {part: outlier_consistency(outl[part]) for part in ("keys", "values")},

@@ -111,6 +111,20 @@ def point_key(capture_sha: str, point: Point, heldout: int, model: str | None, g
     return json.dumps([capture_sha[:16], point.format, point.params, heldout, model or "", generate, layers or []], sort_keys=True)
 
 
+def upgrade_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A point read from an eval.json of an earlier kvtool in today's names: ``per_layer_rel_l2``
+    (a map by layer) becomes ``layers`` (a list of ``{"layer", "rel_l2"}``); the text
+    ``layers_compressed`` ("4/30") becomes ``compressed_layers`` and ``model_layers``."""
+    old = row.pop("per_layer_rel_l2", None)
+    if isinstance(old, dict):
+        row["layers"] = [{"layer": int(i), "rel_l2": v} for i, v in old.items()]
+    text = row.pop("layers_compressed", None)
+    if isinstance(text, str) and "/" in text:
+        row["model_layers"] = int(text.split("/")[1])
+        row.setdefault("compressed_layers", [e["layer"] for e in row.get("layers", [])])
+    return row
+
+
 def load_results(path: Path) -> dict[str, dict[str, Any]]:
     """Finished points from an earlier run's JSON (``{"points": [{"key": ..., ...}]}``), by key."""
     if not path.exists():
@@ -118,7 +132,7 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
     hint = f"{path} (pass --force to start afresh or use another --out-dir)"
     # eval's own state, rewritten by this run: read with the bounds, not recorded as an input
     data = read_json_input(path, hint, error=UsageError, record=False)
-    return {p["key"]: p for p in check_eval_points(data, hint, UsageError) if isinstance(p.get("key"), str)}
+    return {p["key"]: upgrade_row(p) for p in check_eval_points(data, hint, UsageError) if isinstance(p.get("key"), str)}
 
 
 def summarize(att: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:

@@ -67,13 +67,13 @@ def verify_file(
         raise BadDataError(f"the capture lacks layer {missing[0]}, which the compressed file holds")
     tail = int(heldout if heldout is not None else cc.info.get("heldout", 0) or 0)
     source = open_capture(source_path, layers=cc.layer_indices, parts=("queries",) if tail > 0 else (), query_tail=tail)
-    report: dict[str, Any] = {"file": str(compressed), "capture": str(source_path), "model_facts": cc.facts.name}
+    report: dict[str, Any] = {"capture": str(source_path), "model_facts": cc.facts.to_dict()}
     progress = or_silent(progress)
     progress.stage("attention fidelity, layers", len(cc.layer_indices))
     report["attention"] = attention_fidelity(cc, source, heldout, backend, progress=lambda i: progress.advance(), device=devices)
     spec = default_model_spec(cc.facts, model) if use_model else None
     if spec is None:
-        report["model"] = None
+        report["model_fidelity"] = None
         report["model_skipped"] = "--no-model" if not use_model else (
             f"the capture came from {cc.facts.name} ({cc.facts.source}); pass --model to score the continuation"
         )
@@ -89,15 +89,15 @@ def verify_file(
     with layer_calls(mdl, progress, f"dense pass (prefill, continuation, {generate} generated)", 2 + steps):
         ref = dense_reference(mdl, cc.token_ids, cc.prefix_tokens, generate, source, name)
     with layer_calls(mdl, progress, f"compressed pass (continuation, {generate} generated)", 1 + steps):
-        report["model"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
-    report["model"]["name"] = name
+        report["model_fidelity"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
+    report["model_fidelity"]["model"] = name
     return report
 
 
 def check_thresholds(report: dict[str, Any], max_nll_increase: float | None, min_agreement: float | None, max_error: float | None) -> list[str]:
     """Human-readable lines for every threshold missed."""
     missed = []
-    model = report.get("model")
+    model = report.get("model_fidelity")
     if max_error is not None:
         err = report["attention"]["overall"]["rel_l2"]
         if not err <= max_error:

@@ -170,6 +170,16 @@ def one_line(text: str, first_line_only: bool = False) -> str:
     return out if len(out) <= MAX_MESSAGE else out[: MAX_MESSAGE - 3] + "..."
 
 
+# the error types a failing --json command reports (docs/cli.md and the JSON schema list them)
+ERROR_TYPES = ("BadDataError", "UsageError", "InternalError", "Interrupted")
+
+
+def error_type(exc: KvtoolError) -> str:
+    """The documented type of a kvtool error: its exit code says which (a subclass such as
+    OutputExistsError is reported as the UsageError it is)."""
+    return "UsageError" if exc.exit_code == 2 else "BadDataError"
+
+
 def _fail(exc_type: str, message: str, exit_code: int, json_mode: bool) -> None:
     message = one_line(message)
     if json_mode:
@@ -201,7 +211,7 @@ def kvtool_command(fn: Callable) -> Callable:
         except KvtoolError as exc:
             if debug:
                 err_console.print_exception()
-            _fail(type(exc).__name__, str(exc), exc.exit_code, json_mode)
+            _fail(error_type(exc), str(exc), exc.exit_code, json_mode)
         except KeyboardInterrupt:
             if json_mode:  # a script parsing stdout still gets its one object
                 sys.stdout.write(to_json_text(error_object("Interrupted", "interrupted (Ctrl-C)", 130)))
@@ -213,7 +223,7 @@ def kvtool_command(fn: Callable) -> Callable:
                 err_console.print_exception()
             # the first line of a foreign error (torch's C++ frames, a library's coloured log follow it)
             what = one_line(str(exc), first_line_only=True) or "no message"
-            _fail(type(exc).__name__, f"{type(exc).__name__}: {what} (run with --debug for the traceback)", 1, json_mode)
+            _fail("InternalError", f"{type(exc).__name__}: {what} (run with --debug for the traceback)", 1, json_mode)
 
     return wrapper
 
@@ -298,11 +308,13 @@ def make_table(title: str | None, columns: Iterable[str], rows: Iterable[Iterabl
     for c in columns:
         table.add_column(Text(c), justify="left" if c in LEFT_COLUMNS else "right", overflow="fold")
     for r in rows:
-        table.add_row(*[Text(fmt_value(v)) for v in r])
+        table.add_row(*[v if isinstance(v, Text) else Text(fmt_value(v)) for v in r])
     return table
 
 
 def fmt_value(v: Any) -> str:
+    """A table cell: floats with 4 decimals (docs/cli.md), in scientific notation below 0.0001 or
+    from a million up; None as ``-``; booleans as yes/no."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -310,10 +322,32 @@ def fmt_value(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "nan"
-        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
+        if v != 0 and (abs(v) < 1e-4 or abs(v) >= 1e6):
             return f"{v:.3e}"
-        return f"{v:.4g}"
+        return f"{v:.4f}"
     return str(v)
+
+
+# how a fidelity number's band (kvtool.analysis.bands) is shown: colour on a terminal; the verdict
+# lines say it in words, for logs and NO_COLOR
+GRADE_STYLE = {"good": "green", "fair": "yellow", "poor": "bold red", "noise": "dim"}
+
+
+def graded(metric: str, value: Any, text: str | None = None) -> Text:
+    """A table cell for a fidelity metric, coloured by its band (good/fair/poor; a negative NLL
+    increase dim, as noise)."""
+    from kvtool.analysis.bands import grade  # deferred: only tables of fidelity numbers need it
+
+    return Text(text if text is not None else fmt_value(value), style=GRADE_STYLE.get(grade(metric, value) or "", ""))
+
+
+def verdict(values: dict[str, Any]) -> str | None:
+    """One line that reads the numbers: ``reading: rel L2 0.3340 fair, cosine 0.9329 poor, ...``
+    (the bands are in docs/fidelity.md, section Reading the numbers)."""
+    from kvtool.analysis.bands import BANDS, grade  # deferred: only tables of fidelity numbers need it
+
+    parts = [f"{BANDS[m].label} {fmt_value(v)} {grade(m, v)}" for m, v in values.items() if v is not None and grade(m, v)]
+    return ("reading: " + ", ".join(parts)) if parts else None
 
 
 def fmt_bytes(n: int | float) -> str:

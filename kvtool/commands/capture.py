@@ -18,6 +18,7 @@ from kvtool.commands._common import (
     example_epilog,
     fmt_bytes,
     make_table,
+    show,
     stage_callback,
 )
 from kvtool.core.progress import Progress
@@ -58,10 +59,11 @@ def print_captured(outcome: Outcome) -> None:
     from kvtool.core.cache import format_indices  # deferred: start-up time
 
     summary, f, info, path = outcome.data, outcome.view["facts"], outcome.view["info"], outcome.view["path"]
-    kept = summary["layers"]
-    saved = ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", summary["queries"]), ("hidden", summary["hidden"])) if on)
-    if summary["queries"] and summary["query_layers"] != kept:
-        saved += f" (queries of layers {format_indices(summary['query_layers'])})"
+    kept = [e["layer"] for e in summary["layers"]]
+    with_queries = [e["layer"] for e in summary["layers"] if e["queries"]]
+    saved = ", ".join(p for p, on in (("keys", True), ("values", True), ("queries", bool(with_queries)), ("hidden", summary["hidden"])) if on)
+    if with_queries and with_queries != kept:
+        saved += f" (queries of layers {format_indices(with_queries)})"
     rows = [
         ("model", f"{f.name} ({f.architecture})"),
         ("layers", f"{len(kept)} of {f.num_layers} ({format_indices(kept)})"),
@@ -72,7 +74,8 @@ def print_captured(outcome: Outcome) -> None:
         ("time", f"{summary['seconds']:.1f} s ({fmt_bytes(summary['bytes_written'] / max(summary['seconds'], 1e-9))}/s)"),
     ]
     console.print(make_table(f"captured {path}", ["what", "value"], rows))
-
+    for text in summary["generated_text"] or []:
+        show("generated: [bold]{}[/bold]", text)
 
 
 @declare(
@@ -175,20 +178,14 @@ def capture(
     info = result["info"]
     kept = result["layers"]
     summary = {
-        "output": str(path),
         "model": f.name,
-        "architecture": f.architecture,
-        "layers": kept,
+        "model_facts": f.to_dict(),
+        "layers": [{"layer": i, "queries": i in result["query_layers"]} for i in kept],
         "batch": result["batch"],
         "tokens": result["tokens"],
         "prefill_tokens": info["prefill_tokens"],
         "generated_tokens": info["generated_tokens"],
-        "heads": f.num_heads,
-        "kv_heads": f.num_kv_heads,
-        "head_dim": f.head_dim,
-        "dtype": f.dtype,
-        "queries": queries,
-        "query_layers": result["query_layers"],
+        "generated_text": info.get("generated_text"),
         "hidden": hidden,
         "chunk_size": info.get("chunk_size"),
         "bytes_written": path.stat().st_size,

@@ -39,7 +39,7 @@ def print_report(report: dict[str, Any]) -> None:
     show("[bold]{}[/bold] ({})  layers {}, {} tokens compressed, {} held out dense", report["format"], params,
          len(report["layers"]), report["prefix_tokens"], report["heldout"])
     rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}") for part, n in report["bytes_by_part"].items()]
-    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{report['compression_rate_percent']:.2f}"))
+    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{100 * report['storage_ratio']:.2f}"))
     rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00"))
     console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense %"], rows))
     details = report.get("details") or {}
@@ -141,7 +141,7 @@ def decompress(
     from kvtool.formats.files import decompress_file  # deferred: start-up time
 
     cache, path = decompress_file(compressed, output, force)
-    result = {"output": str(path), "format": cache.info["format"], "tokens": cache.num_tokens, "layers": cache.layer_indices}
+    result = {"format": cache.info["format"], "tokens": cache.num_tokens, "layers": [{"layer": i} for i in cache.layer_indices]}
     return Outcome(result, input=compressed, output=path)
 
 

@@ -14,6 +14,7 @@ from kvtool.commands._catalog import format_summaries
 from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
+    graded,
     ModelOpt,
     NoModelOpt,
     model_choice,
@@ -76,6 +77,17 @@ NLL_NOTE = ("* a negative NLL increase means the compressed cache predicted this
             "dense one; at this size it is noise from one text, not a gain")
 
 
+BAND_NOTE = "colours: green good, yellow fair, red poor (bands: docs/fidelity.md, Reading the numbers)"
+
+
+def _graded_cells(r: dict[str, Any]) -> list[Any]:
+    """rel L2, cosine, recall, NLL increase and agreement of a row, each coloured by its band."""
+    nll = r.get("nll_increase")
+    return [graded("rel_l2", r.get("rel_l2"), fmt_fixed(r.get("rel_l2"))), graded("cosine", r.get("cosine"), fmt_fixed(r.get("cosine"))),
+            graded("recall", r.get("recall"), fmt_fixed(r.get("recall"))), graded("nll_increase", nll, fmt_nll(nll)),
+            graded("agreement", r.get("agreement"), fmt_fixed(r.get("agreement")))]
+
+
 def print_results(result: dict[str, Any]) -> None:
     rows = result["rows"]
     multi = len({r["capture"] for r in rows}) > 1
@@ -83,8 +95,7 @@ def print_results(result: dict[str, Any]) -> None:
 
     def cells(r: dict[str, Any]) -> list[Any]:
         return ([Path(r["capture"]).name] if multi else []) + [
-            r["format"], r["params_text"], _pct(r.get("storage_ratio")), _pct(r.get("traffic_ratio")), fmt_fixed(r.get("rel_l2")),
-            fmt_fixed(r.get("cosine")), fmt_fixed(r.get("recall")), fmt_nll(r.get("nll_increase")), fmt_fixed(r.get("agreement")),
+            r["format"], r["params_text"], _pct(r.get("storage_ratio")), _pct(r.get("traffic_ratio")), *_graded_cells(r),
         ]
 
     with_model = any(r.get("nll_increase") is not None or r.get("agreement") is not None for r in rows)
@@ -98,19 +109,21 @@ def print_results(result: dict[str, Any]) -> None:
         def cells(r: dict[str, Any]) -> list[Any]:  # noqa: F811
             if r.get("relative_nll_increase_mean") is None:
                 return plain(r) + [None, None]
-            return plain(r) + [f"{100 * r['relative_nll_increase_mean']:+.2f}% [{100 * r['relative_nll_increase_lo']:+.2f}, {100 * r['relative_nll_increase_hi']:+.2f}]",
-                               f"{r['agreement_mean']:.3f} [{r['agreement_lo']:.3f}, {r['agreement_hi']:.3f}]"]
+            rel = r["relative_nll_increase_mean"]
+            return plain(r) + [graded("relative_nll_increase", rel, f"{100 * rel:+.2f}%{'*' if rel < 0 else ''} [{100 * r['relative_nll_increase_lo']:+.2f}, {100 * r['relative_nll_increase_hi']:+.2f}]"),
+                               graded("agreement", r["agreement_mean"], f"{r['agreement_mean']:.4f} [{r['agreement_lo']:.4f}, {r['agreement_hi']:.4f}]")]
     if sweep:
         console.print(make_table(title, cols, [cells(r) for r in sweep]))
     paper = [r for r in rows if r.get("comparison") is not None and not r.get("skipped")]
     pcols = (["capture"] if multi else []) + ["variant", "stored %", "rel L2", "cosine", "recall", "NLL + (nats/token)", "agreement"]
     for comparison in dict.fromkeys(r["comparison"] for r in paper):
-        prow = [([Path(r["capture"]).name] if multi else []) + [r["label"], _pct(r.get("storage_ratio")), fmt_fixed(r.get("rel_l2")), fmt_fixed(r.get("cosine")),
-                                                                 fmt_fixed(r.get("recall")), fmt_nll(r.get("nll_increase")), fmt_fixed(r.get("agreement"))]
+        prow = [([Path(r["capture"]).name] if multi else []) + [r["label"], _pct(r.get("storage_ratio")), *_graded_cells(r)]
                 for r in paper if r["comparison"] == comparison]
         console.print(make_table(comparison, pcols, prow))
-    if any((r.get("nll_increase") or 0) < 0 for r in sweep + paper):
+    if any((r.get("nll_increase") or 0) < 0 or (r.get("relative_nll_increase_mean") or 0) < 0 for r in sweep + paper):
         console.print(NLL_NOTE, markup=False)
+    if sweep or paper:
+        console.print(BAND_NOTE, markup=False)
     absent = sorted({r["format"] for r in rows if r.get("skipped", "").endswith("is not in this kvtool")})
     if absent:
         n = sum(1 for r in rows if r["format"] in absent)

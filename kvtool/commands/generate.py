@@ -51,6 +51,7 @@ def generate(
 
     progress.stage(f"loading the model for {source.name} and generating {max_new_tokens} tokens")
     result = generate_from(source, prompt=prompt, model=model, max_new_tokens=max_new_tokens, device=device, mode=mode)
+    result.pop("file", None)  # the envelope's input
     return Outcome(result, input=source)
 
 def register(app: typer.Typer) -> None:

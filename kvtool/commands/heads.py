@@ -24,31 +24,32 @@ ORDER = 45
 SHORT_HELP = "Attention-head selection: oracle error curve and trained routers"
 
 
-def print_report(rep: dict[str, Any]) -> None:
+def print_report(rep: dict[str, Any], capture: Any = None, router_file: Any = None) -> None:
     show("[bold]{}[/bold]: {} heads, {} KV heads, {} tokens; router trained on the first {} tokens, scored on the last {}",
-         rep["capture"], rep["heads"], rep["kv_heads"], rep["tokens"], rep["tokens"] - rep["heldout"], rep["heldout"])
-    rows = [(r["k"], f"{r['density']:.3f}", r["error"], f"{r['kv_traffic']:.3f}") for r in rep["curve"]]
+         capture, rep["num_heads"], rep["num_kv_heads"], rep["tokens"], rep["tokens"] - rep["heldout"], rep["heldout"])
+    rows = [(r["k"], f"{r['density']:.3f}", r["rel_l2"], f"{r['traffic_ratio']:.3f}") for r in rep["curve"]]
     console.print(make_table("oracle top-k heads by output norm (mean over layers, every token)", ["k", "head density k/H", "rel. L2 error", "KV traffic"], rows))
-    rows = [(r["groups"], f"{r['kv_traffic']:.3f}", r["error"]) for r in rep["group_curve"]]
+    rows = [(r["groups"], f"{r['traffic_ratio']:.3f}", r["rel_l2"]) for r in rep["group_curve"]]
     console.print(make_table("oracle top KV groups (whole GQA groups)", ["groups", "KV traffic", "rel. L2 error"], rows))
     rows = []
     for name, lrep in rep["layers"].items():
         a = lrep["at_k"]
-        rows.append((name, a["oracle"]["error"], a.get("router", {}).get("recall"), a.get("router", {}).get("error"), a["static"]["recall"], a["static"]["error"], a["random"]["recall"], a["random"]["error"]))
+        rows.append((name, a["oracle"]["rel_l2"], a.get("router", {}).get("recall"), a.get("router", {}).get("rel_l2"), a["static"]["recall"], a["static"]["rel_l2"], a["random"]["recall"], a["random"]["rel_l2"]))
     s = rep["at_k"]
-    rows.append(("mean", s["oracle"]["error"], s.get("router", {}).get("recall"), s.get("router", {}).get("error"), s["static"]["recall"], s["static"]["error"], s["random"]["recall"], s["random"]["error"]))
+    rows.append(("mean", s["oracle"]["rel_l2"], s.get("router", {}).get("recall"), s.get("router", {}).get("rel_l2"), s["static"]["recall"], s["static"]["rel_l2"], s["random"]["recall"], s["random"]["rel_l2"]))
     console.print(
         make_table(
-            f"k = {rep['k']} of {rep['heads']} heads (density {rep['density']:.3f}), held-out tokens",
+            f"k = {rep['k']} of {rep['num_heads']} heads (density {rep['density']:.3f}), held-out tokens",
             ["layer", "oracle err", "router recall", "router err", "static recall", "static err", "random recall", "random err"],
             rows,
         )
     )
     if rep.get("router_skipped"):
         show("[yellow]router skipped:[/yellow] {}", rep["router_skipped"])
-    for key, what in (("router_out", "routers"), ("plot", "plot")):
-        if key in rep:
-            show("wrote {} to {}", what, rep[key])
+    if router_file is not None:
+        show("wrote routers to {}", router_file)
+    if rep.get("plot_file"):
+        show("wrote plot to {}", rep["plot_file"])
 
 
 @declare(
@@ -61,7 +62,7 @@ def print_report(rep: dict[str, Any]) -> None:
         "kvtool heads sample:",
         "kvtool heads sample: --top-k 3 -o routers.safetensors --plot-output heads.png --json",
     ),
-    render=lambda outcome: print_report(outcome.data),
+    render=lambda outcome: print_report(outcome.data, outcome.input, outcome.output),
 )
 def heads(
     capture: CaptureArg,
@@ -88,7 +89,8 @@ def heads(
     output = output or router_out_old
     plot_output = plot_output or plot_old
     report = heads_file(capture, top_k, heldout, layers, output, plot_output, steps, seed, force, progress=progress)
-    return Outcome(report, input=capture, output=report.get("router_out"))
+    router_file = report.pop("router_file", None)  # the envelope's output
+    return Outcome(report, input=capture, output=router_file)
 
 def register(app: typer.Typer) -> None:
     add_commands(app, heads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import typer
@@ -38,14 +39,38 @@ def readable(value: Any) -> str:
     return str(value)
 
 
+def held_layers(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The model layers a file holds, each with the parts stored for it (``keys``, ``values``,
+    ``queries``, ``hidden`` of a capture; ``keys``, ``values``, ``window`` of a compressed layer; ``tails``:
+    the dense held-out tokens), from its tensor names ``layers.<i>.<part>...`` and ``tails.<i>.<part>``."""
+    parts: dict[int, list[str]] = {}
+    for t in data["tensors"]:
+        m = re.match(r"(layers|tails)\.(\d+)\.(\w+)", t["name"])
+        if m:
+            part = "tails" if m.group(1) == "tails" else m.group(3)
+            have = parts.setdefault(int(m.group(2)), [])
+            if part not in have:
+                have.append(part)
+    order = ("keys", "values", "queries", "hidden", "window", "tails")
+    rank = lambda part: order.index(part) if part in order else len(order)  # noqa: E731
+    return [{"layer": i, "parts": sorted(p, key=rank)} for i, p in sorted(parts.items())]
+
+
 def print_info(outcome: Outcome) -> None:
+    from kvtool.core.cache import format_indices  # deferred: start-up time
+
     data = outcome.data
     meta = data["metadata"]
     model = meta.get("kvtool.model", {})
-    show("[bold]{}[/bold]: {} v{} (kvtool {})", data["path"], data["schema"], data["schema_version"], meta.get("kvtool.version", "?"))
+    show("[bold]{}[/bold]: {} v{} (kvtool {})", outcome.input, data["schema"], data["schema_version"], meta.get("kvtool.version", "?"))
     show("model {} ({}): {} layers, {} heads, {} KV heads, head_dim {}, dtype {}, RoPE applied: {}", model.get("name"), model.get("architecture"),
          model.get("num_layers"), model.get("num_heads"), model.get("num_kv_heads"), model.get("head_dim"), model.get("dtype"),
          readable(model.get("rope_applied")))
+    held = data["layers"]
+    if held:
+        kinds = sorted({tuple(e["parts"]) for e in held})
+        what = "; ".join(", ".join(k) for k in kinds) if len(kinds) > 1 else ", ".join(kinds[0])
+        show("[bold]holds {} of the model's {} layers: {}[/bold] ({})", len(held), model.get("num_layers"), format_indices([e["layer"] for e in held]), what)
     rows = []
     if "kvtool.format" in meta:
         rows.append(("format", readable(meta["kvtool.format"])))
@@ -76,8 +101,9 @@ def info(path: InputArg, *, progress: Progress) -> Outcome:
     from kvtool.formats.files import file_info  # deferred: start-up time
 
     data = file_info(path)
+    data.pop("path", None)  # the envelope's input
     version = data.get("schema_version")
-    return Outcome({**data, "schema_version": int(version) if str(version).isdigit() else version}, input=path)
+    return Outcome({**data, "schema_version": int(version) if str(version).isdigit() else version, "layers": held_layers(data)}, input=path)
 
 
 def register(app: typer.Typer) -> None:

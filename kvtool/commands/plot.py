@@ -32,7 +32,7 @@ IMAGE_TYPES = ("png", "svg", "pdf")
 def print_plots(outcome: Outcome) -> None:
     result = outcome.data
     rows = [(f["kind"], f["layer"], f["head"], f["part"], f["path"]) for f in result["files"]]
-    console.print(make_table(f"{len(rows)} figures in {result['out']}", ["what", "layer", "head", "part", "file"], rows))
+    console.print(make_table(f"{len(rows)} figures in {outcome.output}", ["what", "layer", "head", "part", "file"], rows))
     for skipped in result["skipped"]:
         show("skipped {}: {}", skipped["kind"], skipped["reason"])
     if result["index"]:
@@ -83,7 +83,9 @@ def plot(
         raise UsageError(f"unknown {option} {image_type!r}: choose one of {', '.join(IMAGE_TYPES)}")
     settings = StatsSettings(outlier_factor=outlier_factor, max_queries=queries)
     result = plot_file(capture, out_dir, image_type, layer, head, all_plots, layers, heads, what, settings, force, progress=progress)
-    return Outcome(result, input=capture, output=result["out"])
+    folder = result.pop("out")  # the envelope's output
+    result["image_type"] = result.pop("format")
+    return Outcome(result, input=capture, output=folder)
 
 def register(app: typer.Typer) -> None:
     add_commands(app, plot)

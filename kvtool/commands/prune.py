@@ -33,7 +33,7 @@ def print_pruned(outcome: Outcome) -> None:
     report = outcome.data
     show("[bold]{}[/bold]: target key sparsity {}, value sparsity {}; the last {} tokens untouched (--dense-window)",
          report["method"], report["key_sparsity"], report["value_sparsity"], report["dense_window"])
-    rows = [(layer, v["achieved_key_sparsity"], v["achieved_value_sparsity"]) for layer, v in report["per_layer"].items()]
+    rows = [(e["layer"], e["achieved_key_sparsity"], e["achieved_value_sparsity"]) for e in report["layers"]]
     rows.append(("all", report["achieved_key_sparsity"], report["achieved_value_sparsity"]))
     console.print(make_table("achieved sparsity (of the pruned tokens)", ["layer", "keys", "values"], rows))
     show("wrote {}", report["output"])

@@ -10,6 +10,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    graded,
     ModelOpt,
     NoModelOpt,
     model_choice,
@@ -18,6 +19,7 @@ from kvtool.commands._common import (
     example_epilog,
     make_table,
 )
+from kvtool.commands.eval import NLL_NOTE, fmt_nll
 from kvtool.commands.verify import THRESHOLD_HELP
 from kvtool.core.progress import Progress
 
@@ -44,19 +46,16 @@ def plan_paths(output: Path, budgets: list[dict[str, Any]]) -> list[Path]:
     return [output.with_name(f"{output.stem}-{100 * b['fraction']:.0f}{output.suffix or '.json'}") for b in budgets]
 
 
-def _pct(v: float | None, signed: bool = False) -> str:
-    if v is None:
-        return "-"
-    return f"{100 * v:+.2f}%" if signed else f"{100 * v:.1f}%"
-
-
-def _ci(iv: dict[str, Any], pct: bool = True, signed: bool = True) -> str:
+def _ci(iv: dict[str, Any]) -> str:
+    """``mean [lo, hi]`` with 4 decimals (signed for NLL increases, ``*`` on a negative mean)."""
     if not iv or iv.get("mean") is None:
         return "-"
-    f = (lambda v: _pct(v, signed)) if pct else (lambda v: f"{v:.3f}")
+    signed = iv["mean"] < 0 or (iv.get("lo") is not None and iv["lo"] < 0)
+    f = (lambda v: f"{v:+.4f}") if signed else (lambda v: f"{v:.4f}")
+    star = "*" if iv["mean"] < 0 else ""
     if iv["n"] < 2:
-        return f(iv["mean"])
-    return f"{f(iv['mean'])} [{f(iv['lo'])}, {f(iv['hi'])}]"
+        return f(iv["mean"]) + star
+    return f"{f(iv['mean'])}{star} [{f(iv['lo'])}, {f(iv['hi'])}]"
 
 
 def gate(result: dict[str, Any], limit: tuple[float, bool] | None) -> list[str]:
@@ -96,18 +95,28 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
         check = b.get("check")
         if check:
             cases = result["cases"]
-            cols = ["format", "stored %", f"NLL + ({cases[0]})", f"top-1 ({cases[0]})", f"KL ({cases[0]})"]
+            cols = ["format", "stored %", f"NLL + ({cases[0]}, nats/token)", f"top-1 ({cases[0]})", f"KL ({cases[0]}, nats)"]
             if len(cases) > 1:
-                cols += [f"NLL + mean [95%] ({len(cases)} texts)", "top-1 mean [95%]"]
+                cols += [f"NLL + mean [95%] over {len(cases)} cases", "top-1 mean [95%]"]
             table_rows = []
+            negative = False
             for label, sc in check.items():
                 c0 = sc["cases"][0]
                 name = label if label == b["plan_label"] else f"uniform {label}" + (" (best within budget)" if label == b["best_uniform"] else (" (cheapest with >= the plan's bytes)" if label == b.get("uniform_above") else ""))
-                row = [name, f"{100 * c0['stored_ratio']:.2f}", _pct(c0["relative_nll_increase"], True), f"{c0['agreement']:.3f}", f"{c0['kl']:.4f}"]
+                row = [name, f"{100 * c0['stored_ratio']:.2f}", graded("nll_increase", c0["nll_increase"], fmt_nll(c0["nll_increase"])),
+                       graded("agreement", c0["agreement"]), graded("kl", c0["kl"])]
+                negative |= c0["nll_increase"] < 0
                 if len(cases) > 1:
-                    row += [_ci(sc["relative_nll_increase"]), _ci(sc["agreement"], pct=False)] if len(sc["cases"]) > 1 else ["-", "-"]
+                    if len(sc["cases"]) > 1:
+                        iv = sc["nll_increase"]
+                        negative |= iv["mean"] < 0
+                        row += [graded("nll_increase", iv["mean"], _ci(iv)), graded("agreement", sc["agreement"]["mean"], _ci(sc["agreement"]))]
+                    else:
+                        row += ["-", "-"]
                 table_rows.append(row)
             console.print(make_table(f"model check on {result['model']} (continuation of {result['heldout']} tokens)", cols, table_rows))
+            if negative:
+                console.print(NLL_NOTE, markup=False)
         else:
             fit = sorted(b["uniform"], key=lambda r: r["loss"])[:3]
             if fit:
@@ -119,6 +128,42 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
     if result.get("dropped"):
         console.print("candidates dropped: " + "; ".join(f"{k} ({v})" for k, v in result["dropped"].items()))
     console.print(f"{result['seconds']} s in all")
+
+
+def _stored(row: dict[str, Any]) -> dict[str, Any]:
+    """A predicted or uniform row in the JSON contract's names: ``bytes`` -> ``stored_bytes``,
+    ``ratio`` -> ``storage_ratio``, ``exact_*`` likewise."""
+    names = {"bytes": "stored_bytes", "ratio": "storage_ratio", "exact_bytes": "exact_stored_bytes", "exact_ratio": "exact_storage_ratio"}
+    return {names.get(k, k): v for k, v in row.items()}
+
+
+def _check_json(check: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A budget's model check as a list of ``{"setting", ...}`` (the settings are specs, not keys),
+    each case's ``stored_ratio`` as ``storage_ratio``."""
+    if check is None:
+        return None
+    out = []
+    for label, scores in check.items():
+        cases = [{("storage_ratio" if k == "stored_ratio" else k): v for k, v in c.items()} for c in scores["cases"]]
+        out.append({"setting": label, **{k: v for k, v in scores.items() if k != "cases"}, "cases": cases})
+    return out
+
+
+def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str]) -> dict[str, Any]:
+    """The ``--json`` object of recommend (docs/cli.md): the capture is the envelope's ``input``;
+    each budget with its plan (the plan file's content, docs/formats.md) and ``plan_file``."""
+    budgets = []
+    for b, path in zip(result["budgets"], paths):
+        entry = {("budget_spec" if k == "budget" else k): v for k, v in b.items() if k not in ("plan", "predicted", "uniform", "check")}
+        entry.update(predicted=_stored(b["predicted"]), uniform=[_stored(r) for r in b["uniform"]], check=_check_json(b.get("check")),
+                     plan=b["plan"].to_dict(), plan_file=str(path))
+        budgets.append(entry)
+    sensitivity = {**result["sensitivity"], "uniform": [_stored(r) for r in result["sensitivity"]["uniform"]]}
+    out = {**{k: v for k, v in result.items() if k != "capture"}, "sensitivity": sensitivity, "budgets": budgets,
+           "gate": {"missed": missed, "passed": not missed}}
+    if "layer_weights" in result:
+        out["layer_weights"] = [{"layer": int(i), "weight": w} for i, w in sorted(result["layer_weights"].items())]
+    return out
 
 
 def print_recommended(outcome: Outcome) -> None:
@@ -188,9 +233,7 @@ def recommend(
             io.check_output(path, force)
         save_plan(b["plan"], path, force=True)
     missed = gate(result, limit)
-    data = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
-                                   "plan": b["plan"].to_dict(), "plan_file": str(p)}
-                                  for b, p in zip(result["budgets"], paths)], "gate": {"missed": missed, "passed": not missed}}
+    data = recommend_json(result, paths, missed)
     return Outcome(data, input=capture, output=paths[0] if len(paths) == 1 else None, view={"result": result, "paths": paths, "missed": missed},
                    exit_code=1 if missed else 0)
 

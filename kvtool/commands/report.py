@@ -70,7 +70,8 @@ def report(
     text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress)
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())
-    summary["budgets"] = [{("budget_spec" if k == "budget" else k): v for k, v in b.items()} for b in summary.get("budgets", [])]
+    names = {"budget": "budget_spec", "stored_ratio": "storage_ratio"}
+    summary["budgets"] = [{names.get(k, k): v for k, v in b.items()} for b in summary.get("budgets", [])]
     return Outcome(summary, input=capture, output=output)
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,8 @@ from kvtool.core.errors import UsageError
 from kvtool.commands._common import DEVICES_HELP
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    graded,
+    verdict,
     ModelOpt,
     NoModelOpt,
     model_choice,
@@ -41,6 +43,15 @@ def parse_threshold(value: float | None, option: str, lo: float | None = None, h
     return value
 
 
+def headline(report: dict[str, Any]) -> dict[str, float | None]:
+    """The numbers a reading of the result starts from: overall attention error, cosine, worst
+    cosine and recall, and with the model NLL increase, agreement and KL."""
+    att, model = report["attention"], report.get("model_fidelity") or {}
+    o = att["overall"]
+    return {"rel_l2": o["rel_l2"], "cosine": o["cosine"], "min_cosine": o.get("min_cosine"), "recall": (att.get("recall") or {}).get("recall"),
+            "nll_increase": model.get("nll_increase"), "agreement": model.get("agreement"), "kl": model.get("kl")}
+
+
 def print_report(report: dict[str, Any]) -> None:
     att = report["attention"]
     params = params_text(att["params"])
@@ -48,41 +59,41 @@ def print_report(report: dict[str, Any]) -> None:
          report["capture"], att["heldout"], att["prefix_tokens"], att["backend"], att["device"])
     triton = att["backend"] == "triton"
     cols = ["layer", "rel L2", "cosine", "min cos", "max abs", "recall", "stored %", "traffic %"] + (["kernel vs torch"] if triton else [])
-    rows = []
-    for i, r in att["layers"].items():
-        e = r["errors"]
-        row = [str(i), e["rel_l2"], e["cosine"], e["min_cosine"], e["max_abs"], r["recall"]["recall"] if "recall" in r else None,
-               100 * r["stored_bytes"] / r["dense_bytes"], 100 * r["traffic_bytes"] / r["dense_bytes"]]
-        if triton:
-            row.append(r["kernel_vs_torch"]["rel_l2"])
-        rows.append(row)
-    o = att["overall"]
-    row = ["all", o["rel_l2"], o["cosine"], o["min_cosine"], o["max_abs"], att["recall"]["recall"] if att["recall"] else None,
-           100 * att["storage_ratio"], 100 * att["traffic_ratio"]]
-    if triton:
-        row.append(att["kernel_vs_torch"]["rel_l2"])
-    rows.append(row)
+
+    def cells(name: str, e: dict[str, Any], recall: float | None, stored: float, traffic: float, kernel: dict[str, Any] | None) -> list[Any]:
+        row = [name, graded("rel_l2", e["rel_l2"]), graded("cosine", e["cosine"]), graded("min_cosine", e["min_cosine"]), e["max_abs"],
+               graded("recall", recall), f"{100 * stored:.2f}", f"{100 * traffic:.2f}"]
+        return row + ([kernel["rel_l2"]] if triton and kernel else [])
+
+    layers = att["layers"].items() if isinstance(att["layers"], dict) else ((r["layer"], r) for r in att["layers"])
+    rows = [cells(str(i), r["errors"], r["recall"]["recall"] if "recall" in r else None, r["stored_bytes"] / r["dense_bytes"],
+                  r["traffic_bytes"] / r["dense_bytes"], r.get("kernel_vs_torch")) for i, r in layers]
+    rows.append(cells("all", att["overall"], att["recall"]["recall"] if att["recall"] else None, att["storage_ratio"], att["traffic_ratio"],
+                      att.get("kernel_vs_torch")))
     console.print(make_table("attention output on held-out queries (vs dense attention)", cols, rows))
-    model = report.get("model")
+    model = report.get("model_fidelity")
     if model is None:
         show("model-level fidelity skipped: {}", report.get("model_skipped"))
-        return
-    mrows = [
-        ("model", model["name"]),
-        ("layers compressed", f"{len(model['layers_compressed'])} of {model['model_layers']}"),
-        ("NLL dense (nats/token)", model["nll_dense"]),
-        ("NLL lossy", model["nll_lossy"]),
-        ("NLL increase (nats/token)", fmt_nll(model["nll_increase"])),
-        ("perplexity ratio", model["ppl_ratio"]),
-        ("top-1 agreement", model["agreement"]),
-        ("KL(dense || lossy) mean", model["kl"]),
-        ("KL max", model["max_kl"]),
-    ]
-    if "first_divergence" in model:
-        mrows.append(("greedy tokens until divergence", f"{model['first_divergence']} of {model['generate']}"))
-    console.print(make_table(f"continuation of {model['positions']} tokens through the model", ["what", "value"], mrows))
-    if model["nll_increase"] is not None and model["nll_increase"] < 0:
-        console.print(NLL_NOTE, markup=False)
+    else:
+        mrows = [
+            ("model", model["model"]),
+            ("layers compressed", f"{len(model['compressed_layers'])} of {model['model_layers']}"),
+            ("NLL dense (nats/token)", model["nll_dense"]),
+            ("NLL lossy (nats/token)", model["nll_lossy"]),
+            ("NLL increase (nats/token)", graded("nll_increase", model["nll_increase"], fmt_nll(model["nll_increase"]))),
+            ("perplexity ratio", model["ppl_ratio"]),
+            ("top-1 agreement", graded("agreement", model["agreement"])),
+            ("KL(dense || lossy) mean (nats)", graded("kl", model["kl"])),
+            ("KL max (nats)", model["max_kl"]),
+        ]
+        if "first_divergence" in model:
+            mrows.append(("greedy tokens until divergence", f"{model['first_divergence']} of {model['generate']}"))
+        console.print(make_table(f"continuation of {model['positions']} tokens through the model", ["what", "value"], mrows))
+        if model["nll_increase"] is not None and model["nll_increase"] < 0:
+            console.print(NLL_NOTE, markup=False)
+    line = verdict(headline(report))
+    if line:
+        console.print(line + " (bands: docs/fidelity.md, Reading the numbers)", markup=False)
 
 
 def print_verified(outcome: Outcome) -> None:
@@ -132,10 +143,13 @@ def verify(
     if not use_model and (nll_t is not None or agree_t is not None):
         raise UsageError("--max-nll-increase and --min-agreement need the model; drop --no-model")
     report = verify_file(compressed, capture, heldout, backend, model, use_model, generate, progress=progress, device=device)
-    if report["model"] is None and (nll_t is not None or agree_t is not None):
+    if report["model_fidelity"] is None and (nll_t is not None or agree_t is not None):
         raise UsageError(f"--max-nll-increase / --min-agreement need model-level fidelity, which was skipped: {report['model_skipped']}")
     missed = check_thresholds(report, nll_t, agree_t, err_t)
     report["thresholds"] = {"max_nll_increase": nll_t, "min_agreement": agree_t, "max_error": err_t, "missed": missed, "passed": not missed}
+    from kvtool.analysis.bands import grades  # deferred: start-up time
+
+    report["grades"] = grades(headline(report))
     return Outcome(report, input=compressed, exit_code=1 if missed else 0)
 
 def register(app: typer.Typer) -> None:

@@ -223,5 +223,7 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
             else:
                 io.save(cache, output, force=force)
                 report = {"layers": cache.layer_indices, "tokens": cache.num_tokens}
-    report.update({"source": str(source), "to": target, "output": str(output), "file_bytes": output.stat().st_size})
+    if report.get("layers") and all(isinstance(i, int) for i in report["layers"]):
+        report["layers"] = [{"layer": i} for i in report["layers"]]  # per-layer data is a list of objects (docs/cli.md)
+    report.update({"to": target, "output": str(output), "file_bytes": output.stat().st_size})
     return report

@@ -312,7 +312,6 @@ class BitmapFormat(Format):
         out["method"] = next(iter(cc.layers.values())).meta.get("method") if cc.layers else None
         out["layout_version"] = int(next(iter(cc.layers.values())).meta.get("layout_version", LAYOUT_V1)) if cc.layers else None
         out["dense_window_tokens"] = next(iter(cc.layers.values())).meta.get("window") if cc.layers else None
-        out["compression_rate_percent"] = 100.0 * rep["ratio"]
         out["paper_layout_bytes"] = paper
         out["paper_layout_rate_percent"] = 100.0 * paper / rep["dense_bytes"] if rep["dense_bytes"] else None
         out["bytes_by_part_keys"] = by_kind["keys"]

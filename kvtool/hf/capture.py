@@ -175,6 +175,7 @@ class _Plan:
     layers: list[int]
     query_layers: list[int]
     store_dtype: str
+    tokenizer: Any = None
 
 
 def random_token_ids(tokens: int, vocab_size: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -245,7 +246,7 @@ def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tok
     if vocab and int(input_ids.max()) >= vocab:
         raise BadDataError(f"token id {int(input_ids.max())} is outside the model's vocabulary of {vocab}")
     store_dtype = dtype or dtype_name(next(mdl.parameters()).dtype)
-    return _Plan(mdl, source, input_ids.cpu(), mask, info, n_layers, kept, q_layers, store_dtype)
+    return _Plan(mdl, source, input_ids.cpu(), mask, info, n_layers, kept, q_layers, store_dtype, tokenizer)
 
 
 def _forward(mdl: Any, **kwargs: Any) -> Any:
@@ -412,7 +413,10 @@ def capture(
     all_ids = _run(plan, sink, generate, hidden, chunk_size, progress)
     facts = models.facts_of(plan.mdl, plan.source, plan.store_dtype)
     out_layers = {i: sink.layer(i) for i in plan.layers}
-    return KVCache(facts=facts, layers=out_layers, token_ids=all_ids.cpu(), info=_info(plan, generate, hidden, chunk_size), attention_mask=_full_mask(plan, generate))
+    info = _info(plan, generate, hidden, chunk_size)
+    if generate and plan.tokenizer is not None:
+        info["generated_text"] = [plan.tokenizer.decode(row[plan.input_ids.shape[1]:].tolist()) for row in all_ids.cpu()]
+    return KVCache(facts=facts, layers=out_layers, token_ids=all_ids.cpu(), info=info, attention_mask=_full_mask(plan, generate))
 
 
 @torch.no_grad()
@@ -478,6 +482,8 @@ def capture_to_file(
         if plan.mask is not None:
             writer.write("attention_mask", 0, _full_mask(plan, generate))
         info = _info(plan, generate, hidden, chunk_size) | (info_extra or {})
+        if generate and plan.tokenizer is not None:
+            info["generated_text"] = [plan.tokenizer.decode(row[t_prompt:].tolist()) for row in all_ids]
         writer.metadata["kvtool.info"] = json.dumps(info)
     summary = {"facts": facts, "layers": plan.layers, "query_layers": plan.query_layers, "batch": int(b), "tokens": t, "info": info}
     return path, summary

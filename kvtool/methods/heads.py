@@ -83,7 +83,7 @@ def error_curve(norms: torch.Tensor, kv_heads: int) -> list[dict[str, float]]:
     rows = []
     for k in range(1, h + 1):
         sel = selection_mask(order[..., :k], h)
-        rows.append({"k": k, "density": k / h, "error": float(selection_error(norms, sel).mean()), "kv_traffic": float(kv_traffic(sel, kv_heads).mean())})
+        rows.append({"k": k, "density": k / h, "rel_l2": float(selection_error(norms, sel).mean()), "traffic_ratio": float(kv_traffic(sel, kv_heads).mean())})
     return rows
 
 
@@ -98,7 +98,7 @@ def group_error_curve(norms: torch.Tensor, kv_heads: int) -> list[dict[str, floa
     for m in range(1, kv_heads + 1):
         groups = selection_mask(order[:, :m], kv_heads)
         sel = groups[:, :, None].expand(n, kv_heads, g).reshape(n, h)
-        rows.append({"groups": m, "kv_traffic": m / kv_heads, "density": m / kv_heads, "error": float(selection_error(norms, sel).mean())})
+        rows.append({"groups": m, "traffic_ratio": m / kv_heads, "density": m / kv_heads, "rel_l2": float(selection_error(norms, sel).mean())})
     return rows
 
 
@@ -176,9 +176,9 @@ def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: b
     at_k: dict[str, Any] = {
         "k": k,
         "density": k / h,
-        "oracle": {"error": float(selection_error(test, oracle).mean()), "kv_traffic": float(kv_traffic(oracle, kv_heads).mean())},
-        "static": {"recall": float(recall(static, oracle).mean()), "error": float(selection_error(test, static).mean()), "kv_traffic": float(kv_traffic(static, kv_heads).mean()), "heads": static_heads.tolist()},
-        "random": {"recall": float(recall(rand, oracle).mean()), "expected_recall": k / h, "error": float(selection_error(test, rand).mean()), "kv_traffic": float(kv_traffic(rand, kv_heads).mean())},
+        "oracle": {"rel_l2": float(selection_error(test, oracle).mean()), "traffic_ratio": float(kv_traffic(oracle, kv_heads).mean())},
+        "static": {"recall": float(recall(static, oracle).mean()), "rel_l2": float(selection_error(test, static).mean()), "traffic_ratio": float(kv_traffic(static, kv_heads).mean()), "heads": static_heads.tolist()},
+        "random": {"recall": float(recall(rand, oracle).mean()), "expected_recall": k / h, "rel_l2": float(selection_error(test, rand).mean()), "traffic_ratio": float(kv_traffic(rand, kv_heads).mean())},
     }
     fitted = None
     if router and layer.hidden is not None:
@@ -186,7 +186,7 @@ def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: b
         target = selection_mask(oracle_topk(train, k), h)
         fitted = train_router(hid[:, : t - heldout].reshape(-1, hid.shape[-1]), target, steps=steps, seed=seed, tick=tick)
         chosen = selection_mask(fitted.topk(hid[:, t - heldout :].reshape(-1, hid.shape[-1]), k), h)
-        at_k["router"] = {"recall": float(recall(chosen, oracle).mean()), "error": float(selection_error(test, chosen).mean()), "kv_traffic": float(kv_traffic(chosen, kv_heads).mean())}
+        at_k["router"] = {"recall": float(recall(chosen, oracle).mean()), "rel_l2": float(selection_error(test, chosen).mean()), "traffic_ratio": float(kv_traffic(chosen, kv_heads).mean())}
     rep["at_k"] = at_k
     return rep, fitted
 
@@ -225,11 +225,11 @@ def analyse_heads(cache: KVCache, k: int | None = None, heldout: int = 128, rout
     for who in ("oracle", "router", "static", "random"):
         rows = [layers[l]["at_k"][who] for l in layers if who in layers[l]["at_k"]]
         if rows:
-            summary[who] = {m: sum(r[m] for r in rows) / len(rows) for m in ("recall", "error", "kv_traffic") if m in rows[0]}
+            summary[who] = {m: sum(r[m] for r in rows) / len(rows) for m in ("recall", "rel_l2", "traffic_ratio") if m in rows[0]}
     report = {
         "model": f.name,
-        "heads": f.num_heads,
-        "kv_heads": f.num_kv_heads,
+        "num_heads": f.num_heads,
+        "num_kv_heads": f.num_kv_heads,
         "tokens": cache.num_tokens,
         "heldout": heldout,
         "k": k,

@@ -300,8 +300,8 @@ def prune_file(
     force: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Prune ``capture`` and write the pruned capture; returns the report (achieved sparsity per
-    layer and overall, output path)."""
+    """Prune ``capture`` and write the pruned capture; returns the report (achieved sparsity overall
+    and per layer in ``layers``, a list of ``{"layer": i, ...}``, and the output path)."""
     ks = check_sparsity(sparsity if key_sparsity is None else key_sparsity, "--key-sparsity" if key_sparsity is not None else "--sparsity")
     vs = check_sparsity(sparsity if value_sparsity is None else value_sparsity, "--value-sparsity" if value_sparsity is not None else "--sparsity")
     parse_method(method)
@@ -323,6 +323,6 @@ def prune_file(
     pruned.info = {**cache.info, "pruned": {k: v for k, v in report.items() if k != "per_layer"}, "pruned_from": str(capture), "pruned_from_sha256": io.sha256_file(capture)}
     path = io.save(pruned, output, force=force)
     report["output"] = str(path)
-    report["layers"] = pruned.layer_indices
+    report["layers"] = [{"layer": int(i), **v} for i, v in report.pop("per_layer").items()]
     report["tokens"] = pruned.num_tokens
     return report
