@@ -72,3 +72,95 @@ def test_report_sections_and_images(sample_capture, tmp_path):
     assert res.exit_code == 2 and "exists" in res.output
     res = CliRunner().invoke(app, ["report", str(sample_capture), "--no-model", "--eval", str(tmp_path / "none"), "-o", str(tmp_path / "r2.html")])
     assert res.exit_code == 2 and "eval.json" in res.output
+
+
+def _label_points(ax):
+    """(own point in pixels, label box in pixels, every marker in pixels) of each annotation."""
+    import numpy as np
+
+    renderer = ax.figure.canvas.get_renderer()
+    markers = np.concatenate([ax.transData.transform(c.get_offsets()) for c in ax.collections if len(c.get_offsets())])
+    out = []
+    for ann in ax.texts:
+        if not hasattr(ann, "xy"):
+            continue
+        own = ax.transData.transform(ann.xy)
+        ext = ann.get_window_extent(renderer)
+        out.append((own, (ext.x0, ext.y0, ext.x1, ext.y1), markers))
+    return out
+
+
+def _nearest(box, markers):
+    import numpy as np
+
+    dx = np.maximum(np.maximum(box[0] - markers[:, 0], 0), markers[:, 0] - box[2])
+    dy = np.maximum(np.maximum(box[1] - markers[:, 1], 0), markers[:, 1] - box[3])
+    return markers[int(np.argmin(np.hypot(dx, dy)))]
+
+
+def crowded_rows():
+    """A sweep whose points crowd each other: 5 formats x 6 settings at nearby bytes and errors."""
+    import random
+
+    rnd = random.Random(3)
+    rows = []
+    for f in ("bitmap", "quant", "signvq", "snapstream", "pagestat"):
+        for k in range(6):
+            x = 0.15 + 0.05 * k + rnd.uniform(-0.02, 0.02)
+            rows.append({"format": f, "params_text": f"p={k}", "storage_ratio": x, "rel_l2": 0.4 * (1.2 - x) + rnd.uniform(-0.03, 0.03)})
+    return rows
+
+
+def test_frontier_labels_are_nearest_their_own_point_and_the_log_axis_is_readable():
+    from matplotlib.figure import Figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from kvtool.analysis.frontier import plot_frontier
+
+    fig = Figure(figsize=(8, 5.2))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    plot_frontier(crowded_rows(), Path("unused.png"), "rel_l2", ax=ax)
+    labels = _label_points(ax)
+    assert len(labels) >= 12  # most of the 30 points get a label
+    for own, box, markers in labels:
+        assert tuple(_nearest(box, markers)) == tuple(own), "a label sits nearer another point than its own"
+    lo, hi = ax.get_ylim()
+    shown = [t for t in ax.get_yticks() if lo <= t <= hi]
+    assert len(shown) >= 3, shown  # 1-2-5 ticks, not just one decade mark
+    texts = [ax.yaxis.get_major_formatter()(t, 0) for t in shown]
+    assert all(t and "10^" not in t and "$" not in t for t in texts), texts
+
+
+def test_report_attention_frontier_labels_are_nearest_their_own_point():
+    from kvtool.analysis.html_report import attention_frontier_figure
+
+    uniform = [{"spec": f"{f}:x={k}", "ratio": 0.1 + 0.07 * k + 0.01 * n, "loss": (0.5 - 0.05 * k) ** 2 * 4}
+               for n, f in enumerate(("quant", "bitmap", "signvq", "snapstream")) for k in range(6)]
+    fig = attention_frontier_figure(uniform, [{"ratio": 0.15, "loss": 0.2, "budget": "15%"}], n_layers=4)
+    ax = fig.axes[0]
+    labels = _label_points(ax)
+    assert labels
+    for own, box, markers in labels:
+        assert tuple(_nearest(box, markers)) == tuple(own)
+
+
+def test_report_nll_in_nats_noise_flag_and_reproduce_line(tiny_capture, tiny_llama_dir, tmp_path):
+    from kvtool.analysis.html_report import _ci_text, nll_text
+
+    assert nll_text(-0.0021) == "-0.0021* nats/token (negative: noise)" and nll_text(0.0123, words=False) == "+0.0123"
+    assert _ci_text({"mean": -0.002, "lo": -0.004, "hi": 0.001, "n": 3}, nll=True) == "-0.0020* [-0.0040, +0.0010]"
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(app, ["report", str(tiny_capture), "--budgets", "40%", "--heldout", "16", "--model", str(tiny_llama_dir),
+                                   "--no-texts", "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "NLL + (capture, nats/token)" in text and "mean [95%]" not in text and "cases)" not in text  # one case: no interval columns
+    import re
+
+    plan_row = re.search(r"<tr><td>plan @ 40%</td><td>[\d.]+%</td>(<td[^>]*>[^<]*</td>)", text).group(1)
+    assert re.fullmatch(r'<td class="\w+">[+-]\d\.\d{4}\*?</td>', plan_row), plan_row  # signed nats/token, graded
+    reproduce = text.split("Reproduce:")[1].split("Cases:")[0]
+    for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%", "--uniform-checks 1"):
+        assert option in reproduce, option
+    assert 'class="good"' in text or 'class="fair"' in text or 'class="poor"' in text  # graded cells

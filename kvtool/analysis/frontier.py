@@ -10,6 +10,7 @@ in a note, so they do not stretch the axis over ten decades.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def plot_frontier(rows: list[dict[str, Any]], path: Path, metric: str, x_key: st
                        facecolors="none", edgecolors=colour, linewidths=1.3, label=f"{name} (paper rows)", zorder=3)
     if log_y and usable:
         ax.set_yscale("log")
+        readable_log_axis(ax)
     front = pareto_front([r[x_key] for r in usable], [r[metric] for r in usable], higher)
     if front:
         ax.plot([100 * usable[i][x_key] for i in front], [usable[i][metric] for i in front], "k--", lw=1, label="Pareto front", zorder=2)
@@ -88,34 +90,65 @@ def point_label(r: dict[str, Any]) -> str:
     return _short(r["label"]) if r.get("comparison") and r.get("label") else _short(r.get("params_text") or "")
 
 
+def readable_log_axis(ax: Any) -> None:
+    """A log y axis with ticks at 1, 2 and 5 of every decade, written as plain numbers (0.05, 0.1,
+    0.2), so that a range of one decade still has several labelled ticks."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _box_distance(box: tuple[float, float, float, float], px: float, py: float) -> float:
+    """Pixels from point (px, py) to the box (0 inside it)."""
+    dx = max(box[0] - px, 0.0, px - box[2])
+    dy = max(box[1] - py, 0.0, py - box[3])
+    return math.hypot(dx, dy)
+
+
+# candidate places around a point, nearest first: (dx, dy) in pixels from the point to the label's
+# anchor, and how the label hangs from it
+_OFFSETS = [(r * dx, r * dy, ha, va) for r in (4, 9, 16)
+            for dx, dy, ha, va in ((1, 1, "left", "bottom"), (1, -1, "left", "top"), (-1, 1, "right", "bottom"), (-1, -1, "right", "top"),
+                                   (1, 0, "left", "center"), (-1, 0, "right", "center"), (0, 1.5, "center", "bottom"), (0, -1.5, "center", "top"))]
+
+
 def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: float = 6.5) -> int:
-    """Annotate points without overlaps: each label tries a few offsets around its point and takes
-    the first whose box (estimated from its length) overlaps no earlier label and stays inside the
-    axes; labels that fit nowhere are skipped. Returns the number placed."""
+    """Annotate points so that no label can be read as another point's: each label tries places
+    around its point, nearest first, and takes the first whose drawn box stays inside the axes,
+    overlaps no marker or earlier label, and is nearer its own point than any other point. Points
+    drawn on the same spot share one label (``a / b``). A label that fits nowhere is left out (the
+    point and its colour stay). Returns the number of labels placed."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
     trans = ax.transData
-    bbox = ax.get_window_extent()
-    char_w, height = fontsize * 0.68 * ax.figure.dpi / 72, fontsize * 1.25 * ax.figure.dpi / 72
-    placed: list[tuple[float, float, float, float]] = []
-    for x, y, _ in points:  # markers are obstacles too
-        px, py = trans.transform((x, y))
-        placed.append((px - 5, py - 5, px + 5, py + 5))
+    bbox = ax.get_window_extent(renderer)
+    pix = [tuple(trans.transform((x, y))) for x, y, _ in points]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for n, (px, py) in enumerate(pix):
+        groups.setdefault((round(px), round(py)), []).append(n)
+    spots = [(pix[g[0]], points[g[0]][:2], " / ".join(dict.fromkeys(points[n][2] for n in g if points[n][2]))) for g in groups.values()]
+    obstacles = [(px - 5, py - 5, px + 5, py + 5) for (px, py), _, _ in spots]
     count = 0
-    offsets = [(4, 4), (4, -4 - height), (-4, 4), (-4, -4 - height), (4, 12), (-4, 12), (4, -12 - height)]
-    for x, y, text in sorted(points, key=lambda p: (p[0], p[1])):
+    for (px, py), (x, y), text in sorted(spots, key=lambda s: (s[1][0], s[1][1])):
         if not text:
             continue
-        px, py = trans.transform((x, y))
-        w = char_w * len(text)
-        for dx, dy in offsets:
-            x0 = px + dx if dx > 0 else px + dx - w
-            box = (x0, py + dy, x0 + w, py + dy + height)
-            inside = box[0] >= bbox.x0 and box[2] <= bbox.x1 and box[1] >= bbox.y0 and box[3] <= bbox.y1
-            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
-                placed.append(box)
-                ax.annotate(text, (x, y), xytext=(dx, box[1] - py), textcoords="offset pixels", fontsize=fontsize, alpha=0.85,
-                            ha="left" if dx > 0 else "right")
+        others = [(ox, oy) for (ox, oy), _, _ in spots if (ox, oy) != (px, py)]
+        for dx, dy, ha, va in _OFFSETS:
+            ann = ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset pixels", fontsize=fontsize, alpha=0.9, ha=ha, va=va)
+            ext = ann.get_window_extent(renderer)
+            box = (ext.x0, ext.y0, ext.x1, ext.y1)
+            own = _box_distance(box, px, py)
+            ok = (box[0] >= bbox.x0 and box[2] <= bbox.x1 and box[1] >= bbox.y0 and box[3] <= bbox.y1
+                  and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3]
+                              for b in obstacles if b != (px - 5, py - 5, px + 5, py + 5))
+                  and all(own + 1.0 < _box_distance(box, ox, oy) for ox, oy in others))
+            if ok:
+                obstacles.append(box)
                 count += 1
                 break
+            ann.remove()
     return count
 
 

@@ -33,7 +33,8 @@ from kvtool.core.documents import check_eval_points, read_bench_document
 from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
 from kvtool.analysis.palette import format_color, spec_format
-from kvtool.analysis.frontier import place_labels
+from kvtool.analysis.bands import grade
+from kvtool.analysis.frontier import place_labels, readable_log_axis
 from kvtool.analysis.stats import (
     StatsSettings,
 attention_summary,
@@ -109,6 +110,7 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
         ax.scatter([100 * p["ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
                    color=format_color("mixed"), edgecolors="black", linewidths=0.6, label="recommended plan", zorder=4)
     ax.set_yscale("log")
+    readable_log_axis(ax)
     ax.set_xlabel("% of dense bytes (stored)")
     ax.set_ylabel("attention-output error\n(RMS over layers, lower is better)")
     ax.grid(True, alpha=0.3, which="both")
@@ -121,9 +123,10 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
 
 
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
-    """Relative NLL increase (%) vs % of dense bytes of every setting checked on the model: the
+    """NLL increase (nats/token) vs % of dense bytes of every setting checked on the model: the
     capture's continuation as the marker, the 95% interval of the mean over all cases as the bar
-    (settings checked on the capture alone have no bar). Symmetric-log y axis in percent."""
+    (settings checked on the capture alone have no bar). Symmetric-log y axis, linear within +-0.01
+    nats (the noise band, shaded)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter
 
@@ -138,27 +141,28 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
                 continue
             seen.add(key)
             c0 = sc["cases"][0]
-            x, y = 100 * c0["stored_ratio"], 100 * c0["relative_nll_increase"]
-            iv = sc["relative_nll_increase"]
+            x, y = 100 * c0["stored_ratio"], c0["nll_increase"]
+            iv = sc["nll_increase"]
             fmt = "mixed" if is_plan else spec_format(label)
             fmts.add(fmt)
             colour = format_color(fmt)
             ys.append(y)
             if iv["n"] > 1:
-                ax.errorbar([x], [100 * iv["mean"]], yerr=[[100 * (iv["mean"] - iv["lo"])], [100 * (iv["hi"] - iv["mean"])]],
+                ax.errorbar([x], [iv["mean"]], yerr=[[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]],
                             fmt="none", ecolor=colour, alpha=0.5, capsize=3, zorder=2)
-                ys += [100 * iv["lo"], 100 * iv["hi"]]
+                ys += [iv["lo"], iv["hi"]]
             ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
                        edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3)
             pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("% of dense bytes (stored)")
-    ax.set_ylabel("NLL increase over dense\n(marker: capture; bar: 95% of the mean over texts)")
-    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylabel("NLL increase over dense (nats/token)\n(marker: capture; bar: 95% of the mean over texts)")
+    ax.set_yscale("symlog", linthresh=0.01)
     if ys:
         lo, hi = min(ys + [0.0]), max(ys + [0.0])
-        ax.set_ylim(lo - 0.3 * max(1.0, abs(lo)), hi + 0.3 * max(1.0, abs(hi)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}%" if v else "0"))
+        ax.set_ylim(lo - 0.3 * max(0.01, abs(lo)), hi + 0.3 * max(0.01, abs(hi)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}" if v else "0"))
+    ax.axhspan(-0.01, 0.01, color="grey", alpha=0.08, zorder=1)  # within +-0.01: noise (docs/fidelity.md)
     ax.grid(True, alpha=0.3)
     handles = [Line2D([], [], marker="*", color=format_color("mixed"), markeredgecolor="black", markersize=11, ls="", label="recommended plan")]
     handles += [Line2D([], [], marker="o", color=format_color(f), ls="", label=f"uniform {f}") for f in sorted(fmts - {"mixed"})]
@@ -325,14 +329,17 @@ def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
                 "(no model for this capture, or --no-model).")
     plan = check[b["plan_label"]]
     p0 = plan["cases"][0]
-    text = f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement with NLL {pct(p0['relative_nll_increase'], True, 2)} on the capture's continuation"
+    text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
+            f"({grade('agreement', p0['agreement'])}) with an NLL increase of {nll_text(p0['nll_increase'])} on the capture's continuation")
     if plan["agreement"]["n"] > 1:
-        a, r = plan["agreement"], plan["relative_nll_increase"]
-        text += f" ({a['mean']:.0%} [{a['lo']:.0%}, {a['hi']:.0%}] and {pct(r['mean'], True, 2)} [{pct(r['lo'], True, 2)}, {pct(r['hi'], True, 2)}] over {a['n']} texts)"
+        a, r = plan["agreement"], plan["nll_increase"]
+        text += (f" ({a['mean']:.0%} [{a['lo']:.0%}, {a['hi']:.0%}] and {nll_text(r['mean'])} [{r['lo']:+.4f}, {r['hi']:+.4f}] "
+                 f"over {a['n']} cases)")
     best = b.get("best_uniform")
     if best and best in check:
         u0 = check[best]["cases"][0]
-        text += f"; the best single setting that fits, {best} ({pct(u0['stored_ratio'])}), keeps {u0['agreement']:.0%} with NLL {pct(u0['relative_nll_increase'], True, 2)}."
+        text += (f"; the best single setting that fits, {best} ({pct(u0['stored_ratio'])}), keeps {u0['agreement']:.0%} with "
+                 f"{nll_text(u0['nll_increase'])}.")
     else:
         text += "; no single setting fits this budget."
     return text
@@ -365,13 +372,45 @@ CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1000px;margin:2em auto
        "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}"
        "p.reading{background:#f6f8fa;border-left:4px solid #0072B2;padding:.5em .8em}"
        "img{max-width:100%;border:1px solid #eee;margin:.4em 0}code{font-size:.9em;background:#f4f4f4;padding:0 .2em}"
-       "nav a{margin-right:1em}.muted{color:#666;font-size:.9em}")
+       "nav a{margin-right:1em}.muted{color:#666;font-size:.9em}"
+       "td.good{background:#e6f4ea;color:#0b6b2b}td.fair{background:#fff6d5;color:#7a5a00}td.poor{background:#fde2e1;color:#a40e0e;font-weight:600}"
+       "td.noise{color:#888}")
+
+
+class Cell:
+    """A table cell with a CSS class: a fidelity number coloured by its band (kvtool.analysis.bands)."""
+
+    def __init__(self, text: str, css: str = ""):
+        self.text, self.css = text, css
+
+    @classmethod
+    def of(cls, metric: str, value: float | None, text: str) -> "Cell":
+        return cls(text, grade(metric, value) or "")
+
+    def html(self) -> str:
+        return f'<td class="{self.css}">{html.escape(self.text)}</td>' if self.css else f"<td>{html.escape(self.text)}</td>"
 
 
 def _table(cols: list[str], rows: list[list[Any]]) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(v.html() if isinstance(v, Cell) else f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def nll_text(v: float | None, words: bool = True) -> str:
+    """An NLL increase in nats/token, signed, 4 decimals; a negative one marked ``*`` (and, with
+    ``words``, said to be noise)."""
+    if v is None:
+        return "-"
+    if v < 0:
+        return f"{v:+.4f}*" + (" nats/token (negative: noise)" if words else "")
+    return f"{v:+.4f}" + (" nats/token" if words else "")
+
+
+NOISE_NOTE = ("* a negative NLL increase means the compressed cache predicted that text slightly better than the dense one; "
+              "at these sizes it is noise, not a gain (docs/fidelity.md).")
+BAND_NOTE = ("Colours: green good, yellow fair, red poor, grey noise (bands in docs/fidelity.md, Reading the numbers: "
+             "NLL increase good <= 0.01 nats/token, fair <= 0.05; top-1 agreement good >= 0.95, fair >= 0.85; KL good <= 0.01, fair <= 0.05).")
 
 
 def _img(b64: str, alt: str) -> str:
@@ -393,8 +432,10 @@ def build_report(
     heldout: int = 64,
     uniform_checks: int = 1,
     progress: Progress | None = None,
+    command: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The report's HTML text and a summary dict (sections, figure count, per-budget numbers)."""
+    """The report's HTML text and a summary dict (sections, figure count, per-budget numbers).
+    ``command``: the command line that made the report, shown with the ones that reproduce its plans."""
     eval_rows = read_eval(eval_dir) if eval_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
@@ -442,24 +483,37 @@ def build_report(
     sections.append(_section("frontier", "Frontier of every format", reading_frontier(rec), body))
     body = _img(fig_png(plan_mix_figure(rec["budgets"], facts.num_kv_heads)), "plan composition"); figures += 1
     readings = []
+    negative = False
     for b in rec["budgets"]:
         readings.append(reading_budget(b, rec["cases"]))
         rows = []
+        many = len(rec["cases"]) > 1
         for label, sc in (b.get("check") or {}).items():
             c0 = sc["cases"][0]
-            rows.append([label if label == b["plan_label"] else f"uniform {label}" + (" (best that fits)" if label == b["best_uniform"] else ""),
-                         pct(c0["stored_ratio"]), pct(c0["relative_nll_increase"], True, 2), f"{c0['agreement']:.3f}", f"{c0['kl']:.4f}",
-                         _ci_text(sc["relative_nll_increase"], True), _ci_text(sc["agreement"], False)])
+            row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best that fits)" if label == b["best_uniform"] else ""),
+                   pct(c0["stored_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
+                   Cell.of("agreement", c0["agreement"], f"{c0['agreement']:.4f}"), Cell.of("kl", c0["kl"], f"{c0['kl']:.4f}")]
+            if many:
+                iv, ag = sc["nll_increase"], sc["agreement"]
+                row += [Cell.of("nll_increase", iv["mean"], _ci_text(iv, nll=True)), Cell.of("agreement", ag["mean"], _ci_text(ag, nll=False))]
+            negative |= c0["nll_increase"] < 0 or (many and sc["nll_increase"]["mean"] is not None and sc["nll_increase"]["mean"] < 0)
+            rows.append(row)
         body += f"<h3>budget {html.escape(b['budget'])}</h3><p>{html.escape(readings[-1])}</p>"
         if rows:
-            body += _table(["setting", "stored", "NLL + (capture)", "top-1 (capture)", "KL (capture)", f"NLL + mean [95%] ({len(rec['cases'])} cases)", "top-1 mean [95%]"], rows)
+            cols = ["setting", "stored", f"NLL + ({rec['cases'][0]}, nats/token)", f"top-1 ({rec['cases'][0]})", f"KL ({rec['cases'][0]}, nats)"]
+            if many:
+                cols += [f"NLL + mean [95%] over {len(rec['cases'])} cases", "top-1 mean [95%]"]
+            body += _table(cols, rows)
         counts: dict[str, int] = {}
         for specs in b["plan"].layers.values():
             for s in specs * (facts.num_kv_heads if len(specs) == 1 else 1):
                 counts[s] = counts.get(s, 0) + 1
         body += _table(["format in the plan", "KV heads"], sorted(([s, n] for s, n in counts.items()), key=lambda r: -r[1]))
-    cmd = f"kvtool recommend {capture} --budget 15% -o plan.json && kvtool compress {capture} --plan plan.json -o out.safetensors"
-    body += f"<p class=\"muted\">Reproduce a plan: <code>{html.escape(cmd)}</code>. Cases: {html.escape(', '.join(rec['cases']) or 'none (no model check)')}.</p>"
+    if negative:
+        body += f'<p class="muted">{html.escape(NOISE_NOTE)}</p>'
+    body += f'<p class="muted">{html.escape(BAND_NOTE)}</p>'
+    body += "<p class=\"muted\">Reproduce: " + "<br>".join(f"<code>{html.escape(c)}</code>" for c in ([command] if command else []) + reproduce(capture, budgets, eval_dir, bench, use_model, use_texts, model, heldout, uniform_checks)) + \
+            f"<br>Cases: {html.escape(', '.join(rec['cases']) or 'none (no model check)')}.</p>"
     sections.append(_section("recommend", "Recommendation per budget", " ".join(readings[:2]) if readings else "No budgets.", body))
     if bench_docs:
         body = ""
@@ -483,8 +537,24 @@ def build_report(
     return doc, summary
 
 
-def _ci_text(iv: dict[str, Any], as_pct: bool) -> str:
+def _ci_text(iv: dict[str, Any], nll: bool) -> str:
+    """``mean [lo, hi]``: NLL increases signed with 4 decimals (``*`` on a negative mean), other
+    metrics with 4 decimals."""
     if not iv or iv.get("mean") is None:
         return "-"
-    f = (lambda v: pct(v, True, 2)) if as_pct else (lambda v: f"{v:.3f}")
-    return f(iv["mean"]) if iv["n"] < 2 else f"{f(iv['mean'])} [{f(iv['lo'])}, {f(iv['hi'])}]"
+    f = (lambda v: f"{v:+.4f}") if nll else (lambda v: f"{v:.4f}")
+    mean = f(iv["mean"]) + ("*" if nll and iv["mean"] < 0 else "")
+    return mean if iv["n"] < 2 else f"{mean} [{f(iv['lo'])}, {f(iv['hi'])}]"
+
+
+def reproduce(capture: Path, budgets: Any, eval_dir: Path | None, bench: list[Path] | None, use_model: bool, use_texts: bool,
+              model: str | None, heldout: int, uniform_checks: int) -> list[str]:
+    """The commands that make the same plans (one per budget) and compress with them, with every
+    option this report used."""
+    common = [f"--heldout {heldout}"] + ([f"--model {model}"] if model else []) + ([] if use_model else ["--no-model"]) + \
+             ([] if use_texts else ["--no-texts"]) + [f"--uniform-checks {uniform_checks}"]
+    lines = []
+    for b in budgets:
+        plan = f"plan-{str(b).rstrip('%')}.json"
+        lines.append(f"kvtool recommend {capture} --budget {b} {' '.join(common)} -o {plan} && kvtool compress {capture} --plan {plan} --heldout {heldout} -o plan-{str(b).rstrip('%')}.safetensors")
+    return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -67,7 +68,11 @@ def report(
     if not chosen:
         raise UsageError("--budgets is empty; write e.g. 10%,15%,25%,40%")
     model, use_model = model_choice(model, no_model)
-    text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress)
+    line = ["kvtool", "report", str(capture), "--budgets", ",".join(chosen), "--heldout", str(heldout), "-o", str(output)]
+    line += (["--eval", str(eval_dir)] if eval_dir else []) + [a for b in bench or [] for a in ("--bench", str(b))]
+    line += (["--model", str(model)] if model else []) + ([] if use_model else ["--no-model"]) + (["--no-texts"] if no_texts else [])
+    text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress,
+                                 command=shlex.join(line))
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())
     names = {"budget": "budget_spec", "stored_ratio": "storage_ratio"}
