@@ -236,3 +236,63 @@ def test_cli_plot_real_sample_heatmap(sample_capture, tmp_path):
     assert res.exit_code == 0, res.output
     assert Image.open(tmp_path / "heatmap-keys-L15-H1.png").size == SIZE
     assert Image.open(tmp_path / "outlier-map.png").size == SIZE
+
+
+def _clipped_texts(fig) -> list[str]:
+    """What of ``fig`` sticks out of the image (a label cut off at its edge): every axes with its tick
+    labels, axis labels, titles and legends as drawn, and the figure's own titles and legends."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    parts = [(f"axes {i}", ax.get_tightbbox(renderer)) for i, ax in enumerate(fig.axes)]
+    parts += [("legend", leg.get_window_extent(renderer)) for leg in fig.legends]
+    parts += [(t.get_text(), t.get_window_extent(renderer)) for t in fig.texts if t.get_visible() and t.get_text().strip()]
+    bad = [name for name, e in parts if e is not None and (e.x0 < box.x0 - 1 or e.y0 < box.y0 - 1 or e.x1 > box.x1 + 1 or e.y1 > box.y1 + 1)]
+    for ax in fig.axes:  # a label on a bar or point stays inside the plot area (not on the title, not off the frame)
+        inner = ax.get_window_extent(renderer)
+        for t in ax.texts:
+            e = t.get_window_extent(renderer)
+            if e.x0 < inner.x0 - 1 or e.y0 < inner.y0 - 1 or e.x1 > inner.x1 + 1 or e.y1 > inner.y1 + 1:
+                bad.append(t.get_text())
+    return bad
+
+
+def test_no_figure_cuts_a_label_off():
+    """Every kind of figure, on a cache whose outliers sit on the first and last channel and on the
+    tallest bar (the labels most likely to be cut), keeps every text inside the image."""
+    cache = small_cache()
+    layer = cache.layers[0]
+    keys = layer.keys.clone()
+    keys[..., 0] *= 10
+    keys[..., 15] *= 12
+    from kvtool.core.cache import LayerKV
+
+    cache.layers[0] = LayerKV(keys, layer.values, layer.queries)
+    facts, settings = cache.facts, StatsSettings(max_queries=8)
+    rows = {p: P.head_rows(getattr(cache.layers[0], p), None) for p in ("keys", "values")}
+    att = layer_attention(cache.layers[0], facts, settings)
+    ratios = {p: {(l, h): P.outlier_ratios(P.channel_mean_abs(r)) for l in (0, 1) for h, r in enumerate(P.head_rows(getattr(cache.layers[l], p), None))}
+              for p in ("keys", "values")}
+    figures = {
+        "heatmap": P.heatmap_figure(rows["keys"][0], facts, 0, 0, "keys", vmax=50.0),
+        "profile": P.profile_figure(rows["keys"][0], rows["values"][0], facts, 0, 0, 4.0),
+        "histogram": P.histogram_figure(rows["keys"], rows["values"], facts, 0, "all KV heads"),
+        "outliers": P.outlier_map_figure(ratios, facts, 4.0),
+        "concentration": P.concentration_figure(att, facts, 0),
+        "heads": P.head_importance_figure(att, facts, 0),
+    }
+    for kind, fig in figures.items():
+        assert _clipped_texts(fig) == [], kind
+
+
+def test_heatmaps_of_a_set_share_one_colour_scale(tmp_path):
+    cache = small_cache()
+    specs = P.plan_plots([0, 1], [0, 1], ("heatmap",))
+    files = P.write_plot_set(cache, specs, tmp_path / "p")
+    tops = {(f["part"], f["summary"]["vmax"]) for f in files}
+    want = {p: max(float(P.head_rows(getattr(cache.layers[l], p), None)[h].float().abs().max()) for l in (0, 1) for h in (0, 1)) for p in ("keys", "values")}
+    assert tops == {("keys", want["keys"]), ("values", want["values"])}
+    index = P.write_index(tmp_path / "p", files, cache.facts, Path("c.safetensors"), "png")
+    text = index.read_text()
+    assert '<nav><h2 id="contents">Contents</h2>' in text and text.count('<p class="reading">') == 1
+    assert f"0 to {want['keys']:.3g}" in text and '<h3 id="heatmap-L1">' in text

@@ -164,7 +164,8 @@ def plot_file(
         cache, specs, out, fmt, settings, outlier_layers=layer_sel, force=force,
         extra_targets=(index_path,) if all_plots else (), progress=lambda: progress.advance(),
     )
-    index = write_index(out, files, facts, path, fmt, force=force) if all_plots else None
+    index = write_index(out, files, facts, path, fmt, force=force, outlier_factor=settings.outlier_factor) if all_plots else None
+    files = [{k: v for k, v in f.items() if k != "summary"} for f in files]  # the numbers index.html reads out
     return {"out": str(out), "format": fmt, "files": files, "index": None if index is None else str(index), "skipped": skipped}
 
 

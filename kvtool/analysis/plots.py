@@ -24,6 +24,7 @@ from kvtool.core.io import atomic_write_bytes, check_output
 from kvtool.analysis.stats import (
     LayerAttention,
     StatsSettings,
+    attention_summary,
     channel_mean_abs,
     head_rows,
     heads_for_norm,
@@ -67,16 +68,21 @@ def title(facts: ModelFacts, what: str, layer: int | None = None, head: int | st
     return " · ".join(parts)
 
 
-def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, part: str, token_label: str = "token") -> Figure:
+def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, part: str, token_label: str = "token",
+                   vmax: float | None = None) -> Figure:
     """Magnitude heatmap of one KV head: x ``[N, D]`` (token rows) drawn as |x|, tokens down, channels
-    across, colour bar in |x| units; ``token_label`` names the row axis."""
+    across, colour bar in |x| units; ``token_label`` names the row axis. ``vmax``: the top of the
+    colour scale (a plot set passes one value for all its key heatmaps and one for its value
+    heatmaps, so that colours compare across layers and heads; default this heatmap's maximum)."""
     fig, ax = new_figure()
     data = x.float().abs().numpy()
-    im = ax.imshow(data, aspect="auto", cmap=HEATMAP_CMAP, interpolation="nearest", vmin=0.0, vmax=float(data.max()) or 1.0)
+    shared = vmax is not None
+    top = (vmax if shared else float(data.max())) or 1.0
+    im = ax.imshow(data, aspect="auto", cmap=HEATMAP_CMAP, interpolation="nearest", vmin=0.0, vmax=top)
     ax.set_xlabel("channel")
     ax.set_ylabel(token_label)
     ax.set_title(title(facts, f"|{part}| per token and channel", layer, head), fontsize=10)
-    fig.colorbar(im, ax=ax, label=f"|{part[0].upper()}|")
+    fig.colorbar(im, ax=ax, label=f"|{part[0].upper()}|" + (f" (0 to {top:.3g}: the same scale in every {part} heatmap)" if shared else ""))
     return fig
 
 
@@ -94,6 +100,8 @@ def profile_figure(keys: torch.Tensor, values: torch.Tensor, facts: ModelFacts, 
         for c in np.nonzero(out)[0]:
             ax.annotate(str(c), (c, float(means[c])), ha="center", va="bottom", fontsize=8, color="tab:red")
         ax.set_ylabel(f"mean |{part[0].upper()}|")
+        ax.set_ylim(0, max(float(means.max()), factor * median(means)) * 1.2)  # room above the tallest bar for its label
+        ax.set_xlim(-1.5, means.numel() + 0.5)  # and beside the first and last channel
         ax.set_title(f"{part}: {int(out.sum())} outlier channel(s)", fontsize=9)
         ax.legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("channel")
@@ -261,7 +269,8 @@ def write_plot_set(
     progress: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Write every planned figure into ``out_dir`` (each file atomic); returns one dict per file
-    (``path``, ``kind``, ``layer``, ``head``, ``part``, ``title``).
+    (``path``, ``kind``, ``layer``, ``head``, ``part``, ``title``, and ``summary``: the numbers the
+    figure shows that :func:`write_index` reads out). Heatmaps of one part share one colour scale.
 
     Refuses before writing anything when a target exists and not ``force``. If a figure fails, the
     files (and folder) this call created are removed again. ``outlier_layers``: the map's layers
@@ -278,6 +287,7 @@ def write_plot_set(
     token_label = "token" if cache.batch_size == 1 else f"token ({cache.batch_size} sequences stacked, padding dropped)"
     attention: dict[int, LayerAttention] = {}
     rows_cache: dict[tuple[int, str], torch.Tensor] = {}
+    shared_vmax: dict[str, float] = {}
 
     def rows(layer: int, part: str) -> torch.Tensor:
         if (layer, part) not in rows_cache:
@@ -289,17 +299,28 @@ def write_plot_set(
             attention[layer] = layer_attention(cache.layer(layer), facts, settings, cache.attention_mask)
         return attention[layer]
 
+    def vmax(part: str) -> float:
+        """One colour scale for all heatmaps of ``part`` in the set: their largest |x|."""
+        if part not in shared_vmax:
+            shared_vmax[part] = max(float(rows(s.layer, part)[s.head].float().abs().max()) for s in specs if s.kind == "heatmap" and s.part == part)
+        return shared_vmax[part]
+
     created: list[Path] = []
     written: list[dict[str, Any]] = []
     try:
         for spec, path in zip(specs, targets):
             l, h = spec.layer, spec.head
+            summary: dict[str, Any] = {}
             if spec.kind == "heatmap":
-                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part, token_label)
+                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part, token_label, vmax=vmax(spec.part))
+                summary = {"max_abs": float(rows(l, spec.part)[h].float().abs().max()), "vmax": vmax(spec.part)}
             elif spec.kind == "profile":
                 fig = profile_figure(rows(l, "keys")[h], rows(l, "values")[h], facts, l, h, settings.outlier_factor)
+                summary = {part: [int(c) for c in torch.nonzero(outlier_ratios(channel_mean_abs(rows(l, part)[h])) >= settings.outlier_factor).flatten()]
+                           for part in ("keys", "values")}
             elif spec.kind == "histogram":
                 fig = histogram_figure(rows(l, "keys"), rows(l, "values"), facts, l, "all KV heads")
+                summary = {part: float(rows(l, part).float().abs().max()) for part in ("keys", "values")}
             elif spec.kind == "outliers":
                 lays = outlier_layers or cache.layer_indices
                 ratios = {
@@ -307,17 +328,22 @@ def write_plot_set(
                     for part in ("keys", "values")
                 }
                 fig = outlier_map_figure(ratios, facts, settings.outlier_factor)
+                summary = {part: {"rows": len(ratios[part]), "cells": int(sum(int((r >= settings.outlier_factor).sum()) for r in ratios[part].values())),
+                                  "channels": _frequent([int(c) for r in ratios[part].values() for c in torch.nonzero(r >= settings.outlier_factor).flatten()])}
+                           for part in ("keys", "values")}
             elif spec.kind == "concentration":
                 fig = concentration_figure(att(l), facts, l)
+                summary = attention_summary(att(l), settings)["all_heads"]
             elif spec.kind == "heads":
                 fig = head_importance_figure(att(l), facts, l, settings.attention_masses)
+                summary = attention_summary(att(l), settings)["all_heads"]
             else:
                 raise UsageError(f"unknown plot kind {spec.kind!r}: choose from {', '.join(KINDS)}")
             existed = path.exists()
             save_figure(fig, path, fmt, force)
             if not existed:
                 created.append(path)
-            written.append({"path": str(path), "kind": spec.kind, "layer": l, "head": h, "part": spec.part, "title": fig_title(fig)})
+            written.append({"path": str(path), "kind": spec.kind, "layer": l, "head": h, "part": spec.part, "title": fig_title(fig), "summary": summary})
             if progress is not None:
                 progress()
     except BaseException:
@@ -327,6 +353,14 @@ def write_plot_set(
             out_dir.rmdir()
         raise
     return written
+
+
+def _frequent(channels: list[int], top: int = 5) -> list[int]:
+    """The channels that occur most often, most frequent first (ties: lower first)."""
+    counts: dict[int, int] = {}
+    for c in channels:
+        counts[c] = counts.get(c, 0) + 1
+    return [c for c, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]]
 
 
 def fig_title(fig: Figure) -> str:
@@ -345,32 +379,98 @@ KIND_HEADINGS = {
     "heads": "Head importance (output norms)",
 }
 
+INDEX_CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1400px;margin:2em auto;padding:0 1.5em;color:#222}"
+             "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}h3{margin:1.2em 0 .3em}"
+             "nav ol{columns:2;margin:.4em 0}p.reading{background:#f6f8fa;border-left:4px solid #0072B2;padding:.5em .8em;max-width:70em}"
+             ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:1em}"
+             "figure{margin:0}img,object{width:100%;height:auto;border:1px solid #ddd}figcaption{font-size:.85em;color:#444}"
+             "code{background:#f4f4f4;padding:0 .2em}")
 
-def write_index(out_dir: Path, files: list[dict[str, Any]], facts: ModelFacts, source: Path, fmt: str, force: bool = False) -> Path:
-    """index.html in ``out_dir`` showing every file of ``files`` (as written by
-    :func:`write_plot_set`), grouped by kind, each with its title as caption."""
+
+def _layers_text(values: dict[int, str]) -> str:
+    return ", ".join(f"layer {l}: {v}" for l, v in sorted(values.items()))
+
+
+def index_reading(kind: str, group: list[dict[str, Any]], factor: float) -> str:
+    """A short reading of one section of index.html, from the numbers its figures show."""
+    sums = [f.get("summary") or {} for f in group]
+    if kind == "outliers":
+        k, v = sums[0].get("keys", {}), sums[0].get("values", {})
+        top = lambda p: f", most often channel{'s' if len(p['channels']) > 1 else ''} {', '.join(map(str, p['channels']))}" if p.get("channels") else ""  # noqa: E731
+        return (f"Each row is one KV head of one layer; a cell is a channel's mean |x| over the median channel's. Keys: {k.get('cells', 0)} "
+                f"cells of {k.get('rows', 0)} rows reach {factor:g}x{top(k)}. Values: {v.get('cells', 0)} cells{top(v)}. Channels that "
+                "stay outliers from layer to layer are why per-channel quantisation (KIVI) treats keys differently from values.")
+    if kind == "heatmap":
+        scales = {f["part"]: f["summary"]["vmax"] for f in group if f.get("summary")}
+        peak = max(group, key=lambda f: (f.get("summary") or {}).get("max_abs", 0))
+        return (f"{len(group)} heatmaps, tokens down and channels across. Every key heatmap uses one colour scale (0 to {scales.get('keys', 0):.3g}) "
+                f"and every value heatmap another (0 to {scales.get('values', 0):.3g}), so brightness compares across layers and heads. "
+                f"The largest magnitude is in layer {peak['layer']}, KV head {peak['head']} ({peak['part']}, {peak['summary']['max_abs']:.3g}); "
+                "bright vertical stripes are outlier channels, bright rows are tokens (often the first, the attention sink).")
+    if kind == "profile":
+        found = {f"L{f['layer']} H{f['head']}": f["summary"] for f in group if f.get("summary")}
+        keys = "; ".join(f"{n}: {', '.join(map(str, s['keys']))}" for n, s in found.items() if s.get("keys")) or "none"
+        vals = "; ".join(f"{n}: {', '.join(map(str, s['values']))}" for n, s in found.items() if s.get("values")) or "none"
+        return f"Channels whose mean |x| is at least {factor:g}x the median channel's (red bars). Keys: {keys}. Values: {vals}."
+    if kind == "histogram":
+        kmax = {f["layer"]: f"{f['summary']['keys']:.3g}" for f in group if f.get("summary")}
+        vmax = {f["layer"]: f"{f['summary']['values']:.3g}" for f in group if f.get("summary")}
+        return (f"Largest |K|: {_layers_text(kmax)}. Largest |V|: {_layers_text(vmax)}. The count axis is logarithmic: a long right tail of "
+                "keys is the outlier channels; values usually stay compact.")
+    if kind == "concentration":
+        need = {f["layer"]: f"{100 * f['summary']['keys90_frac']:.1f}%" for f in group if f.get("summary") and "keys90_frac" in f["summary"]}
+        return (f"Share of the keys a query sees that holds 90% of its attention mass (mean over query heads): {_layers_text(need)}. "
+                "The lower it is, the more eviction or page selection can drop in that layer.")
+    if kind == "heads":
+        rows = [f["summary"] for f in group if f.get("summary") and "heads90" in f["summary"]]
+        need = {f["layer"]: f"{f['summary']['heads90']:.2f}" for f in group if f.get("summary") and "heads90" in f["summary"]}
+        share = sum(r["heads90_frac"] for r in rows) / len(rows) if rows else 1.0
+        verdict = (f"on average {100 * share:.0f}% of the heads: few heads carry the output, so head selection (Polar Sparsity) has room"
+                   if share < 0.6 else f"on average {100 * share:.0f}% of the heads: most heads matter, so head selection saves little here")
+        return f"Query heads needed per query for 90% of the summed output norm: {_layers_text(need)}, {verdict}."
+    return ""
+
+
+def write_index(out_dir: Path, files: list[dict[str, Any]], facts: ModelFacts, source: Path, fmt: str, force: bool = False,
+                outlier_factor: float = 4.0) -> Path:
+    """index.html in ``out_dir``: a document of the figures in ``files`` (as written by
+    :func:`write_plot_set`) with a table of contents, one section per kind with a short reading of
+    its numbers, figures in a grid (grouped by layer where there are several per layer), each with
+    its title as caption."""
     path = out_dir / "index.html"
+    sections = [(kind, [f for f in files if f["kind"] == kind]) for kind in KIND_HEADINGS]  # the model-wide outlier map first
+    sections = [(k, g) for k, g in sections if g]
+    layers = sorted({f["layer"] for f in files if f["layer"] is not None})
+    toc = "".join(f'<li><a href="#{k}">{KIND_HEADINGS[k]}</a> ({len(g)} figure{"s" if len(g) > 1 else ""})</li>' for k, g in sections)
     parts = [
         "<!doctype html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>kvtool plots: {html.escape(facts.name)}</title>",
-        "<style>body{font-family:sans-serif;max-width:1000px;margin:2em auto;padding:0 1em}"
-        "figure{margin:1.5em 0}img,object{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#444}</style>",
+        f"<style>{INDEX_CSS}</style>",
         "</head><body>",
-        f"<h1>{html.escape(facts.name)}</h1>",
+        f"<h1>{html.escape(facts.name)}: what the KV cache looks like</h1>",
         f"<p>Capture <code>{html.escape(str(source))}</code>: {facts.num_layers} layers, {facts.num_heads} query heads, "
-        f"{facts.num_kv_heads} KV heads, head_dim {facts.head_dim}, {html.escape(facts.dtype)}. Written by <code>kvtool plot</code>.</p>",
+        f"{facts.num_kv_heads} KV heads, head_dim {facts.head_dim}, {html.escape(facts.dtype)}; figures of layer{'s' if len(layers) > 1 else ''} "
+        f"{', '.join(map(str, layers))}. Written by <code>kvtool plot</code>; <code>kvtool stats</code> prints the same numbers as tables.</p>",
+        f'<nav><h2 id="contents">Contents</h2><ol>{toc}</ol></nav>',
     ]
-    for kind in KIND_HEADINGS:  # the model-wide outlier map first
-        group = [f for f in files if f["kind"] == kind]
-        if not group:
-            continue
-        parts.append(f"<h2>{KIND_HEADINGS[kind]}</h2>")
-        for f in group:
-            name = html.escape(Path(f["path"]).name)
-            cap = html.escape(f["title"])
-            media = f'<object data="{name}" type="application/pdf" width="900" height="550"><a href="{name}">{name}</a></object>' if fmt == "pdf" else f'<a href="{name}"><img src="{name}" alt="{cap}"></a>'
-            parts.append(f"<figure>{media}<figcaption>{cap}</figcaption></figure>")
+    for kind, group in sections:
+        parts.append(f'<section id="{kind}"><h2>{KIND_HEADINGS[kind]}</h2>')
+        parts.append(f'<p class="reading">{html.escape(index_reading(kind, group, outlier_factor))}</p>')
+        by_layer = [(None, group)] if kind == "outliers" or len(layers) < 2 or len(group) == len({f["layer"] for f in group}) else \
+            [(l, [f for f in group if f["layer"] == l]) for l in layers if any(f["layer"] == l for f in group)]
+        for layer, figs in by_layer:
+            if layer is not None:
+                parts.append(f'<h3 id="{kind}-L{layer}">layer {layer}</h3>')
+            parts.append('<div class="grid">')
+            for f in figs:
+                name = html.escape(Path(f["path"]).name)
+                cap = html.escape(f["title"])
+                media = (f'<object data="{name}" type="application/pdf" width="900" height="550"><a href="{name}">{name}</a></object>' if fmt == "pdf"
+                         else f'<a href="{name}"><img src="{name}" alt="{cap}" loading="lazy"></a>')
+                parts.append(f"<figure>{media}<figcaption>{cap}</figcaption></figure>")
+            parts.append("</div>")
+        parts.append('<p><a href="#contents">back to contents</a></p></section>')
     parts.append("</body></html>")
     return io.atomic_write_text(path, "\n".join(parts) + "\n", force=force)
 
