@@ -129,3 +129,29 @@ def test_python_m_kvtool():
 
     res = subprocess.run([sys.executable, "-m", "kvtool", "--version"], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == f"kvtool {__version__}"
+
+
+def test_shell_completion_offers_formats_models_and_devices(monkeypatch, tmp_path):
+    import click
+    import typer.main
+
+    from kvtool.commands._catalog import model_shape_names
+    from kvtool.hf.shapes import SHAPES
+
+    group = typer.main.get_command(app)
+
+    def values(command: str, option: str, incomplete: str) -> list[str]:
+        cmd = group.commands[command]
+        param = next(p for p in cmd.params if option in p.opts)
+        return [item.value for item in param.shell_complete(click.Context(cmd), incomplete)]
+
+    assert values("compress", "--format", "bit") == ["bitmap", "bitmapq"]
+    assert values("compress", "--format", "snapkv:budget=256+qu") == ["snapkv:budget=256+quant"]
+    assert "quant" in values("eval", "--formats", "q") and values("compress", "--evict", "s") == ["snapkv:budget=", "streaming:budget="]
+    assert model_shape_names() == tuple(SHAPES)
+    assert "random:llama3-8b" in values("capture", "--model", "random:") and values("verify", "--model", "emb") == ["embedded"]
+    (tmp_path / "llama-local").mkdir()
+    (tmp_path / "small.gguf").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    assert values("generate", "--model", "llama") == ["llama-local"] and values("report", "--model", "sm") == ["small.gguf"]
+    assert values("stats", "--device", "cuda:1") == ["cuda:1"] and "cpu" in values("verify", "--device", "")

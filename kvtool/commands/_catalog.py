@@ -65,3 +65,14 @@ def bench_suite_summaries() -> dict[str, str]:
                     and all(isinstance(a, ast.Constant) for a in (node.args[0], node.args[2]))):
                 out[node.args[0].value] = node.args[2].value
     return out
+
+
+SHAPES_FILE = Path(__file__).resolve().parents[1] / "hf" / "shapes.py"
+SHAPE = re.compile(r"""LlamaShape\(\s*["']([\w.-]+)["']""")
+
+
+@lru_cache(maxsize=1)
+def model_shape_names() -> tuple[str, ...]:
+    """The named model shapes of :data:`kvtool.hf.shapes.SHAPES` (``--model random:NAME``), read from
+    the source (shell completion must not import torch); tests/test_cli.py checks both agree."""
+    return tuple(SHAPE.findall(SHAPES_FILE.read_text(encoding="utf-8")))

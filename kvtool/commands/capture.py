@@ -12,6 +12,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.core.names import canonical_dtype
 from kvtool.commands._command import Outcome, add_commands, declare
+from kvtool.commands._complete import complete_device, complete_model
 from kvtool.commands._common import (
     ForceOpt,
     console,
@@ -98,7 +99,7 @@ def print_captured(outcome: Outcome) -> None:
 )
 def capture(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: capture-<model>-<tokens>.safetensors).", dir_okay=False)] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="'embedded' (default), a local HF model folder, a .gguf file, or random:SHAPE.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="'embedded' (default), a local HF model folder, a .gguf file, or random:SHAPE.", autocompletion=complete_model)] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text (default: a built-in text of about 1,000 tokens).")] = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="Read the prompt from a file ('-' for stdin).")] = None,
     random_tokens: Annotated[int | None, typer.Option("--random-tokens", min=1, help="Instead of a prompt, this many seeded random token ids (any model; needed by random:SHAPE).")] = None,
@@ -114,7 +115,7 @@ def capture(
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prefill in chunks of this many tokens (long prompts; same positions and RoPE as one pass).")] = None,
     hidden: Annotated[bool, typer.Option("--hidden", help="Also save each layer's input hidden states (for head routers).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16 (fp16), bfloat16 (bf16) or float32 (fp32) (default: the model's compute dtype).")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...", autocompletion=complete_device)] = "cpu",
     device_map: Annotated[str | None, typer.Option("--device-map", help="Let accelerate place the model, e.g. auto.")] = None,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Where converted GGUF weights are cached (default $KVTOOL_CACHE or ~/.cache/kvtool).")] = None,
     force: ForceOpt = False,

@@ -10,6 +10,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.commands._catalog import format_summaries
 from kvtool.commands._command import Api, Outcome, add_commands, declare
+from kvtool.commands._complete import complete_device, complete_evict, complete_format
 from kvtool.commands._common import (
     DEVICES_HELP,
     CaptureArg,
@@ -72,7 +73,7 @@ def compress_help() -> str:
 )
 def compress(
     capture: CaptureArg,
-    format: Annotated[str, typer.Option("--format", "-F", help="Format name, optionally with parameters: NAME[:key=value,...]."), Api(positional=True)] = "dense",
+    format: Annotated[str, typer.Option("--format", "-F", help="Format name, optionally with parameters: NAME[:key=value,...].", autocompletion=complete_format), Api(positional=True)] = "dense",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output file (default: CAPTURE.FORMAT.safetensors).", dir_okay=False), Api(positional=True)] = None,
     sparsity: Annotated[float | None, typer.Option(help="Fraction of elements pruned, keys and values (bitmap).")] = None,
     key_sparsity: Annotated[float | None, typer.Option(help="Key sparsity (overrides --sparsity).")] = None,
@@ -93,13 +94,13 @@ def compress(
     window: Annotated[int | None, typer.Option(help="Observation window of queries (snapstream).")] = None,
     pool: Annotated[int | None, typer.Option(help="Pooling kernel along tokens (snapstream).")] = None,
     residual: Annotated[int | None, typer.Option(help="Full-precision residual tokens (quant, bitmapq; default 32).")] = None,
-    evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format: POLICY:budget=N[,sinks=,recent=,window=,pool=], policy snapkv|streaming.")] = None,
+    evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format: POLICY:budget=N[,sinks=,recent=,window=,pool=], policy snapkv|streaming.", autocompletion=complete_evict)] = None,
     prune: Annotated[str | None, typer.Option(help="Pruning step after eviction: METHOD:k=KEY_SPARSITY,v=VALUE_SPARSITY[,window=N]; with --format quant it stores as bitmapq.")] = None,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
     heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
     plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
     layers: LayersOpt = None,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICES_HELP)] = None,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICES_HELP, autocompletion=complete_device)] = None,
     force: ForceOpt = False,
     *,
     progress: Progress,

@@ -11,6 +11,7 @@ import typer
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._catalog import format_summaries
+from kvtool.commands._complete import complete_device, complete_format
 from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
@@ -153,7 +154,7 @@ def print_results(result: dict[str, Any]) -> None:
 )
 def eval_cmd(
     captures: Annotated[list[str], typer.Argument(help="Capture files (and, after --formats, more sweep specs).", show_default=False)],
-    formats: Annotated[list[str] | None, typer.Option("--formats", "-F", help="Sweep spec NAME[:key=v1,v2,...]; repeatable, or several after one --formats."), Api(positional=True)] = None,
+    formats: Annotated[list[str] | None, typer.Option("--formats", "-F", help="Sweep spec NAME[:key=v1,v2,...]; repeatable, or several after one --formats.", autocompletion=complete_format), Api(positional=True)] = None,
     paper: Annotated[bool | None, typer.Option("--paper/--no-paper", help="Add the papers' comparison rows (default: on without --formats).")] = None,
     out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Folder for eval.json, eval.csv and the plot (default: CAPTURE.eval/).", file_okay=False), Api(positional=True)] = None,
     out_old: Annotated[Path | None, typer.Option("--out", "-o", hidden=True, help="Deprecated name of --out-dir.", file_okay=False)] = None,
@@ -166,7 +167,7 @@ def eval_cmd(
     x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
     layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP)] = None,
+    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP, autocompletion=complete_device)] = None,
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
     texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
     *,

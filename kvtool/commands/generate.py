@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kvtool.commands._command import Outcome, add_commands, declare
+from kvtool.commands._complete import complete_device, complete_model
 from kvtool.commands._common import (
     example_epilog,
     show,
@@ -40,10 +41,10 @@ def print_generated(outcome: Outcome) -> None:
 def generate(
     source: Annotated[Path, typer.Argument(help="A capture, compressed or hf-export file.", show_default=False)],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text appended after the cached tokens (empty: continue the cached text).")] = "",
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).", autocompletion=complete_model)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 32,
     mode: Annotated[str, typer.Option("--mode", help="auto | live | dense | attend | ring: how a compressed file enters the model (auto: live for compressed files, dense for captures).")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="torch device for the model.")] = "cpu",
+    device: Annotated[str, typer.Option("--device", help="torch device for the model.", autocompletion=complete_device)] = "cpu",
     *,
     progress: Progress,
 ) -> Outcome:
