@@ -30,11 +30,13 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import tempfile
 import typing
 import warnings
-from dataclasses import dataclass, field, fields
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 
 from kvtool.commands import about, compress as compress_cmd, eval as eval_cmd, export as export_cmd, generate as generate_cmd
 from kvtool.commands import heads as heads_cmd, info as info_cmd, plot as plot_cmd, prune as prune_cmd
@@ -42,7 +44,7 @@ from kvtool.commands import recommend as recommend_cmd, report as report_cmd, st
 from kvtool.commands._command import Outcome, declared_parameters, parameter_meta, spec_of
 from kvtool.commands._common import declare_files
 from kvtool.core import outputs
-from kvtool.core.errors import KvtoolError
+from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import envelope
 from kvtool.core.names import canonical_dtype
 from kvtool.core.progress import Progress, make_sink, stage_callback
@@ -312,6 +314,53 @@ def api_doc(fn: Callable[..., Outcome], signature: inspect.Signature) -> str:
     return "\n".join(lines)
 
 
+# Objects in place of files. A command whose function is given an object where its declaration
+# takes a path either has a handler here (``OBJECT_HANDLERS[command](**arguments, progress=sink)``
+# returns its Result; kvtool.compress on an in-memory cache is one), or, for a KVCache, runs on a
+# temporary capture file of it (commands that only read the capture). Commands that would write
+# their output beside the input need ``output=`` then: there is no folder beside a cache in memory.
+OBJECT_HANDLERS: dict[str, Callable[..., Result]] = {}
+WRITES_BESIDE_INPUT = {"prune": "output", "decompress": "output", "export": "output", "eval": "out_dir", "compress": "output"}
+
+
+def _objects(values: dict[str, Any], types: dict[str, Any]) -> dict[str, Any]:
+    """The arguments that are objects where the declaration takes a path (or a list of paths)."""
+    found = {}
+    for k, v in values.items():
+        if v is None or not (_is_path(types[k]) or (_is_list(types[k]) and k in ("captures",))):
+            continue
+        items = v if isinstance(v, (list, tuple)) else [v]
+        if any(not isinstance(i, (str, Path)) for i in items):
+            found[k] = v
+    return found
+
+
+@contextmanager
+def _as_files(command: str, objects: dict[str, Any], values: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Each KVCache in ``objects`` saved as a capture in a temporary folder, its path in its place;
+    the folder is removed afterwards. Any other object is a TypeError naming what is accepted."""
+    from kvtool.core.cache import KVCache  # deferred: start-up time (torch)
+    from kvtool.core import io  # deferred: start-up time (torch)
+
+    beside = WRITES_BESIDE_INPUT.get(command)
+    if beside and values.get(beside) is None:
+        raise UsageError(f"kvtool.{command}: give {beside}=... (the capture is a cache in memory: there is no folder to write beside it)")
+    with tempfile.TemporaryDirectory(prefix="kvtool-") as folder:
+        paths: dict[str, Any] = {}
+        for n, (key, value) in enumerate(objects.items()):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            saved = []
+            for m, item in enumerate(items):
+                if isinstance(item, (str, Path)):
+                    saved.append(item)
+                elif isinstance(item, KVCache):
+                    saved.append(io.save(item, Path(folder) / f"{key}-{n}-{m}.safetensors"))
+                else:
+                    raise TypeError(f"kvtool.{command}({key}=...): a path, 'sample:' or a kvtool.KVCache, not {type(item).__name__}")
+            paths[key] = saved if isinstance(value, (list, tuple)) else saved[0]
+        yield paths
+
+
 def from_command(fn: Callable[..., Outcome], result: type[Result] = Result) -> Callable[..., Result]:
     """The Python function of a declared command (see the module docstring)."""
     spec = spec_of(fn)
@@ -326,15 +375,23 @@ def from_command(fn: Callable[..., Outcome], result: type[Result] = Result) -> C
         bound.apply_defaults()
         values = dict(bound.arguments)
         sink = make_sink(values.pop("progress"), spec.name)
-        call = {**skipped, **{k: _coerce(types[k], v) for k, v in values.items()}}
+        objects = _objects(values, types)
         try:
-            with outputs.command_inputs():  # as the CLI: no output may be one of the inputs
-                outcome = fn(**declare_files(call), progress=sink)
+            if objects and spec.name in OBJECT_HANDLERS:
+                res = OBJECT_HANDLERS[spec.name](**values, progress=sink)
+            else:
+                with _as_files(spec.name, objects, values) as paths:
+                    call = {**skipped, **{k: _coerce(types[k], paths.get(k, v)) for k, v in values.items()}}
+                    with outputs.command_inputs():  # as the CLI: no output may be one of the inputs
+                        outcome = fn(**declare_files(call), progress=sink)
+                res = result.of(spec.name, outcome)
+                if objects:  # the input was a cache in memory, not a file anyone can open
+                    res = replace(res, input=None, inputs=None if res.inputs is None else tuple(p for p in res.inputs if not p.startswith(tempfile.gettempdir())))
         except BaseException:
             sink.close(failed=True)
             raise
         sink.close()
-        return result.of(spec.name, outcome)
+        return res
 
     api_function.__name__ = api_function.__qualname__ = spec.api_name or fn.__name__
     api_function.__module__ = __name__

@@ -162,3 +162,22 @@ def test_export_stays_the_function_after_the_export_package_loads():
     from kvtool.export import convert
 
     assert convert.__name__ == "kvtool.export.convert"
+
+
+def test_functions_take_caches_in_memory(tmp_path):
+    """A KVCache where a capture path is declared: the same result as from the file."""
+    cache = kvtool.load("sample:", layers=[7])
+    from_file = kvtool.stats("sample:", layers="7", queries=8, progress=False)
+    from_memory = kvtool.stats(cache, queries=8, progress=False)
+    assert from_memory.rows == from_file.rows and from_memory.input is None and "input" not in from_memory.to_dict()
+    with pytest.raises(kvtool.UsageError, match="output="):
+        kvtool.prune(cache, progress=False)  # nowhere beside a cache in memory to write to
+    pruned = kvtool.prune(cache, tmp_path / "p.safetensors", progress=False)
+    assert Path(pruned.output).exists() and pruned.achieved_key_sparsity > 0.6
+    with pytest.raises(TypeError, match="KVCache"):
+        kvtool.stats(42)
+    api.OBJECT_HANDLERS["info"] = lambda **kw: api.Result("info", {"handled": type(kw["path"]).__name__})
+    try:
+        assert kvtool.info(cache).report == {"handled": "KVCache"}  # a command's own handler wins
+    finally:
+        del api.OBJECT_HANDLERS["info"]
