@@ -226,9 +226,13 @@ def _brief(row: dict[str, Any]) -> str:
     """One point's result in a few words, for the progress notes."""
     if row.get("skipped"):
         return f"skipped ({row['skipped'][:80]})"
-    parts = [f"{100 * row['storage_ratio']:.1f}% stored", f"rel L2 {row['rel_l2']:.3g}"]
+    def num(key: str, spec: str, scale: float = 1.0) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(scale * value, spec)
+
+    parts = [f"{num('storage_ratio', '.1f', 100)}% stored", f"rel L2 {num('rel_l2', '.3g')}"]
     if row.get("nll_increase") is not None:
-        parts.append(f"NLL {row['nll_increase']:+.4f}, top-1 {row['agreement']:.3f}")
+        parts.append(f"NLL {num('nll_increase', '+.4f')}, top-1 {num('agreement', '.3f')}")
     return ", ".join(parts)
 
 

@@ -27,6 +27,10 @@ BENCH_TIMED = ("p10_us", "p90_us", "bandwidth_gbps")  # numbers wherever median_
 # eval points: the fields the report, the frontier and a resumed run read, by type
 EVAL_TEXT = ("key", "capture", "label", "comparison", "format", "params_text", "spec", "skipped", "backend")
 EVAL_NUMBERS = ("storage_ratio", "traffic_ratio", "rel_l2", "cosine", "max_abs", "recall", "agreement", "nll_increase", "ppl_ratio", "kl", "seconds")
+# where each measured number of an eval point can lie (a resumed point outside it did not come from kvtool);
+# sizes and errors are finite and at most 1e6 (1e6 x the dense bytes, a relative error of a million)
+EVAL_RANGES = {"recall": (0.0, 1.0), "agreement": (0.0, 1.0), "cosine": (-1.0, 1.0)}
+EVAL_LIMIT = 1e6
 
 
 def _fail(where: str, what: str, kind: str) -> BadDataError:
@@ -108,8 +112,9 @@ def read_bench_document(path: str | Path, what: str | None = None, tables: bool 
 
 def check_eval_points(doc: Any, where: str, error: type[KvtoolError] = BadDataError) -> list[dict[str, Any]]:
     """The ``points`` of an eval result document: each an object with a ``format``; its text fields
-    text (or null), its ratios and metrics numbers (or null), ``params`` an object. ``error`` naming
-    ``where`` otherwise."""
+    text (or null), its ratios and metrics numbers (or null) in their range (:data:`EVAL_RANGES`,
+    else within +-:data:`EVAL_LIMIT`: a frontier cannot be drawn through 1e308), ``params`` an
+    object. ``error`` naming ``where`` otherwise."""
     if not isinstance(doc, dict) or not isinstance(doc.get("points"), list):
         raise error(f"{where}: not a kvtool eval result (no list of points)")
     for n, point in enumerate(doc["points"]):
@@ -119,9 +124,11 @@ def check_eval_points(doc: Any, where: str, error: type[KvtoolError] = BadDataEr
             if key in EVAL_TEXT:
                 ok = value is None or isinstance(value, str)
             elif key in EVAL_NUMBERS:
-                ok = value is None or isinstance(value, NUMBER)
+                lo, hi = EVAL_RANGES.get(key, (-EVAL_LIMIT, EVAL_LIMIT))
+                ok = value is None or (isinstance(value, NUMBER) and not isinstance(value, bool) and lo <= value <= hi)
             else:
                 ok = key != "params" or isinstance(value, dict)
             if not ok:
-                raise error(f"{where}: not a kvtool eval result (point {n}: {key} is {type(value).__name__})")
+                what = f"{value!r} is out of range" if isinstance(value, NUMBER) and not isinstance(value, bool) else f"is {type(value).__name__}"
+                raise error(f"{where}: not a kvtool eval result (point {n}: {key} {what})")
     return doc["points"]
