@@ -341,3 +341,22 @@ def test_no_color_option_and_readable_info():
     assert "\x1b[" not in run("--no-color", "info", "missing.safetensors").stderr
     res = runner.invoke(app, ["info", "sample:"])
     assert res.exit_code == 0 and "{'" not in res.stdout and "prompt preview" in res.stdout and "None" not in res.stdout
+
+
+def test_every_command_takes_json_and_quiet():
+    import typer.main
+
+    def walk(group, prefix=""):
+        for name, cmd in group.commands.items():
+            if hasattr(cmd, "commands"):
+                if hasattr(cmd, "_commands"):  # bench builds its suites on first use
+                    cmd = cmd._commands()
+                yield from walk(cmd, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", cmd
+
+    commands = dict(walk(typer.main.get_command(app)))
+    assert {"compress", "recommend", "report", "info", "decompress", "export", "bench report", "bench dense"} <= set(commands)
+    for name, cmd in commands.items():
+        opts = {o for p in cmd.params for o in p.opts}
+        assert {"--json", "-q", "--quiet", "--debug"} <= opts, name

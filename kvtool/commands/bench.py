@@ -26,8 +26,8 @@ from kvtool.commands._common import (
     err_console,
     example_epilog,
     kvtool_command,
+    library_progress,
     make_table,
-    quiet_enabled,
     show,
     to_json_text,
 )
@@ -171,11 +171,10 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
             io.check_output(output, force)
         if plot is not None:
             io.check_output(plot, force)
-        silent = json_out or quiet_enabled(quiet)
-        ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
-                            cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph,
-                            step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)), backend=backend)
-        doc = run_suite(sub, ctx)
+        with library_progress(json_out or quiet) as sink:  # each timed provider and configuration is a stage
+            ctx = build_context(sub, model_shape, heads, kv_heads, head_dim, batch, seq, sparsity, budget, k, dtype, capture, layer,
+                                cold_l2, warmup_ms, rep_ms, page_size, window, host_overhead, cuda_graph, step=sink.stage, backend=backend)
+            doc = run_suite(sub, ctx)
         if output is not None:
             io.atomic_write_text(output, to_json_text(doc), force=force)
         if plot is not None:
