@@ -164,3 +164,18 @@ def test_report_nll_in_nats_noise_flag_and_reproduce_line(tiny_capture, tiny_lla
     for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%", "--uniform-checks 1"):
         assert option in reproduce, option
     assert 'class="good"' in text or 'class="fair"' in text or 'class="poor"' in text  # graded cells
+
+
+def test_model_cost_figure_ticks_in_nats():
+    from kvtool.analysis.html_report import model_cost_figure
+
+    def setting(ratio, nll):
+        return {"cases": [{"stored_ratio": ratio, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": None, "hi": None, "n": 1}}
+
+    budgets = [{"budget": "40%", "plan_label": "plan @ 40%",
+                "check": {"plan @ 40%": setting(0.38, 0.0086), "quant:bits=2": setting(0.29, 0.0084), "signvq:bits=4": setting(0.41, -0.0056)}}]
+    ax = model_cost_figure(budgets).axes[0]
+    lo, hi = ax.get_ylim()
+    labels = [ax.yaxis.get_major_formatter()(t, 0) for t in ax.get_yticks() if lo <= t <= hi]
+    assert len(labels) >= 4 and "0" in labels and all("%" not in t for t in labels), labels
+    assert "nats/token" in ax.get_ylabel()

@@ -128,7 +128,7 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
     (settings checked on the capture alone have no bar). Symmetric-log y axis, linear within +-0.01
     nats (the noise band, shaded)."""
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     fig, ax = _figure(8.5, 4.8)
     seen: set[str] = set()
@@ -161,6 +161,10 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
     if ys:
         lo, hi = min(ys + [0.0]), max(ys + [0.0])
         ax.set_ylim(lo - 0.3 * max(0.01, abs(lo)), hi + 0.3 * max(0.01, abs(hi)))
+    lo, hi = ax.get_ylim()  # 1-2-5 ticks (from 0.002 up, nearer 0 they crowd the linear band) and 0
+    steps = [sign * k * 10.0**e for sign in (1, -1) for e in range(-3, 3) for k in (1, 2, 5)]
+    ax.set_yticks(sorted([0.0] + [t for t in steps if abs(t) >= 0.002 and lo <= t <= hi]))
+    ax.yaxis.set_minor_locator(NullLocator())
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{v:+g}" if v else "0"))
     ax.axhspan(-0.01, 0.01, color="grey", alpha=0.08, zorder=1)  # within +-0.01: noise (docs/fidelity.md)
     ax.grid(True, alpha=0.3)
