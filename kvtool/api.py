@@ -386,7 +386,7 @@ def from_command(fn: Callable[..., Outcome], result: type[Result] = Result) -> C
                         outcome = fn(**declare_files(call), progress=sink)
                 res = result.of(spec.name, outcome)
                 if objects:  # the input was a cache in memory, not a file anyone can open
-                    res = replace(res, input=None, inputs=None if res.inputs is None else tuple(p for p in res.inputs if not p.startswith(tempfile.gettempdir())))
+                    res = replace(res, input="<memory>", inputs=None if res.inputs is None else tuple(p if not p.startswith(tempfile.gettempdir()) else "<memory>" for p in res.inputs))
         except BaseException:
             sink.close(failed=True)
             raise
@@ -596,7 +596,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
         if output is not None:
             out = str(save_compressed(cc, Path(output), force=force))
             report["output"] = out
-        return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["ratio"],
+        return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["storage_ratio"],
                               compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
     if hasattr(cache, "layers") and hasattr(cache, "get_seq_length"):
         from kvtool.hf.live import compress_hf_cache  # deferred: transformers loads only when asked for
@@ -607,17 +607,13 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
     raise UsageError(f"compress takes a capture path, a kvtool KVCache or a transformers cache, not {type(cache).__name__}")
 
 
-_compress_file = compress
+def _compress_handler(capture: Any, **values: Any) -> Any:
+    """kvtool.compress's handler of objects (:data:`OBJECT_HANDLERS`): the declared arguments, in memory
+    (an option it cannot apply there, such as ``layers=``, is refused by name)."""
+    return _compress_in_memory(capture, **values)
 
 
-@functools.wraps(_compress_file)
-def compress(capture: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: F811 - the command's function, widened to in-memory caches
-    if isinstance(capture, (str, Path)):
-        return _compress_file(capture, *args, **kwargs)
-    return _compress_in_memory(capture, *args, **kwargs)
-
-
-compress.__doc__ = (_compress_file.__doc__ or "") + (
+OBJECT_HANDLERS["compress"] = _compress_handler
+compress.__doc__ = (compress.__doc__ or "") + (
     "\n\nIn-memory caches too: a kvtool KVCache (the result's ``compressed`` holds the CompressedCache) or a transformers "
     "cache (compressed in place into a live cache, returned); see :func:`kvtool.api._compress_in_memory`.")
-COMMAND_FUNCTIONS["compress"] = compress

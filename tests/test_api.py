@@ -169,7 +169,7 @@ def test_functions_take_caches_in_memory(tmp_path):
     cache = kvtool.load("sample:", layers=[7])
     from_file = kvtool.stats("sample:", layers="7", queries=8, progress=False)
     from_memory = kvtool.stats(cache, queries=8, progress=False)
-    assert from_memory.rows == from_file.rows and from_memory.input is None and "input" not in from_memory.to_dict()
+    assert from_memory.rows == from_file.rows and from_memory.input == from_memory.to_dict()["input"] == "<memory>"
     with pytest.raises(kvtool.UsageError, match="output="):
         kvtool.prune(cache, progress=False)  # nowhere beside a cache in memory to write to
     pruned = kvtool.prune(cache, tmp_path / "p.safetensors", progress=False)
