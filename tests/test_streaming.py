@@ -147,34 +147,22 @@ def test_lazy_capture_reads_one_layer_at_a_time(model, tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="layer 5 is not in"):
         open_capture(path, layers=[5])
     names = []
-    import safetensors
+    real = io.KVFile.read
 
-    real = safetensors.safe_open
+    def spy(self, wanted, *a, **k):
+        names.extend(wanted)
+        return real(self, wanted, *a, **k)
 
-    class Spy:
-        def __init__(self, *a, **k):
-            self.fh = real(*a, **k)
-
-        def __enter__(self):
-            self.inner = self.fh.__enter__()
-            return self
-
-        def __exit__(self, *a):
-            return self.fh.__exit__(*a)
-
-        def get_tensor(self, name):
-            names.append(name)
-            return self.inner.get_tensor(name)
-
-        def metadata(self):
-            return self.inner.metadata()
-
-        def keys(self):
-            return self.inner.keys()
-
-    monkeypatch.setattr(io, "safe_open", Spy)  # the reader the lazy capture goes through
+    monkeypatch.setattr(io.KVFile, "read", spy)  # the reader the lazy capture goes through
+    lazy.prefetch = False
     lazy.layers[0]
     assert names == ["layers.0.keys", "layers.0.values"]
+    lazy.prefetch = True
+    names.clear()
+    lazy.layers[0]
+    assert list(lazy._ahead) == [2]  # the next selected layer is read while layer 0 is used
+    assert torch.equal(lazy.layers[2].keys, full.layers[2].keys)
+    assert sorted(names) == ["layers.0.keys", "layers.0.values", "layers.2.keys", "layers.2.values"]  # each read once
 
 
 def test_capture_cli_chunked_query_layers_and_device_map(tmp_path, tiny_llama_dir):

@@ -490,14 +490,14 @@ def _spy_reads(monkeypatch):
     tails: list[str] = []
     real_full, real_tail = io.read_tensors, io.read_tail
 
-    def spy_full(path, names=None):
-        out = real_full(path, names)
+    def spy_full(path, names=None, **kw):
+        out = real_full(path, names, **kw)
         full.append(sorted(out))
         return out
 
-    def spy_tail(path, name, tokens, axis=2):
+    def spy_tail(path, name, tokens, axis=2, **kw):
         tails.append(name)
-        return real_tail(path, name, tokens, axis)
+        return real_tail(path, name, tokens, axis, **kw)
 
     monkeypatch.setattr(io, "read_tensors", spy_full)
     monkeypatch.setattr(io, "read_tail", spy_tail)

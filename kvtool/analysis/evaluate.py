@@ -181,11 +181,16 @@ def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
     runs the other layers densely), read one layer at a time onto ``device`` when used."""
     parts = ("keys", "values", "queries")
     if layers is None:
-        return open_capture(path, parts=parts, device=device)
-    meta, _ = io.read_header(path)
-    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(path, meta)
-    return open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
+        cache = open_capture(path, parts=parts, device=device)
+    else:
+        meta, _ = io.read_header(path)
+        io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+        facts = io.facts_from_meta(path, meta)
+        cache = open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
+    # every point compresses and scores the same layers: on a GPU with room for them, each layer is
+    # read and checked once for the whole sweep, not twice per point
+    cache.keep_on_device()
+    return cache
 
 
 def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None, cases=()) -> dict[str, Any]:

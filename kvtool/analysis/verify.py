@@ -57,7 +57,8 @@ def verify_file(
         raise UsageError(f"--generate must be 0 or more, got {generate}")
     devices = resolve_devices(device)
     dev = devices[0]
-    cc: CompressedCache = load_compressed(compressed)
+    # checked (and validated) on the device that will use it, when there is one
+    cc: CompressedCache = load_compressed(compressed, device=dev if len(devices) == 1 else None)
     source_path = find_source(cc, compressed, capture)
     # keys and values of the captured layers, and only the queries that are scored: the last
     # M = --heldout (default: the file's held-out W) of each layer; hidden states are not read.

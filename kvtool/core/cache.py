@@ -15,19 +15,42 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
 from kvtool.core.errors import UsageError
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+class _Dtypes(Mapping):
+    """``{"float32": torch.float32, "float16": ..., "bfloat16": ...}``; torch is imported on the first
+    lookup of a value, so that reading a file's header (``kvtool info``) never loads it."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in DTYPE_NAMES:
+            raise KeyError(name)
+        import torch
+
+        return getattr(torch, name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in DTYPE_NAMES
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DTYPE_NAMES)
+
+    def __len__(self) -> int:
+        return len(DTYPE_NAMES)
+
+
+DTYPES: Mapping[str, Any] = _Dtypes()
+
+
+def dtype_name(dtype: Any) -> str:
     """``torch.float16`` -> ``"float16"``."""
     return str(dtype).removeprefix("torch.")
 
@@ -59,7 +82,7 @@ class ModelFacts:
         return self.num_heads // self.num_kv_heads
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> Any:
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:

@@ -26,19 +26,20 @@ import os
 import stat
 import zlib
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors import safe_open
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from kvtool._version import __version__
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts
-from kvtool.core import settings
+from kvtool.core import kvfile, settings
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.cache import format_indices
 from kvtool.core.limits import MAX_HEADER_BYTES, MAX_LAYERS, MAX_WIDTH
 # the output check and atomic writes (torch-free, so the CLI uses them at start-up); re-exported here
 from kvtool.core.outputs import atomic_path, atomic_write_bytes, atomic_write_text, check_output, note_input, output_beside, remove_stale_temps  # noqa: F401
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: reading a header needs none
+    import torch
 
 CAPTURE_SCHEMA = "kvtool.capture"
 COMPRESSED_SCHEMA = "kvtool.compressed"
@@ -48,17 +49,21 @@ KNOWN_SCHEMAS = (CAPTURE_SCHEMA, COMPRESSED_SCHEMA, PAGED_SCHEMA)
 LAYER_PARTS = ("keys", "values", "queries", "hidden")
 
 
-CHECKSUM_KEY = "kvtool.checksums"
-CHECKSUM_ALGORITHM = "crc32"
+CHECKSUM_KEY = kvfile.CHECKSUM_KEY
+CHECKSUM_ALGORITHM = kvfile.CHECKSUM_ALGORITHM
+# the torch-free parts of reading live in kvtool.core.kvfile (``kvtool info`` runs on it alone)
+verifying_checksums = kvfile.verifying_checksums
+metadata_crc32 = kvfile.metadata_crc32
+read_checksums = kvfile.read_checksums
+check_regular_file = kvfile.check_regular_file
+sha256_file = kvfile.sha256_file
+read_header = kvfile.read_header
+KVFile = kvfile.KVFile
 
 
 def set_verify_checksums(on: bool) -> None:
     """Turn checking of ``kvtool.checksums`` on load on or off (the CLI's ``--no-verify-checksums``)."""
     settings.verify_checksums = on
-
-
-def verifying_checksums() -> bool:
-    return settings.verify_checksums and os.environ.get("KVTOOL_NO_VERIFY_CHECKSUMS", "") in ("", "0")
 
 
 
@@ -70,36 +75,57 @@ def set_allow_nonfinite(on: bool) -> None:
 
 def check_finite(path: Path | str, tensors: dict[str, torch.Tensor], allow: bool | None = None) -> None:
     """BadDataError naming the first floating tensor that holds NaN or infinite values, and how
-    many, unless ``allow`` (default: :func:`set_allow_nonfinite`'s setting) or KVTOOL_ALLOW_NONFINITE=1."""
-    if allow is None:
-        allow = settings.allow_nonfinite or os.environ.get("KVTOOL_ALLOW_NONFINITE", "") not in ("", "0")
-    if allow:
+    many, unless ``allow`` (default: :func:`set_allow_nonfinite`'s setting) or KVTOOL_ALLOW_NONFINITE=1.
+
+    Tested on the bits (an all-ones exponent), never by converting: CPU tensors with numpy in
+    chunks on the reader threads, device tensors on their device with one host sync per call."""
+    import torch
+
+    if kvfile.allowing_nonfinite(allow):
         return
-    for name, t in tensors.items():
-        if t.is_floating_point() and t.numel():
-            flat = t.reshape(-1)
-            # in chunks: isfinite makes several temporaries the size of its input
-            bad = sum(int((~torch.isfinite(flat[i : i + (1 << 20)])).sum()) for i in range(0, flat.numel(), 1 << 20))
-            if bad:
-                raise BadDataError(f"{path}: tensor {name!r} holds {bad} NaN or infinite values of {t.numel()}; kvtool --allow-nonfinite accepts them")
+    floating = {name: t for name, t in tensors.items() if t.is_floating_point() and t.numel()}
+    on_device = [name for name, t in floating.items() if t.device.type != "cpu"]
+    counts: dict[str, int] = {}
+    if on_device:
+        flags = torch.stack([(~torch.isfinite(floating[n])).sum() for n in on_device]).tolist()
+        counts.update(zip(on_device, (int(f) for f in flags)))
+    for name, t in floating.items():
+        if name not in counts:
+            code = _st_codes().get(t.dtype)
+            raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            step = kvfile.CHUNK
+            parts = [raw[i : i + step] for i in range(0, raw.size, step)]
+            counts[name] = sum(kvfile.pool().map(lambda b: kvfile.nonfinite_count(b, code), parts)) if len(parts) > 1 else kvfile.nonfinite_count(raw, code)
+    for name, t in floating.items():
+        if counts[name]:
+            raise BadDataError(f"{path}: tensor {name!r} holds {counts[name]} NaN or infinite values of {t.numel()}; kvtool --allow-nonfinite accepts them")
 
 
 def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes as stored (any dtype), continuing from ``crc``."""
+    import torch
+
     flat = tensor.detach().reshape(-1)
     if flat.numel() == 0:
         return crc
     return zlib.crc32(flat.view(torch.uint8).numpy(), crc)
 
 
-def metadata_crc32(metadata: dict[str, str]) -> int:
-    """CRC-32 of every metadata entry except the checksums themselves (keys sorted, JSON text)."""
-    rest = {k: v for k, v in metadata.items() if k != CHECKSUM_KEY}
-    return zlib.crc32(json.dumps(rest, sort_keys=True).encode())
+@lru_cache(maxsize=1)
+def _st_codes() -> dict[Any, str]:
+    """torch dtype -> safetensors dtype code."""
+    import torch
 
-
-_ST_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
+    return {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32",
              torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+@lru_cache(maxsize=1)
+def _st_torch() -> dict[str, Any]:
+    """safetensors dtype code -> torch dtype."""
+    import torch
+
+    return {code: dt for dt, code in _st_codes().items()} | {code: getattr(torch, name) for code, name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")) if hasattr(torch, name)}
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], force: bool = False, inputs: tuple = ()) -> Path:
@@ -108,18 +134,20 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     The file is streamed: the header first, then each tensor's bytes straight from the tensor, so
     no second copy of the payload is built in memory. Tensors are made contiguous on the CPU one at a
     time."""
+    import torch
+
     path = check_output(path, force, inputs)
     clean = {name: tensors[name].detach() for name in sorted(tensors)}
     crcs: dict[str, str] = {}
     entries: dict[str, Any] = {}
     offset = 0
     for name, t in clean.items():
-        if t.dtype not in _ST_CODES:
+        if t.dtype not in _st_codes():
             raise UsageError(f"cannot store tensor {name!r} of dtype {t.dtype} in a safetensors file")
         cpu = t.to("cpu").contiguous()
         crcs[name] = f"{tensor_crc32(cpu):08x}"
         nbytes = cpu.numel() * cpu.element_size()
-        entries[name] = {"dtype": _ST_CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {"dtype": _st_codes()[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     checks = json.dumps({"algorithm": CHECKSUM_ALGORITHM, "metadata": f"{metadata_crc32(metadata):08x}", "tensors": crcs})
     header = json.dumps({"__metadata__": {**metadata, CHECKSUM_KEY: checks}, **entries}, separators=(",", ":")).encode()
@@ -134,27 +162,6 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     return path
 
 
-def read_checksums(path: Path, meta: dict[str, str]) -> dict[str, str] | None:
-    """``{tensor name: hex}`` from the file's ``kvtool.checksums`` (after checking the metadata's own
-    checksum), or None when the file has none or checking is off. BadDataError if malformed or wrong."""
-    if CHECKSUM_KEY not in meta or not verifying_checksums():
-        return None
-    try:
-        data = json.loads(meta[CHECKSUM_KEY])
-    except (json.JSONDecodeError, RecursionError):
-        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not valid JSON (the header is corrupted)") from None
-    if (
-        not isinstance(data, dict)
-        or data.get("algorithm") != CHECKSUM_ALGORITHM
-        or not isinstance(data.get("tensors"), dict)
-        or not all(isinstance(v, str) for v in data["tensors"].values())
-    ):
-        raise BadDataError(f"{path}: metadata {CHECKSUM_KEY!r} is not a {CHECKSUM_ALGORITHM} checksum table (the header is corrupted)")
-    if data.get("metadata") != f"{metadata_crc32(meta):08x}":
-        raise BadDataError(f"{path}: the metadata fails its checksum (the header is corrupted); --no-verify-checksums skips the check")
-    return data["tensors"]
-
-
 def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | None, crc: int) -> None:
     if checksums is None:
         return
@@ -165,159 +172,86 @@ def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | Non
         raise BadDataError(f"{path}: tensor {name!r} fails its checksum (its bytes are corrupted); --no-verify-checksums skips the check")
 
 
-def sha256_file(path: str | Path) -> str:
-    """sha256 of a regular file (BadDataError for a FIFO, device or folder: no unbounded reads)."""
-    check_regular_file(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def check_regular_file(path: str | Path) -> int:
-    """The size of ``path``; BadDataError unless it is an existing regular file (after symlinks)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise BadDataError(f"{path}: not a regular file")
-    note_input(path)  # an input of the running command: no output may be it
-    return st.st_size
-
-
 # ----------------------------------------------------------------------------- reading
 
 
-def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int]]]]:
-    """Metadata and ``{name: (dtype, shape)}`` of a safetensors file, without loading tensors.
-
-    Raises BadDataError for a missing, unreadable, truncated or non-safetensors file."""
-    path = Path(path)
-    if not path.exists():
-        raise BadDataError(f"{path}: no such file")
-    if path.is_dir():
-        raise BadDataError(f"{path}: is a folder, not a kvtool file")
-    check_regular_file(path)
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise BadDataError(f"{path}: not a safetensors file (too short)")
-            n = int.from_bytes(head, "little")
-            size = path.stat().st_size
-            if n <= 0 or n > min(size - 8, MAX_HEADER_BYTES):
-                raise BadDataError(f"{path}: not a safetensors file (bad header length)")
-            header = json.loads(fh.read(n))
-    except (OSError, PermissionError) as exc:
-        raise BadDataError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadDataError(f"{path}: not a safetensors file (header is not JSON)") from None
-    except RecursionError:
-        raise BadDataError(f"{path}: not a safetensors file (header nests too deeply)") from None
-    if not isinstance(header, dict):
-        raise BadDataError(f"{path}: not a safetensors file (header is not an object)")
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise BadDataError(f"{path}: not a safetensors file (its metadata is not a table of strings)")
-    checksums = read_checksums(path, meta)
-    if checksums is not None and set(checksums) != set(header):
-        odd = sorted(set(checksums) ^ set(header))[0]
-        raise BadDataError(f"{path}: tensor {odd!r} is missing from the file or from {CHECKSUM_KEY} (the header is corrupted)")
-    entries: dict[str, tuple[str, list[int]]] = {}
-    end = 0
-    for name, spec in header.items():
-        try:
-            dt, shape, (begin, stop) = spec["dtype"], list(spec["shape"]), spec["data_offsets"]
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in [*shape, begin, stop]) or dt not in ITEMSIZE:
-                raise ValueError
-        except (KeyError, TypeError, IndexError, ValueError):
-            raise BadDataError(f"{path}: not a safetensors file (bad entry for {name!r})") from None
-        count = 1
-        for n_ in shape:
-            count *= n_
-        if stop - begin != count * ITEMSIZE[dt]:
-            raise BadDataError(f"{path}: tensor {name!r} of shape {shape} {ST_DTYPES.get(dt, dt)} needs {count * ITEMSIZE[dt]} bytes, the header gives it {stop - begin}")
-        entries[name] = (dt, shape)
-        end = max(end, stop)
-    if 8 + n + end > size:
-        raise BadDataError(f"{path}: truncated: the header promises {8 + n + end} bytes, the file has {size}")
-    return meta, entries
+def _torch_dtype(code: str) -> torch.dtype:
+    dt = _st_torch().get(code)
+    if dt is None:
+        raise UsageError(f"tensors of safetensors dtype {code} cannot be read into torch here")
+    return dt
 
 
-def read_tensors(path: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def tensor_from_bytes(raw: Any, code: str, shape: list[int]) -> torch.Tensor:
+    """A CPU tensor of safetensors dtype ``code`` and ``shape`` over the bytes ``raw`` (a numpy
+    uint8 array, shared, not copied)."""
+    import torch
+
+    flat = torch.from_numpy(raw)
+    return flat.view(_torch_dtype(code)).reshape(shape) if flat.numel() else torch.empty(shape, dtype=_torch_dtype(code))
+
+
+def read_tensors(path: str | Path, names: list[str] | None = None, finite: bool = False, allow_nonfinite: bool | None = None,
+                 file: KVFile | None = None) -> dict[str, torch.Tensor]:
     """Load tensors (all, or ``names``) from a safetensors file, CPU, each checked against its
-    ``kvtool.checksums`` entry (BadDataError naming the tensor on a mismatch)."""
+    ``kvtool.checksums`` entry (BadDataError naming the tensor on a mismatch) and, with ``finite``,
+    for NaN/infinite values (unless allowed) in the same pass. ``file``: an open :class:`KVFile` of
+    ``path`` to read through (its header is not parsed again)."""
     path = Path(path)
+    f = file if file is not None else KVFile(path)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            meta = fh.metadata() or {}
-            checksums = read_checksums(path, meta)
-            out = {}
-            for name in names if names is not None else fh.keys():
-                out[name] = fh.get_tensor(name)
-                if checksums is not None:
-                    check_tensor_checksum(path, name, checksums, tensor_crc32(out[name]))
-            if checksums is not None and set(checksums) - set(fh.keys()):
-                extra = sorted(set(checksums) - set(fh.keys()))[0]
-                raise BadDataError(f"{path}: {CHECKSUM_KEY} names tensor {extra!r}, which the file lacks (the header is corrupted)")
-            return out
-    except BadDataError:
+        wanted = list(names) if names is not None else list(f.entries)
+        missing = [n for n in wanted if n not in f.entries]
+        if missing:
+            raise BadDataError(f"{path}: cannot read tensors (no tensor {missing[0]!r} in the file)")
+        raw = f.read(wanted, finite=finite, allow_nonfinite=allow_nonfinite)
+        return {n: tensor_from_bytes(raw[n], *f.entries[n]) for n in wanted}
+    except (BadDataError, UsageError):
         raise
-    except Exception as exc:  # safetensors raises its own error types for corrupt data
+    except (OSError, ValueError, RuntimeError) as exc:
         raise BadDataError(f"{path}: cannot read tensors ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+    finally:
+        if file is None:
+            f.close()
 
 
-def read_tail(path: str | Path, name: str, tokens: int, axis: int = 2) -> torch.Tensor:
+def read_tail(path: str | Path, name: str, tokens: int, axis: int = 2, finite: bool = False, file: KVFile | None = None) -> torch.Tensor:
     """The last ``tokens`` entries along ``axis`` of tensor ``name`` (e.g. the held-out queries
     ``[B, H, tokens, D]`` of ``layers.{i}.queries``), read without loading the rest. The tensor's
-    checksum is still checked, by streaming its bytes from the file in 4 MiB chunks."""
+    checksum is still checked, by streaming its bytes from the file in parallel chunks."""
     path = Path(path)
+    f = file if file is not None else KVFile(path)
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            meta = fh.metadata() or {}
-            sl = fh.get_slice(name)
-            shape = sl.get_shape()
-            index = tuple(slice(max(shape[axis] - tokens, 0), None) if d == axis else slice(None) for d in range(len(shape)))
-            tensor = sl[index]
-    except Exception as exc:  # safetensors raises its own error types for corrupt data
+        if name not in f.entries:
+            raise BadDataError(f"{path}: cannot read tensor {name!r} (no such tensor in the file)")
+        code, shape = f.entries[name]
+        raw, got = f.read_rows(name, axis, shape[axis] - tokens, finite=finite)
+        return tensor_from_bytes(raw, code, got)
+    except (BadDataError, UsageError):
+        raise
+    except (OSError, ValueError, RuntimeError, IndexError) as exc:
         raise BadDataError(f"{path}: cannot read tensor {name!r} ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
-    checksums = read_checksums(path, meta)
-    if checksums is not None:
-        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
-    return tensor
+    finally:
+        if file is None:
+            f.close()
 
 
 def verify_checksums(path: str | Path) -> bool:
     """Check every tensor of a kvtool file against ``kvtool.checksums`` by streaming the file (no
     tensor is loaded). False when the file has no checksums or checking is off; BadDataError naming
     the first tensor that fails."""
-    path = Path(path)
-    meta, entries = read_header(path)
-    checksums = read_checksums(path, meta)
-    if checksums is None:
-        return False
-    for name in entries:
-        check_tensor_checksum(path, name, checksums, file_range_crc32(path, name))
+    with KVFile(path) as f:
+        if f.checksums is None:
+            return False
+        for name in f.entries:
+            f.verify(name)
     return True
 
 
 def file_range_crc32(path: Path, name: str) -> int:
-    """CRC-32 of tensor ``name``'s bytes as they lie in the file, read in chunks."""
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-        begin, stop = header[name]["data_offsets"]
-        fh.seek(8 + n + begin)
-        crc, left = 0, stop - begin
-        while left > 0:
-            chunk = fh.read(min(left, 4 << 20))
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-            left -= len(chunk)
-    return crc
+    """CRC-32 of tensor ``name``'s bytes as they lie in the file, read in parallel chunks."""
+    with KVFile(path) as f:
+        return f.crc32(name)
 
 
 def parse_json_meta(path: Path, meta: dict[str, str], key: str, default: Any = ...) -> Any:
@@ -367,8 +301,8 @@ def facts_from_meta(path: Path, meta: dict[str, str]) -> ModelFacts:
     return facts
 
 
-ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F64": 8}
-ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
+ITEMSIZE = kvfile.ITEMSIZE
+ST_DTYPES = kvfile.ST_DTYPES
 
 
 def capture_metadata(cache: KVCache) -> dict[str, str]:
@@ -383,6 +317,8 @@ def capture_metadata(cache: KVCache) -> dict[str, str]:
 
 
 def capture_tensors(cache: KVCache) -> dict[str, torch.Tensor]:
+    import torch
+
     tensors: dict[str, torch.Tensor] = {"token_ids": cache.token_ids.to(torch.int64)}
     if cache.attention_mask is not None:
         tensors["attention_mask"] = cache.attention_mask.to(torch.int64)
@@ -405,6 +341,8 @@ def save(cache: KVCache, path: str | Path, force: bool = False) -> Path:
 
 def validate_cache(cache: KVCache, path: Path | str = "<memory>") -> None:
     """Check every tensor's shape and dtype against the model facts; BadDataError on the first problem."""
+    import torch
+
     f = cache.facts
     if cache.token_ids.ndim != 2:
         raise BadDataError(f"{path}: token_ids should be [batch, tokens], got shape {list(cache.token_ids.shape)}")
@@ -488,21 +426,22 @@ def load(path: str | Path, layers: list[int] | None = None, parts: tuple[str, ..
     problem for anything that is not a valid capture, NaN/infinite values included unless
     ``allow_nonfinite`` (default: the CLI's ``--allow-nonfinite``)."""
     path = Path(path)
-    meta, entries = read_header(path)
-    check_schema(path, meta, CAPTURE_SCHEMA)
-    facts = facts_from_meta(path, meta)
-    indices = layer_list(path, meta, facts)
-    info = parse_json_meta(path, meta, "kvtool.info", default={})
-    check_entries(path, facts, indices, entries)
-    if layers is not None:
-        missing = [i for i in layers if i not in indices]
-        if missing:
-            raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
-        indices = [i for i in indices if i in layers]
-    wanted = ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else [])
-    wanted += [f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS if (p in parts or p in ("keys", "values")) and f"layers.{i}.{p}" in entries]
-    tensors = read_tensors(path, wanted)
-    check_finite(path, tensors, allow_nonfinite)
+    with KVFile(path) as f:  # one open file: the header and the bytes of one version of it
+        meta, entries = f.meta, f.entries
+        check_schema(path, meta, CAPTURE_SCHEMA)
+        facts = facts_from_meta(path, meta)
+        indices = layer_list(path, meta, facts)
+        info = parse_json_meta(path, meta, "kvtool.info", default={})
+        check_entries(path, facts, indices, entries)
+        if layers is not None:
+            missing = [i for i in layers if i not in indices]
+            if missing:
+                raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
+            indices = [i for i in indices if i in layers]
+        wanted = ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else [])
+        wanted += [f"layers.{i}.{p}" for i in indices for p in LAYER_PARTS if (p in parts or p in ("keys", "values")) and f"layers.{i}.{p}" in entries]
+        # checksums and finite values in the same pass as the read
+        tensors = read_tensors(path, wanted, finite=True, allow_nonfinite=allow_nonfinite, file=f)
     cache = KVCache(
         facts=facts,
         layers={
@@ -523,34 +462,51 @@ def describe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta, entries = read_header(path)
     schema = check_schema(path, meta)
-    decoded: dict[str, Any] = {}
-    for key, value in meta.items():
-        try:
-            decoded[key] = json.loads(value)
-        except json.JSONDecodeError:
-            decoded[key] = value
-        except RecursionError:
-            raise BadDataError(f"{path}: metadata {key!r} nests too deeply") from None
-    itemsize = ITEMSIZE
-    tensors = []
-    total = 0
-    for name, (dt, shape) in sorted(entries.items(), key=lambda kv: _natural_key(kv[0])):
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * itemsize.get(dt, 0)
-        total += nbytes
-        tensors.append({"name": name, "dtype": ST_DTYPES.get(dt, dt), "shape": shape, "bytes": nbytes})
-    return {
-        "path": str(path),
-        "schema": schema,
-        "schema_version": meta.get("kvtool.schema_version"),
-        "metadata": decoded,
-        "tensors": tensors,
-        "tensor_bytes": total,
-        "file_bytes": path.stat().st_size,
-    }
+    data = kvfile.describe(path, meta, entries)
+    return {"path": data["path"], "schema": schema, "schema_version": meta.get("kvtool.schema_version"), **{k: v for k, v in data.items() if k != "path"}}
 
 
-def _natural_key(name: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in name.split(".")]
+def inspect_file(path: str | Path) -> dict[str, Any]:
+    """:func:`describe` of a kvtool file, after checking what can be checked without the format
+    registry (and without torch): a capture as :func:`load` would (:func:`check_capture_file`), a
+    paged export's checksums. A compressed file's own checks and byte report come from
+    :func:`kvtool.formats.files.file_info`."""
+    data = describe(path)
+    if data["schema"] == CAPTURE_SCHEMA:
+        check_capture_file(path)
+    elif data["schema"] == PAGED_SCHEMA:
+        verify_checksums(path)
+    return data
+
+
+def check_capture_file(path: str | Path, allow_nonfinite: bool | None = None) -> None:
+    """Check a capture file as :func:`load` does, without keeping its tensors (and without torch):
+    the header (schema, model facts, layers, names, dtypes and shapes against the facts), then every
+    tensor's bytes streamed in chunks against its checksum and for NaN/infinite values."""
+    path = Path(path)
+    with KVFile(path) as f:
+        meta, entries = f.meta, f.entries
+        check_schema(path, meta, CAPTURE_SCHEMA)
+        facts = facts_from_meta(path, meta)
+        indices = load_header_layers(path, meta)
+        parse_json_meta(path, meta, "kvtool.info", default={})
+        check_entries(path, facts, indices, entries)
+        ids = entries["token_ids"]
+        if ids[0] != "I64" or len(ids[1]) != 2 or min(ids[1]) < 1:
+            raise BadDataError(f"{path}: token_ids should be [batch, tokens] int64, got {ST_DTYPES.get(ids[0], ids[0])} {ids[1]}")
+        b, t = ids[1]
+        want = {"keys": [b, facts.num_kv_heads, t, facts.head_dim], "values": [b, facts.num_kv_heads, t, facts.head_dim],
+                "queries": [b, facts.num_heads, t, facts.head_dim], "hidden": [b, t, facts.hidden_size]}
+        for i in indices:
+            if not 0 <= i < facts.num_layers:
+                raise BadDataError(f"{path}: layer {i} is outside the model's {facts.num_layers} layers")
+            for part, shape in want.items():
+                got = entries.get(f"layers.{i}.{part}")
+                if got is not None and list(got[1]) != shape:
+                    raise BadDataError(f"{path}: layers.{i}.{part} has shape {list(got[1])}, the metadata says {shape}")
+        if "attention_mask" in entries and list(entries["attention_mask"][1]) != [b, t]:
+            raise BadDataError(f"{path}: attention_mask should be {[b, t]}, got {list(entries['attention_mask'][1])}")
+        f.scan(list(entries), finite=True, allow_nonfinite=allow_nonfinite)  # nothing kept: a chunk per reader thread
+
+
+_natural_key = kvfile.natural_key

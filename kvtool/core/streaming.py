@@ -18,8 +18,9 @@ result is an ordinary capture file: every loader reads and checks it.
 
 Reading (:class:`LazyCapture`). :func:`open_capture` checks the header like :func:`kvtool.io.load`
 and returns an object with the :class:`~kvtool.cache.KVCache` attributes whose ``layers[i]`` reads
-that layer's tensors from the file when asked (``safe_open`` per tensor, never the whole file) and
-places them on a device, so commands stream a long capture through a GPU one layer at a time.
+that layer's tensors from the file when asked (through one open :class:`~kvtool.core.kvfile.KVFile`,
+never the whole file) and places them on a device, so commands stream a long capture through a GPU
+one layer at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import os
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -197,7 +199,8 @@ class StreamingWriter:
 
 
 class _LazyLayers(Mapping):
-    """``{layer index: LayerKV}`` read from the file on each access (nothing is kept)."""
+    """``{layer index: LayerKV}`` read from the file on each access (nothing is kept unless the
+    capture keeps layers on its device)."""
 
     def __init__(self, owner: "LazyCapture"):
         self.owner = owner
@@ -207,9 +210,6 @@ class _LazyLayers(Mapping):
             raise KeyError(index)
         return self.owner.read_layer(index)
 
-    def __contains__(self, index: object) -> bool:  # Mapping's default would read the layer
-        return index in self.owner.indices
-
     def __iter__(self) -> Iterator[int]:
         return iter(self.owner.indices)
 
@@ -217,22 +217,46 @@ class _LazyLayers(Mapping):
         return len(self.owner.indices)
 
 
+_PREFETCH: ThreadPoolExecutor | None = None
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    global _PREFETCH
+    if _PREFETCH is None:
+        _PREFETCH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-prefetch")
+    return _PREFETCH
+
+
 class LazyCapture(KVCache):
     """A :class:`~kvtool.cache.KVCache` whose layers stay in the file until read.
 
     ``layers[i]`` reads layer i's ``parts`` (keys and values always; queries and hidden when asked
-    for and present) with ``safe_open`` and returns them on ``device``. ``token_ids`` and
-    ``attention_mask`` are read once, on the CPU."""
+    for and present) through one open :class:`~kvtool.core.kvfile.KVFile` (the header was checked
+    once, when the capture was opened), checks them (checksums and finite values in the same pass,
+    shapes) and returns them on ``device``. ``token_ids`` and ``attention_mask`` are read once, on
+    the CPU.
+
+    - ``query_tail``: read only the last ``query_tail`` tokens of each layer's queries (the held-out
+      ones that ``verify`` scores; the whole tensor's checksum is still checked).
+    - ``keep``: keep layers once read, on ``device`` (``eval`` on a GPU, which scores every point on
+      the same layers: each layer is read and checked once instead of twice per point).
+    - reading layer i starts reading the next layer of ``indices`` in the background (one layer
+      ahead, on the host), so the file is read while the device computes."""
 
     def __init__(self, path: Path, facts: ModelFacts, indices: list[int], names: set[str], token_ids: torch.Tensor,
                  info: dict[str, Any], attention_mask: torch.Tensor | None, parts: tuple[str, ...], device: torch.device,
-                 query_tail: int | None = None):
+                 query_tail: int | None = None, file: io.KVFile | None = None):
         self.path = path
-        self.indices = list(indices)
+        self.indices = sorted(indices)
         self.names = names
         self.parts = parts
         self.device = device
+        self.file = file if file is not None else io.KVFile(path)
         self.query_tail = query_tail
+        self.keep = False
+        self.prefetch = True
+        self._kept: dict[int, LayerKV] = {}
+        self._ahead: dict[int, Future] = {}
         super().__init__(facts=facts, layers=_LazyLayers(self), token_ids=token_ids, info=info, attention_mask=attention_mask)  # type: ignore[arg-type]
 
     def layer_parts(self, index: int) -> list[str]:
@@ -242,19 +266,41 @@ class LazyCapture(KVCache):
         """Layer ``index``'s selected tensors, checked as :func:`kvtool.core.io.load` checks them
         (checksums, finite values, shapes), on ``device`` (default: the capture's). With
         ``query_tail`` only the last that many queries ``[B, H, query_tail, D]`` are read."""
-        device = device or self.device
+        device = torch.device(device) if device is not None else self.device
+        kept = self._kept.get(index)
+        if kept is not None:
+            return kept if kept.keys.device == device else kept.to(device)
+        ahead = self._ahead.pop(index, None)
+        layer = ahead.result() if ahead is not None else self._read_host(index)
+        self._read_ahead(index)
+        layer = layer if device.type == "cpu" else layer.to(device)
+        if self.keep and device == self.device:
+            self._kept[index] = layer
+        return layer
+
+    def _read_ahead(self, index: int) -> None:
+        pos = self.indices.index(index)
+        if not self.prefetch or pos + 1 >= len(self.indices):
+            return
+        nxt = self.indices[pos + 1]
+        if nxt not in self._ahead and nxt not in self._kept:
+            self._ahead = {nxt: _prefetcher().submit(self._read_host, nxt)}  # one layer ahead, at most
+
+    def _read_host(self, index: int) -> LayerKV:
         parts = self.layer_parts(index)
-        tail = "queries" in parts and self.query_tail is not None
-        tensors = io.read_tensors(self.path, [f"layers.{index}.{p}" for p in parts if not (tail and p == "queries")])
-        io.check_finite(self.path, tensors)
+        tail = self.query_tail if self.query_tail and "queries" in parts else None
+        names = [f"layers.{index}.{p}" for p in parts if not (tail and p == "queries")]
+        tensors = io.read_tensors(self.path, names, finite=True, file=self.file)
         got = {n.rsplit(".", 1)[1]: t for n, t in tensors.items()}
         layer = LayerKV(**{p: got.get(p) for p in ("keys", "values", "queries", "hidden")})
         _check_layer(self, index, layer)
         if tail:
             name = f"layers.{index}.queries"
-            layer.queries = io.read_tail(self.path, name, min(int(self.query_tail), self.num_tokens))  # type: ignore[arg-type]
-            io.check_finite(self.path, {name: layer.queries})
-        return layer if device.type == "cpu" else layer.to(device)
+            want = [self.batch_size, self.facts.num_heads, self.num_tokens, self.facts.head_dim]
+            if list(self.file.entries[name][1]) != want:
+                raise BadDataError(f"{self.path}: {name} has shape {list(self.file.entries[name][1])}, the metadata says {want}")
+            layer.queries = io.read_tail(self.path, name, min(tail, self.num_tokens), finite=True, file=self.file)
+        return layer
 
     @property
     def has_queries(self) -> bool:
@@ -271,6 +317,24 @@ class LazyCapture(KVCache):
         f = self.facts
         return 2 * len(self.indices) * self.batch_size * f.num_kv_heads * self.num_tokens * f.head_dim * torch.empty(0, dtype=f.torch_dtype).element_size()
 
+    def selected_bytes(self) -> int:
+        """Bytes of every tensor the selected layers and parts would read."""
+        total = 0
+        for i in self.indices:
+            for p in self.layer_parts(i):
+                begin, end = self.file.header.spans[f"layers.{i}.{p}"]
+                total += end - begin
+        return total
+
+    def keep_on_device(self, share: float = 0.3) -> bool:
+        """Keep layers once read when the device is a GPU whose free memory holds every selected
+        layer within ``share`` of it; returns whether it does."""
+        if self.device.type != "cuda":
+            return False
+        free, _total = torch.cuda.mem_get_info(self.device)
+        self.keep = self.selected_bytes() <= share * free
+        return self.keep
+
     def materialize(self) -> KVCache:
         """Every selected layer read into memory (on the device): an ordinary KVCache."""
         return KVCache(self.facts, {i: self.read_layer(i) for i in self.indices}, self.token_ids, self.info, self.attention_mask)
@@ -284,18 +348,24 @@ def open_capture(path: str | Path, layers: list[int] | None = None, parts: tuple
                  device: str | torch.device = "cpu", query_tail: int | None = None) -> LazyCapture:
     """Check a capture file's header (as :func:`kvtool.io.load` does) and return a
     :class:`LazyCapture` of the ``layers`` selection whose layers are read on access onto ``device``
-    (``query_tail``: of the queries, only the last that many tokens)."""
+    (``query_tail``: only the last that many tokens of each layer's queries)."""
     path = Path(path)
-    meta, entries = io.read_header(path)
-    io.check_schema(path, meta, io.CAPTURE_SCHEMA)
-    facts = io.facts_from_meta(path, meta)
-    indices = io.layer_list(path, meta, facts)
-    info = io.parse_json_meta(path, meta, "kvtool.info", default={})
-    io.check_entries(path, facts, indices, entries)
-    if layers is not None:
-        missing = [i for i in layers if i not in indices]
-        if missing:
-            raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
-        indices = [i for i in indices if i in layers]
-    small = io.read_tensors(path, ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else []))
-    return LazyCapture(path, facts, indices, set(entries), small["token_ids"], info, small.get("attention_mask"), tuple(parts), torch.device(device), query_tail)
+    f = io.KVFile(path)
+    try:
+        meta, entries = f.meta, f.entries
+        io.check_schema(path, meta, io.CAPTURE_SCHEMA)
+        facts = io.facts_from_meta(path, meta)
+        indices = io.layer_list(path, meta, facts)
+        info = io.parse_json_meta(path, meta, "kvtool.info", default={})
+        io.check_entries(path, facts, indices, entries)
+        if layers is not None:
+            missing = [i for i in layers if i not in indices]
+            if missing:
+                raise UsageError(f"layer {missing[0]} is not in {path} (it has layers {format_indices(indices)})")
+            indices = [i for i in indices if i in layers]
+        small = io.read_tensors(path, ["token_ids"] + (["attention_mask"] if "attention_mask" in entries else []), file=f)
+    except BaseException:
+        f.close()
+        raise
+    return LazyCapture(path, facts, indices, set(entries), small["token_ids"], info, small.get("attention_mask"), tuple(parts),
+                       torch.device(device), query_tail=query_tail, file=f)

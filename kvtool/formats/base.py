@@ -38,11 +38,10 @@ from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
-    check_finite,
+    KVFile,
     check_schema,
     facts_from_meta,
     parse_json_meta,
-    read_header,
     read_tensors,
     write_safetensors,
 )
@@ -441,12 +440,21 @@ def check_tail(path: Path, i: int, tensors: dict[str, torch.Tensor], facts: Mode
     return LayerKV(keys=keys, values=values)
 
 
-def load_compressed(path: str | Path, allow_nonfinite: bool | None = None) -> CompressedCache:
+def load_compressed(path: str | Path, allow_nonfinite: bool | None = None, device: Any = None) -> CompressedCache:
     """Load and validate a compressed file: schema, model facts, tensor names, checksums, finite
     floating tensors (unless ``allow_nonfinite``), and the format's own ``validate`` on every layer
-    before any kernel or decoder touches the data."""
+    before any kernel or decoder touches the data. With ``device`` the layers' tensors are moved
+    there first and validated there (``token_ids`` stays on the CPU)."""
     path = Path(path)
-    meta, entries = read_header(path)
+    file = KVFile(path)
+    try:
+        return _load_compressed(path, file, allow_nonfinite, device)
+    finally:
+        file.close()
+
+
+def _load_compressed(path: Path, file: KVFile, allow_nonfinite: bool | None, device: Any) -> CompressedCache:
+    meta, entries = file.meta, file.entries
     check_schema(path, meta, COMPRESSED_SCHEMA)
     facts = facts_from_meta(path, meta)
     name = meta.get("kvtool.format")
@@ -463,8 +471,10 @@ def load_compressed(path: str | Path, allow_nonfinite: bool | None = None) -> Co
     if "token_ids" not in entries:
         raise BadDataError(f"{path}: tensor 'token_ids' is missing")
     check_container_meta(path, facts, params, indices, layer_meta, info, entries)
-    tensors = read_tensors(path)
-    check_finite(path, tensors, allow_nonfinite)
+    # checksums and finite values in the same pass as the read
+    tensors = read_tensors(path, finite=True, allow_nonfinite=allow_nonfinite, file=file)
+    if device is not None and torch.device(device).type != "cpu":
+        tensors = {n: t if n == "token_ids" else t.to(device) for n, t in tensors.items()}
     layers: dict[int, Encoded] = {}
     tails: dict[int, LayerKV] = {}
     for i in indices:

@@ -15,6 +15,7 @@ from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import layer_placement, resolve_devices, run_per_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import compress_plan, load_plan
@@ -81,9 +82,12 @@ def compress_file(
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    indices = selected if selected is not None else io.load_header_layers(capture, meta)
     # only the tensors the format reads: queries when it (or its report) uses them, never hidden
     parts = ("queries",) if plan is not None or fmt.reads_queries(params) else ()
+    # one open file for every layer (checked once as a capture; each layer read ahead of its use)
+    lazy = open_capture(capture, layers=selected, parts=parts, device=devices[0])
+    indices = lazy.layer_indices
+    check_compressible(capture, lazy, heldout)
     whole = plan is not None or fmt.selects or fmt.evicts or fmt.needs_queries  # their reports read the source capture
     start = time.perf_counter()
     progress = or_silent(progress)
@@ -91,9 +95,8 @@ def compress_file(
     cache: KVCache | None = None
     source_sha = _Background(io.sha256_file, capture)  # hashed while the layers are encoded
     if whole:
-        cache = io.load(capture, layers=indices, parts=parts)
-        check_compressible(capture, cache, heldout)
-        cache.layers = {i: layer.to(devices[0]) for i, layer in cache.layers.items()}  # encode where the data is best served
+        # encode where the data is best served
+        cache = KVCache(lazy.facts, {i: lazy.layers[i] for i in indices}, lazy.token_ids, lazy.info, lazy.attention_mask)
         with torch.cuda.device(devices[0]) if devices[0].type == "cuda" else contextlib.nullcontext():
             if plan is not None:
                 cc = compress_plan(cache, plan_obj, heldout=heldout, progress=lambda i: progress.advance())
@@ -101,9 +104,8 @@ def compress_file(
                 cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
     else:
         def one(i: int, dev: torch.device) -> CompressedCache:
-            part = io.load(capture, layers=[i], parts=parts)  # a streamed layer is dropped once encoded
-            check_compressible(capture, part, heldout)
-            part.layers = {i: part.layers[i].to(dev)}
+            # a streamed layer is dropped once encoded
+            part = KVCache(lazy.facts, {i: lazy.read_layer(i, dev)}, lazy.token_ids, lazy.info, lazy.attention_mask)
             return compress_cache(part, fmt, params, heldout=heldout)
 
         done = run_per_device(one, layer_placement(indices, devices), on_done=lambda i: progress.advance())
