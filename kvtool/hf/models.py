@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -132,29 +133,86 @@ def load(
         kwargs["dtype"] = torch_dtype
     if device_map:
         kwargs["device_map"] = device_map
+    elif str(device) != "cpu":
+        # straight onto the device: transformers builds the model on the meta device and places
+        # each weight there as it is read (no host copy of the model, no .to() afterwards)
+        kwargs["device_map"] = {"": str(device)}
     try:
         if source.kind == "hf-folder":
             folder = source.path
             # use_safetensors: weights are never unpickled (unpickling can run code), even beside safetensors
-            model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+            model = _from_folder_on_device(folder, kwargs) if "device_map" in kwargs else None
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
+            # a folder of weights alone (no tokenizer files) still serves token ids (capture --random-tokens)
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False) if has_tokenizer(folder) else None
         else:
             folder = converted_folder(source, cache_dir)
             if (folder / "config.json").exists():
-                model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
+                model = _from_folder_on_device(folder, kwargs) if "device_map" in kwargs else None
+                if model is None:
+                    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
             else:
-                # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress
+                # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress;
+                # it dequantises on the host (a small model), then the model moves to the device
+                if not device_map:
+                    kwargs.pop("device_map", None)
                 with contextlib.redirect_stderr(io.StringIO()):
                     model = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name, **kwargs)
                     tokenizer = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name, local_files_only=True, trust_remote_code=False)
                 _save_converted(model, tokenizer, folder)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise BadDataError(f"model {source.name}: cannot load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
-    if not device_map:
+    if "device_map" not in kwargs:
         model.to(device)
     model.eval()
     return model, tokenizer, source
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a model folder holds tokenizer files."""
+    return any((folder / name).exists() for name in TOKENIZER_FILES)
+
+
+def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
+    """A Hugging Face folder's model loaded onto ``kwargs["device_map"]`` with every weight read by
+    ``pread`` into a short-lived host buffer, or None when the folder is not plain safetensors of a
+    model class transformers knows (the caller then loads it the usual way).
+
+    transformers memory-maps safetensors files and keeps every file mapped until the whole model is
+    loaded: each page it copies to the GPU stays resident, so host RSS grows to the size of the
+    weights (15 GB for an 8B model in bf16). The same weights handed over as ``pread`` slices cost
+    one tensor at a time."""
+    from safetensors import safe_open
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / "model.safetensors").exists():
+            files = ["model.safetensors"]
+        else:
+            return None
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        handles = [safe_open(str(folder / name), framework="pt", device="cpu", backend="pread") for name in files]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    try:
+        state = {key: h.get_slice(key) for h in handles for key in h.keys()}
+        options = {k: v for k, v in kwargs.items() if k not in ("local_files_only", "trust_remote_code")}
+        model = cls.from_pretrained(None, config=config, state_dict=state, **options)
+    finally:
+        for h in handles:
+            with contextlib.suppress(Exception):
+                h.__exit__(None, None, None)
+    model.config._name_or_path = str(folder)
+    return model
 
 
 def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
