@@ -31,21 +31,24 @@ def installed_version(dist: str) -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """Versions of kvtool, Python and its libraries, and the CUDA device torch sees."""
-    import torch  # deferred: start-up time (only `kvtool env` needs the device)
+    """Versions of kvtool, Python and its libraries, and the CUDA device torch sees. torch is imported
+    only when it is a CUDA build (to ask it for the device): a CPU build (``+cpu``) sees none."""
+    torch_version = installed_version("torch")
+    cuda, cuda_version, device = False, None, None
+    if torch_version is not None and not torch_version.endswith("+cpu"):
+        import torch  # deferred: only a CUDA build has a device to report
 
-    cuda = torch.cuda.is_available()
-    device = None
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        device = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory, "count": torch.cuda.device_count()}
+        cuda, cuda_version = torch.cuda.is_available(), torch.version.cuda
+        if cuda:
+            props = torch.cuda.get_device_properties(0)
+            device = {"name": props.name, "capability": f"{props.major}.{props.minor}", "memory_bytes": props.total_memory, "count": torch.cuda.device_count()}
     return {
         "kvtool": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "packages": {p: installed_version(p) for p in PACKAGES},
         "cuda_available": cuda,
-        "cuda_version": torch.version.cuda,
+        "cuda_version": cuda_version,
         "device": device,
     }
 

@@ -98,9 +98,13 @@ def print_info(outcome: Outcome) -> None:
     render=print_info,
 )
 def info(path: InputArg, *, progress: Progress) -> Outcome:
-    from kvtool.formats.files import file_info  # deferred: start-up time
+    from kvtool.core import io  # deferred: start-up time
 
-    data = file_info(path)
+    data = io.inspect_file(path)  # header and payload checks without torch
+    if data["schema"] == io.COMPRESSED_SCHEMA:
+        from kvtool.formats.files import file_info  # deferred: the format's checks and byte report need torch
+
+        data = file_info(path)
     data.pop("path", None)  # the envelope's input
     version = data.get("schema_version")
     return Outcome({**data, "schema_version": int(version) if str(version).isdigit() else version, "layers": held_layers(data)}, input=path)
