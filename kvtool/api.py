@@ -465,7 +465,7 @@ def capture(
     align: str = "truncate",
     chunk_size: int | None = None,
     dtype: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     device_map: str | None = None,
     cache_dir: str | None = None,
     force: bool = False,

@@ -180,9 +180,12 @@ def heads_file(
     seed: int = 0,
     force: bool = False,
     progress: Progress | None = None,
+    device: str | None = "auto",
 ) -> dict[str, Any]:
     """Analyse a capture's heads, optionally save the routers and a plot; returns the report (with
-    ``router_file`` and ``plot_file`` when written)."""
+    ``router_file`` and ``plot_file`` when written). Layers are read one at a time onto ``device``
+    (auto: CUDA when present), where the heads are scored and the routers trained."""
+    dev = resolve_device(device)
     for out in (router_out, plot):
         if out is not None:
             io.check_output(out, force, inputs=(capture,))
@@ -192,7 +195,7 @@ def heads_file(
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
     facts = io.facts_from_meta(capture, meta)
     selected = parse_indices(layers, facts.num_layers) if layers else None
-    cache = io.load(capture, layers=selected)
+    cache = open_capture(capture, layers=selected, device=dev)
     if not cache.has_queries:
         raise UsageError(f"{capture} has no queries; recapture without --no-queries")
     if router_out is not None and not cache.has_hidden:

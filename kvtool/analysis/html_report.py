@@ -437,9 +437,11 @@ def build_report(
     uniform_checks: int = 1,
     progress: Progress | None = None,
     command: str | None = None,
+    device: str | None = "auto",
 ) -> tuple[str, dict[str, Any]]:
     """The report's HTML text and a summary dict (sections, figure count, per-budget numbers).
-    ``command``: the command line that made the report, shown with the ones that reproduce its plans."""
+    ``command``: the command line that made the report, shown with the ones that reproduce its plans.
+    ``device``: where the recommendation scores candidates and runs the model (auto: CUDA when present)."""
     eval_rows = read_eval(eval_dir) if eval_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
@@ -448,7 +450,7 @@ def build_report(
     progress.stage("cache statistics")
     cut = cut_summary(cache)
     rec = recommend_capture(capture, list(budgets), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
-                            uniform_checks=uniform_checks, progress=progress)
+                            uniform_checks=uniform_checks, progress=progress, device=device)
     progress.stage("figures")
     figures = 0
     sections = []

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core import io
+from kvtool.core.placement import resolve_device
+from kvtool.core.streaming import open_capture
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
@@ -119,6 +121,7 @@ def recommend_capture(
     calibrate: str = "prefix",
     weights: bool = True,
     threads: int | None = 1,
+    device: str | None = "auto",
 ) -> dict[str, Any]:
     """Plans for each budget, with their predicted and (with the model) measured cost.
 
@@ -128,7 +131,8 @@ def recommend_capture(
 
     ``weights``: with the model, scale each layer's losses by what its error costs the model
     (:func:`layer_weights`). ``threads``: torch CPU threads while it runs (1 by default: the work is
-    many small operations, which a second thread slows down on a shared 2-core machine)."""
+    many small operations, which a second thread slows down on a shared 2-core machine). ``device``:
+    where the capture's layers are scored and the model runs (auto: CUDA when present)."""
     import torch
 
     before = torch.get_num_threads()
@@ -136,13 +140,13 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights)
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_device(device))
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, dev=None) -> dict[str, Any]:
     start = time.perf_counter()
     progress = or_silent(progress)
     if not budgets:
@@ -153,7 +157,8 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError(f"--uniform-checks must be at least 1, got {uniform_checks}")
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
-    cache = io.load(capture, parts=("keys", "values", "queries"))
+    # every layer is scored many times: read once onto the device (checked as io.load checks)
+    cache = open_capture(capture, parts=("keys", "values", "queries"), device=dev or "cpu").materialize()
     if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
         raise UsageError(f"{capture} holds a left-padded batch; recommend needs equal-length prompts (recapture with --align truncate)")
     if cache.num_tokens <= heldout + 16:
@@ -176,7 +181,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         return result
 
     progress.stage(f"loading the model {spec}")
-    mdl, tok, source = models.load(spec)
+    mdl, tok, source = models.load(spec, device=str(dev or "cpu"))
     name = source.name if spec in ("embedded", "smollm2") else str(spec)
     try:
         check_model_facts(mdl, cache.facts, name)

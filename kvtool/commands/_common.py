@@ -33,6 +33,7 @@ from rich.text import Text
 from kvtool._version import __version__
 from kvtool.commands._complete import complete_model
 from kvtool.core import outputs, settings
+from kvtool.commands._complete import complete_device
 from kvtool.core.errors import KvtoolError
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
@@ -394,6 +395,27 @@ def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
 
 
 # the --device option of the commands that compute (kept here, not in the library, so help needs no torch)
-DEVICE_HELP = "Where layers are computed: cpu, cuda, cuda:1 (default: cuda when present, else cpu)."
+DEVICE_HELP = "Where to compute: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N."
 DEVICES_HELP = ("Where layers are computed: auto (default: every visible GPU, layers spread over them and worked on at once; "
                 "the CPU without one), cpu, cuda, cuda:1, or a list such as cuda:0,cuda:2.")
+DEVICE_PATTERN = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
+DEVICES_PATTERN = re.compile(r"(auto|(cpu|cuda(:[0-9]+)?)(,(cpu|cuda(:[0-9]+)?))*)")
+
+
+def check_device_text(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """The --device value's spelling, checked as the command line is parsed (exit 2 before any model
+    or library loads); whether CUDA is there is checked by the library (:func:`kvtool.core.placement.resolve_device`)."""
+    if value is not None and not DEVICE_PATTERN.fullmatch(value):
+        raise click.UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {value!r}", ctx=ctx)
+    return value
+
+
+def check_devices_text(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """:func:`check_device_text` for the commands that spread layers over several devices (a list is allowed)."""
+    if value is not None and not DEVICES_PATTERN.fullmatch(value):
+        raise click.UsageError(f"--device must be auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:2, got {value!r}", ctx=ctx)
+    return value
+
+
+DeviceOpt = Annotated[str, typer.Option("--device", help=DEVICE_HELP, callback=check_device_text, autocompletion=complete_device)]
+DevicesOpt = Annotated[str, typer.Option("--device", help=DEVICES_HELP, callback=check_devices_text, autocompletion=complete_device)]

@@ -12,8 +12,9 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.core.names import canonical_dtype
 from kvtool.commands._command import Outcome, add_commands, declare
-from kvtool.commands._complete import complete_device, complete_model
+from kvtool.commands._complete import complete_model
 from kvtool.commands._common import (
+    DeviceOpt,
     ForceOpt,
     console,
     example_epilog,
@@ -115,7 +116,7 @@ def capture(
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prefill in chunks of this many tokens (long prompts; same positions and RoPE as one pass).")] = None,
     hidden: Annotated[bool, typer.Option("--hidden", help="Also save each layer's input hidden states (for head routers).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float16 (fp16), bfloat16 (bf16) or float32 (fp32) (default: the model's compute dtype).")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:1, ...", autocompletion=complete_device)] = "cpu",
+    device: DeviceOpt = "auto",
     device_map: Annotated[str | None, typer.Option("--device-map", help="Let accelerate place the model, e.g. auto.")] = None,
     cache_dir: Annotated[Path | None, typer.Option("--cache-dir", help="Where converted GGUF weights are cached (default $KVTOOL_CACHE or ~/.cache/kvtool).")] = None,
     force: ForceOpt = False,
@@ -128,9 +129,10 @@ def capture(
 
     dtype = canonical_dtype(dtype)
     check_dtype(dtype)
-    from kvtool.core.placement import resolve_device  # deferred: start-up time (torch)
+    if not device_map:
+        from kvtool.core.placement import resolve_device  # deferred: start-up time (torch)
 
-    resolve_device(device)  # before the prompt is read or the model loaded
+        device = str(resolve_device(device))  # before the prompt is read or the model loaded
     if query_layers is not None and not queries:
         raise UsageError("--query-layers needs queries; drop --no-queries")
     if random_tokens is not None:

@@ -10,9 +10,9 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.commands._catalog import format_summaries
 from kvtool.commands._command import Api, Outcome, add_commands, declare
-from kvtool.commands._complete import complete_device, complete_evict, complete_format
+from kvtool.commands._complete import complete_evict, complete_format
 from kvtool.commands._common import (
-    DEVICES_HELP,
+    DevicesOpt,
     CaptureArg,
     ForceOpt,
     LayersOpt,
@@ -100,7 +100,7 @@ def compress(
     heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
     plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
     layers: LayersOpt = None,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICES_HELP, autocompletion=complete_device)] = None,
+    device: DevicesOpt = "auto",
     force: ForceOpt = False,
     *,
     progress: Progress,

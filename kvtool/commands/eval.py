@@ -11,10 +11,10 @@ import typer
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._catalog import format_summaries
-from kvtool.commands._complete import complete_device, complete_format
-from kvtool.commands._common import DEVICE_HELP
+from kvtool.commands._complete import complete_format
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DeviceOpt,
     graded,
     ModelOpt,
     NoModelOpt,
@@ -167,7 +167,7 @@ def eval_cmd(
     x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
     layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP, autocompletion=complete_device)] = None,
+    device: DeviceOpt = "auto",
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
     texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
     *,

@@ -8,8 +8,9 @@ from typing import Annotated
 import typer
 
 from kvtool.commands._command import Outcome, add_commands, declare
-from kvtool.commands._complete import complete_device, complete_model
+from kvtool.commands._complete import complete_model
 from kvtool.commands._common import (
+    DeviceOpt,
     example_epilog,
     show,
 )
@@ -44,7 +45,7 @@ def generate(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).", autocompletion=complete_model)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 32,
     mode: Annotated[str, typer.Option("--mode", help="auto | live | dense | attend | ring: how a compressed file enters the model (auto: live for compressed files, dense for captures).")] = "auto",
-    device: Annotated[str, typer.Option("--device", help="torch device for the model.", autocompletion=complete_device)] = "cpu",
+    device: DeviceOpt = "auto",
     *,
     progress: Progress,
 ) -> Outcome:

@@ -9,6 +9,7 @@ import typer
 
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DeviceOpt,
     CaptureArg,
     ForceOpt,
     LayersOpt,
@@ -76,6 +77,7 @@ def heads(
     steps: Annotated[int, typer.Option(help="Router training steps (full-batch Adam).", min=1)] = 300,
     seed: Annotated[int, typer.Option(help="Seed for router initialisation and the random baseline.")] = 0,
     layers: LayersOpt = None,
+    device: DeviceOpt = "auto",
     force: ForceOpt = False,
     *,
     progress: Progress,
@@ -88,7 +90,7 @@ def heads(
     top_k = top_k if top_k is not None else k_old
     output = output or router_out_old
     plot_output = plot_output or plot_old
-    report = heads_file(capture, top_k, heldout, layers, output, plot_output, steps, seed, force, progress=progress)
+    report = heads_file(capture, top_k, heldout, layers, output, plot_output, steps, seed, force, progress=progress, device=device)
     router_file = report.pop("router_file", None)  # the envelope's output
     return Outcome(report, input=capture, output=router_file)
 

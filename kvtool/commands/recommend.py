@@ -10,6 +10,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DeviceOpt,
     graded,
     ModelOpt,
     NoModelOpt,
@@ -206,6 +207,7 @@ def recommend(
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
     uniform_checks: Annotated[int, typer.Option(help="Uniform settings that fit the budget checked on the model (lowest predicted loss first).")] = 3,
     max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
+    device: DeviceOpt = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
     *,
     progress: Progress,
@@ -224,7 +226,8 @@ def recommend(
     if len(budget) == 1:
         io.check_output(output, force)
     result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, use_model,
-                               texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads)
+                               texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads,
+                               device=device)
     if limit is not None and result["model"] is None:
         raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
     paths = plan_paths(output, result["budgets"])

@@ -11,6 +11,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DeviceOpt,
     ModelOpt,
     NoModelOpt,
     model_choice,
@@ -54,6 +55,7 @@ def report(
     no_model: NoModelOpt = False,
     no_texts: Annotated[bool, typer.Option("--no-texts", help="Check on the capture's continuation only.")] = False,
     heldout: Annotated[int, typer.Option(help="Held-out tokens (as recommend).")] = 64,
+    device: DeviceOpt = "auto",
     force: ForceOpt = False,
     *,
     progress: Progress,
@@ -71,7 +73,7 @@ def report(
     line = ["kvtool", "report", str(capture), "--budgets", ",".join(chosen), "--heldout", str(heldout), "-o", str(output)]
     line += (["--eval", str(eval_dir)] if eval_dir else []) + [a for b in bench or [] for a in ("--bench", str(b))]
     line += (["--model", str(model)] if model else []) + ([] if use_model else ["--no-model"]) + (["--no-texts"] if no_texts else [])
-    text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress,
+    text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress, device=device,
                                  command=shlex.join(line))
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())

@@ -6,10 +6,9 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtool.commands._complete import complete_device
-from kvtool.commands._common import DEVICE_HELP
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DeviceOpt,
     CaptureArg,
     HeadsOpt,
     LayersOpt,
@@ -168,7 +167,7 @@ def stats(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Query positions sampled per sequence for attention statistics.")] = 64,
     sink: Annotated[int, typer.Option("--sink", min=1, help="First tokens counted as attention sinks.")] = 4,
     attention: Annotated[bool | None, typer.Option("--attention/--no-attention", help="Attention statistics from the captured queries (default: when the capture has queries).")] = None,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICE_HELP, autocompletion=complete_device)] = None,
+    device: DeviceOpt = "auto",
     *,
     progress: Progress,
 ) -> Outcome:

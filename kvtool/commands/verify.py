@@ -9,10 +9,9 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
-from kvtool.commands._complete import complete_device
-from kvtool.commands._common import DEVICES_HELP
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
+    DevicesOpt,
     graded,
     verdict,
     ModelOpt,
@@ -131,7 +130,7 @@ def verify(
     max_nll_increase: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed NLL increase in nats/token. {THRESHOLD_HELP}")] = None,
     min_agreement: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Smallest allowed top-1 agreement (0..1). {THRESHOLD_HELP}")] = None,
     max_error: Annotated[float | None, typer.Option(click_type=NUMBER, help=f"Largest allowed attention-output relative L2 error. {THRESHOLD_HELP}")] = None,
-    device: Annotated[str | None, typer.Option("--device", help=DEVICES_HELP, autocompletion=complete_device)] = None,
+    device: DevicesOpt = "auto",
     *,
     progress: Progress,
 ) -> Outcome:

@@ -1,4 +1,4 @@
-"""Where commands compute: ``--device`` (default: CUDA when present, else the CPU).
+"""Where commands compute: ``--device`` (``auto``, the default: CUDA when present, else the CPU).
 
 The device is where a capture's layers are placed one at a time (:func:`kvtool.core.streaming.open_capture`),
 where formats encode and the torch references run; ``--backend`` stays the choice between a
@@ -20,7 +20,7 @@ import torch
 
 from kvtool.core.errors import UsageError
 
-DEVICE_HELP = "Where layers are computed: cpu, cuda, cuda:1 (default: cuda when present, else cpu)."
+DEVICE_HELP = "Where to compute: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N."
 
 T = TypeVar("T")
 
@@ -35,14 +35,14 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
-        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {spec!r}") from None
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {spec}: CUDA is not available on this machine")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     elif device.type != "cpu":
-        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {spec!r}")
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {spec!r}")
     return device
 
 

@@ -34,6 +34,7 @@ import torch
 from kvtool.hf import models, shapes
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
+from kvtool.core.placement import resolve_device
 from kvtool.formats.files import check_all_layers, dense_of, read_kv_file
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.hf.attention import CompressedPrefix, hand_over, use_kvtool_attention
@@ -307,13 +308,15 @@ def cache_mode(cache: Any) -> str:
 
 
 @torch.no_grad()
-def generate(path: str | Path, prompt: str = "", model: str | None = None, max_new_tokens: int = 32, device: str = "cpu", loaded: tuple[Any, Any] | None = None, mode: str = "auto") -> dict[str, Any]:
+def generate(path: str | Path, prompt: str = "", model: str | None = None, max_new_tokens: int = 32, device: str = "auto", loaded: tuple[Any, Any] | None = None, mode: str = "auto") -> dict[str, Any]:
     """Greedy continuation of a kvtool file: its cached tokens, then ``prompt``, then
     ``max_new_tokens`` tokens (fewer if the model stops). ``loaded`` = (model, tokenizer) skips
-    loading. Returns text, token ids and what was used."""
+    loading; ``device``: where the model runs (auto: CUDA when present). Returns text, token ids and
+    what was used."""
     path = Path(path)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
+    device = str(resolve_device(device))  # checked before the model loads
     obj = read_kv_file(path)
     if isinstance(obj, KVCache) and obj.attention_mask is not None and bool((obj.attention_mask == 0).any()):
         raise UsageError(f"{path} holds a left-padded batch; generate needs equal-length prompts (recapture with --align truncate)")

@@ -20,6 +20,7 @@ import torch
 
 from kvtool._version import __version__
 from kvtool.core import io
+from kvtool.core.placement import resolve_device
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name, format_indices, parse_indices
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.streaming import StreamingWriter
@@ -196,6 +197,8 @@ def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tok
     else:
         if progress:
             progress("load model", 0, 1)
+        # the device's spelling and presence are checked before anything of the model is read
+        device = str(resolve_device(device)) if not device_map else device
         mdl, tokenizer, source = models.load(model, device=device, device_map=device_map, cache_dir=cache_dir)
         if progress:
             progress("load model", 1, 1)
@@ -377,7 +380,7 @@ def capture(
     truncate: bool = False,
     align: str = "truncate",
     dtype: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     device_map: str | None = None,
     cache_dir: str | None = None,
     chunk_size: int | None = None,
@@ -437,7 +440,7 @@ def capture_to_file(
     truncate: bool = False,
     align: str = "truncate",
     dtype: str | None = None,
-    device: str = "cpu",
+    device: str = "auto",
     device_map: str | None = None,
     cache_dir: str | None = None,
     chunk_size: int | None = None,
