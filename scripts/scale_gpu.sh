@@ -1,29 +1,36 @@
 #!/usr/bin/env bash
-# Device-side driver for the measurements in docs/scale.md (run from the repository root on a GPU
-# machine; results land in $OUT). Steps, in order of priority, each cut to what is left of BUDGET s:
-#   cap131k  streaming capture, Llama-3-8B-shaped random model, 131,072 tokens, queries of layer 1
-#   cap32k   the same model, 32,768 tokens, queries of every layer (the verify/eval input)
-#   pytest   pytest -m gpu (in the background while cap32k and compress run)
-#   compress bitmap at 70% on the GPU, 64 held-out tokens
-#   verify   64 held-out queries, kernel against the torch reference, on the GPU
-#   eval     6 formats at attention level on the GPU
+# docs/scale.md's measurements: every step a kvtool command as a user types it, timed from the outside
+# (wall seconds and the command's peak host RSS), on a GPU machine, from the repository root.
+# Results in $OUT: results.md (the table docs/scale.md takes), results.json, log.txt, the gpu guards'
+# ratios (gpu-ratios.json) and each command's --json output (NAME.json).
+#
+#   setup    a Llama-3-8B-shaped folder of seeded random weights (scripts/scale_model_folder.py; not timed as a user step)
+#   cap131k  kvtool capture --model FOLDER --device cuda, 131,072 tokens, queries of layers 28-31
+#   cap32k   the same, 32,768 tokens, queries of every layer (the input of the steps below)
+#   compress bitmap 70%, once the CUDA extensions are built (they build in the background from the start)
+#   verify   --no-model, the kernel against its torch reference
+#   eval     6 formats, --no-model
+#   info     the 32k capture, every tensor checked
+#   guards   pytest -m gpu tests/test_gpu_commands.py (32k x 8 layers: times against reading the input)
+#   recommend --budget 15% with the model on the GPU, in whatever time is left
+# Each step is cut to what is left of BUDGET seconds. A rehearsal on a CPU at tiny size:
+#   SHAPE=tiny LONG=2048 T=1024 CHUNK=512 QL=2-3 DEV=cpu GUARDS=0 BUDGET=600 OUT=/tmp/rehearsal bash scripts/scale_gpu.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_INTERPRET=${TRITON_INTERPRET:-0} COLUMNS=200
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-W=${W:-/tmp/scale}; mkdir -p "$W"
-BUDGET=${BUDGET:-400}
-# a dry run on a CPU: T1=4096 T2=1024 DEV=cpu EXTRA="--small --device cpu --layers 2" bash scripts/scale_gpu.sh
-T1=${T1:-131072} T2=${T2:-32768} DEV=${DEV:-cuda} EXTRA=${EXTRA:-}
+W=${W:-/tmp/scale}; rm -rf "$W"; mkdir -p "$W"
+BUDGET=${BUDGET:-480}
+SHAPE=${SHAPE:-llama3-8b} LONG=${LONG:-131072} T=${T:-32768} CHUNK=${CHUNK:-8192} QL=${QL:-28-31} DEV=${DEV:-cuda} GUARDS=${GUARDS:-1}
 START=$(date +%s)
 LOG=$OUT/log.txt
 left() { echo $((BUDGET - ($(date +%s) - START))); }
-# timed NAME LIMIT CMD...: stdout -> $OUT/NAME.json, stderr -> log; wall time, rc and the child's
-# peak RSS as one "STEP" line in the log
-timed() {
+# step NAME LIMIT CMD...: stdout -> $OUT/NAME.json, stderr -> the log; one "STEP {json}" line in the log
+# with the command as typed, wall seconds, exit code and the command's peak RSS
+step() {
   local name=$1 limit=$2; shift 2
   local l; l=$(left); [ "$l" -lt "$limit" ] && limit=$l
-  if [ "$limit" -le 5 ]; then echo "STEP {\"step\": \"$name\", \"skipped\": \"no time left\"}" >>"$LOG"; return; fi
-  echo "== $name (limit ${limit}s)" >>"$LOG"
+  if [ "$limit" -le 5 ]; then echo "STEP {\"step\": \"$name\", \"skipped\": \"no time left\", \"command\": \"$*\"}" >>"$LOG"; return; fi
+  echo "== $name (limit ${limit}s): $*" >>"$LOG"
   python3 - "$name" "$limit" "$@" >"$OUT/$name.json" 2>>"$LOG" <<'PY'
 import json, resource, subprocess, sys, time
 name, limit, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
@@ -32,26 +39,71 @@ try:
     rc = subprocess.run(cmd, timeout=limit).returncode
 except subprocess.TimeoutExpired:
     rc = "timeout"
-line = {"step": name, "rc": rc, "seconds": round(time.perf_counter() - t, 2), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+typed = " ".join(cmd).replace("python3 -m kvtool", "kvtool")
+line = {"step": name, "command": typed, "rc": rc, "seconds": round(time.perf_counter() - t, 2),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 print("STEP " + json.dumps(line), file=sys.stderr)
 PY
 }
 {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  git log -1 --format='commit %H %cI' 2>/dev/null || true
-  df -h "$W" | tail -1; free -g | head -2; date -u
+  echo "commit $(git rev-parse HEAD 2>/dev/null || cat COMMIT 2>/dev/null || echo unknown)"
+  nproc; free -g | head -2; df -h "$W" | tail -1; date -u
 } >>"$LOG" 2>&1
 
+# the CUDA extensions build beside the captures (nvcc on the CPU while the GPU captures)
+if [ "$DEV" != "cpu" ]; then
+  ( s=$(date +%s); python3 -c "from kvtool.kernels.bitmap_prune_encode import _SOURCE; from kvtool.kernels.common import cuda_extension; cuda_extension('bitmap_prune_encode', [_SOURCE])" >>"$LOG" 2>&1; echo "EXT prune_encode rc $? $(( $(date +%s) - s )) s" >>"$LOG" ) &
+  EXT1=$!
+  ( s=$(date +%s); python3 -c "from kvtool.kernels.bitmap_sparse_attention import _cuda_extension; _cuda_extension()" >>"$LOG" 2>&1; echo "EXT sparse_attention rc $? $(( $(date +%s) - s )) s" >>"$LOG" ) &
+  EXT2=$!
+fi
+
 K="python3 -m kvtool"
-timed cap131k 150 python3 scripts/scale_llama8b.py $EXTRA --tokens "$T1" --chunk-size 8192 --query-layers 1 -o "$W/cap131k.safetensors"
+M=$W/$SHAPE
+step setup 120 python3 scripts/scale_model_folder.py --shape "$SHAPE" --device "$DEV" --prompt-bytes $((LONG + 4096)) -o "$M"
+step cap131k 150 $K capture --model "$M" --prompt-file "$M/prompt.txt" --max-tokens "$LONG" --truncate --device "$DEV" --chunk-size "$CHUNK" --query-layers "$QL" -o "$W/cap131k.safetensors" --json
 ls -l "$W" >>"$LOG"; rm -f "$W/cap131k.safetensors"
-( timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_scale.py >"$OUT/pytest.txt" 2>&1; echo "pytest rc $? at $(($(date +%s) - START)) s" >>"$OUT/pytest.txt" ) &
-PYTEST=$!
-timed cap32k 90 python3 scripts/scale_llama8b.py $EXTRA --tokens "$T2" --chunk-size 8192 -o "$W/cap32k.safetensors"
-timed compress 60 $K compress "$W/cap32k.safetensors" --format bitmap --sparsity 0.7 --heldout 64 --device "$DEV" -o "$W/cap32k.bitmap.safetensors" --json
-wait $PYTEST
-timed verify 90 $K verify "$W/cap32k.bitmap.safetensors" --heldout 64 --backend triton --device "$DEV" --no-model --json
-timed eval 200 $K eval "$W/cap32k.safetensors" --formats bitmap:sparsity=0.7 signvq pagestat snapstream quant bitmapq --no-paper --no-model --heldout 64 --device "$DEV" -o "$W/eval" --json
-echo "done at $(($(date +%s) - START)) s" >>"$LOG"
+step cap32k 90 $K capture --model "$M" --prompt-file "$M/prompt.txt" --max-tokens "$T" --truncate --device "$DEV" --chunk-size "$CHUNK" -o "$W/cap32k.safetensors" --json
+[ "$DEV" != "cpu" ] && { wait $EXT1; wait $EXT2; echo "extensions ready at $(( $(date +%s) - START )) s" >>"$LOG"; }
+step compress 60 $K compress "$W/cap32k.safetensors" --format bitmap --sparsity 0.7 --device "$DEV" -o "$W/cap32k.bitmap.safetensors" --json
+step verify 60 $K verify "$W/cap32k.bitmap.safetensors" --no-model --device "$DEV" --json
+step eval 120 $K eval "$W/cap32k.safetensors" --formats bitmap:sparsity=0.7 signvq pagestat snapstream quant bitmapq --no-paper --no-model --device "$DEV" --out-dir "$W/eval" --json
+step info 30 $K info "$W/cap32k.safetensors" --json
+if [ "$GUARDS" = 1 ]; then
+  KVTOOL_GPU_RATIOS=$OUT/gpu-ratios.json step guards 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_commands.py
+fi
+step recommend 300 $K recommend "$W/cap32k.safetensors" --budget 15% --model "$M" --no-texts --device "$DEV" -o "$W/plan.json" --json
+echo "done at $(( $(date +%s) - START )) s" >>"$LOG"
+
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+steps = [json.loads(l[5:]) for l in (out / "log.txt").read_text().splitlines() if l.startswith("STEP ")]
+def result(name):
+    try:
+        return json.loads((out / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+notes = {}
+for s in steps:
+    r = result(s["step"])
+    if s["step"].startswith("cap") and r:
+        notes[s["step"]] = f"{r['tokens']} tokens, {r['bytes_written'] / 1e9:.1f} GB written, capture {r['seconds']} s"
+    elif s["step"] == "compress" and r:
+        notes["compress"] = f"{100 * r.get('ratio', r.get('storage_ratio', 0)):.1f}% of dense"
+    elif s["step"] == "verify" and r:
+        a = r["attention"]
+        notes["verify"] = f"rel L2 {a['overall']['rel_l2']:.3f}, backend {a['backend']}" + (f", kernel vs torch {a['kernel_vs_torch']['rel_l2']:.1e}" if a.get("kernel_vs_torch") else "")
+    elif s["step"] == "eval" and r:
+        notes["eval"] = ", ".join(f"{p['format']} {p.get('seconds', 0):.1f} s" for p in r.get("points", []))
+rows = ["| step | command | wall s | peak RSS GB | rc | result |", "|---|---|---:|---:|---|---|"]
+for s in steps:
+    rows.append(f"| {s['step']} | `{s['command']}` | {s.get('seconds', '-')} | {s.get('peak_rss_bytes', 0) / 1e9:.2f} | {s.get('rc', s.get('skipped'))} | {notes.get(s['step'], '')} |")
+(out / "results.md").write_text("\n".join(rows) + "\n")
+(out / "results.json").write_text(json.dumps(steps, indent=1))
+print("\n".join(rows))
+PY
 rm -rf "$W"

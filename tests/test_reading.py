@@ -1,0 +1,203 @@
+"""Reading files fast without checking less: CRC-32 and finite tests on chunks read in parallel, one
+header parse per file, the source's SHA-256 once per file version, header-only commands without
+torch, and ``--device`` checked before anything loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvtool.cli import app
+from kvtool.core import io, kvfile
+from kvtool.core.errors import BadDataError
+
+from .conftest import synthetic_cache
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_crc32_combine_matches_zlib_at_any_split():
+    data = os.urandom(100_003)
+    for cut in (0, 1, 7, 4096, 50_000, 100_002, 100_003):
+        a, b = data[:cut], data[cut:]
+        assert kvfile.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_nonfinite_count_from_the_bits_agrees_with_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4099, generator=g) * 100
+    x[::97] = float("nan")
+    x[5::89] = float("inf")
+    x[7::83] = -float("inf")
+    t = x.to(dtype)
+    want = int((~torch.isfinite(t.float())).sum())
+    code = io._st_codes()[dtype]
+    assert want > 0 and kvfile.nonfinite_count(t.view(torch.uint8).numpy().tobytes(), code) == want
+    with pytest.raises(BadDataError, match=f"holds {want} NaN or infinite values"):
+        io.check_finite("f", {"t": t})
+
+
+def test_chunked_parallel_read_checks_every_chunk(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvfile, "CHUNK", 4096)  # many chunks per tensor, read by the thread pool
+    cache = synthetic_cache(tokens=640, dtype=torch.bfloat16)
+    path = io.save(cache, tmp_path / "c.safetensors")
+    back = io.load(path)
+    assert torch.equal(back.layers[1].queries, cache.layers[1].queries)
+    with io.KVFile(path) as f:
+        begin, end = f.header.spans["layers.1.queries"]
+        assert (end - begin) // kvfile.CHUNK >= 4
+        assert f.crc32("layers.1.queries") == zlib.crc32(path.read_bytes()[begin:end])
+    # one flipped bit in the last chunk of a tensor, then NaNs spread over several chunks
+    raw = bytearray(path.read_bytes())
+    raw[end - 3] ^= 0x10
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(raw)
+    with pytest.raises(BadDataError, match="'layers.1.queries' fails its checksum"):
+        io.load(bad)
+    q = cache.layers[1].queries.clone()
+    q.view(-1)[:: q.numel() // 5] = float("nan")
+    cache.layers[1].queries = q
+    io.set_verify_checksums(True)
+    nan_path = tmp_path / "nan.safetensors"
+    io.write_safetensors(nan_path, io.capture_tensors(cache), io.capture_metadata(cache))
+    with pytest.raises(BadDataError, match="'layers.1.queries' holds 5 NaN or infinite values"):
+        io.load(nan_path)
+    with pytest.raises(BadDataError, match="holds 5 NaN"):
+        io.check_capture_file(nan_path)  # kvtool info's torch-free check, streamed
+    assert io.load(nan_path, allow_nonfinite=True).layers[1].queries.isnan().sum() == 5
+
+
+def test_tail_read_checks_the_whole_tensor(tmp_path, monkeypatch):
+    monkeypatch.setattr(kvfile, "CHUNK", 1024)
+    cache = synthetic_cache(tokens=200)
+    path = io.save(cache, tmp_path / "c.safetensors")
+    tail = io.read_tail(path, "layers.0.queries", 16)
+    assert torch.equal(tail, cache.layers[0].queries[:, :, -16:])
+    raw = bytearray(path.read_bytes())
+    with io.KVFile(path) as f:
+        begin, _ = f.header.spans["layers.0.queries"]
+    raw[begin + 5] ^= 1  # far from the tail
+    (tmp_path / "bad.safetensors").write_bytes(raw)
+    with pytest.raises(BadDataError, match="fails its checksum"):
+        io.read_tail(tmp_path / "bad.safetensors", "layers.0.queries", 16)
+
+
+def test_header_parsed_once_per_version(tmp_path, monkeypatch):
+    path = io.save(synthetic_cache(), tmp_path / "c.safetensors")
+    calls = []
+    real = json.loads
+    monkeypatch.setattr(kvfile.json, "loads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    io.read_header(path)
+    first = len(calls)
+    for _ in range(3):
+        io.read_header(path)
+        with io.KVFile(path):
+            pass
+    assert first >= 1 and len(calls) == first  # the same header bytes are not parsed again
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b'"kvtool.schema_version":"1"') + len(b'"kvtool.schema_version":"')
+    raw[at] = ord("2")  # same size, new header: parsed and checked again
+    path.write_bytes(raw)
+    with pytest.raises(BadDataError, match="fails its checksum|not supported"):
+        io.load(path)
+
+
+def test_source_sha256_hashed_once_per_file_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kvfile, "_SHA_MEMO", {})
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(10_000))
+    import hashlib
+
+    made = []
+    real = kvfile._hash_fd
+    monkeypatch.setattr(kvfile, "_hash_fd", lambda fd: made.append(1) or real(fd))
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert kvfile.sha256_file(path) == want and kvfile.sha256_file(path) == want and len(made) == 1
+    kvfile._SHA_MEMO.clear()  # as a new process: read back from $KVTOOL_CACHE/sha256
+    assert kvfile.sha256_file(path) == want and len(made) == 1
+    assert oct((tmp_path / "cache" / "sha256").stat().st_mode & 0o777) == "0o700"
+    before = path.stat().st_mtime_ns
+    path.write_bytes(os.urandom(10_000))  # a new version (its mtime moved on, as a later write's does): hashed again
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert kvfile.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest() and len(made) == 2
+
+
+def _imports_torch(args: list[str]) -> bool:
+    code = ("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
+            f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+HEADER_ONLY = [["info", "sample:"], ["info", "sample:", "--json"], ["version"], ["sample", "path"], ["--help"]]
+HEADER_ONLY += [[name, "--help"] for name in ("capture", "compress", "verify", "eval", "stats", "heads", "recommend", "report", "generate",
+                                              "info", "export", "prune", "plot", "decompress", "bench")]
+
+
+@pytest.mark.parametrize("args", HEADER_ONLY, ids=[" ".join(a) for a in HEADER_ONLY])
+def test_header_only_commands_never_import_torch(args):
+    assert not _imports_torch(args)
+
+
+@pytest.mark.skipif(not (torch.__version__.endswith("+cpu")), reason="a CUDA build of torch is asked for its device")
+def test_env_on_a_cpu_torch_build_never_imports_torch():
+    assert not _imports_torch(["env"])
+
+
+COMPUTING = ["capture", "compress", "verify", "eval", "stats", "heads", "recommend", "report", "generate"]
+
+
+@pytest.mark.parametrize("command", COMPUTING)
+def test_every_computing_command_takes_device_auto(command):
+    import typer.main
+
+    group = typer.main.get_group(app)
+    params = {p.name: p for p in group.commands[command].params}
+    assert params["device"].default == "auto", command
+    res = runner.invoke(app, [command] + ([] if command == "capture" else ["x"]) + ["--device", "[bold]gpu"])
+    assert res.exit_code == 2 and "must be auto, cpu, cuda or cuda:N" in res.output, res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    from kvtool.hf import models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    res = runner.invoke(app, ["capture", "--device", "cuda", "--prompt", "hi", "-o", str(tmp_path / "c.safetensors")])
+    assert res.exit_code == 2 and "CUDA is not available" in res.output
+    res = runner.invoke(app, ["verify", "sample:", "--device", "cuda:0"])
+    assert res.exit_code == 2 and "CUDA is not available" in res.output
+
+
+def test_model_on_a_device_is_read_with_pread_not_mmap(tiny_llama_dir, monkeypatch):
+    """A model placed on a device: its weights go there one by one (pread into a short-lived host
+    buffer), never through a memory map that keeps every page resident until the model is loaded."""
+    import safetensors
+
+    from kvtool.hf import models
+
+    backends = []
+    real = safetensors.safe_open
+
+    def spy(*a, **k):
+        backends.append(k.get("backend", "mmap"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    model, _tok, _src = models.load(str(tiny_llama_dir), device="meta")
+    assert backends and set(backends) == {"pread"} and next(model.parameters()).device.type == "meta"
+    host, _tok, _src = models.load(str(tiny_llama_dir))
+    on_meta = dict(model.named_parameters())
+    assert set(on_meta) == set(dict(host.named_parameters())) and all(on_meta[n].shape == p.shape for n, p in host.named_parameters())
