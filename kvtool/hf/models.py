@@ -206,7 +206,11 @@ def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
     try:
         state = {key: h.get_slice(key) for h in handles for key in h.keys()}
         options = {k: v for k, v in kwargs.items() if k not in ("local_files_only", "trust_remote_code")}
-        model = cls.from_pretrained(None, config=config, state_dict=state, **options)
+        try:
+            model = cls.from_pretrained(None, config=config, state_dict=state, **options)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a transformers that takes no such state dict
+            print(f"note: {folder}: weights read through transformers' memory map ({type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
+            return None
     finally:
         for h in handles:
             with contextlib.suppress(Exception):
