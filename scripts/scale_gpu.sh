@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # docs/scale.md's measurements: every step a kvtool command as a user types it, timed from the outside
 # (wall seconds and the command's peak host RSS), on a GPU machine, from the repository root.
-# Results in $OUT: results.md (the table docs/scale.md takes), results.json, log.txt, the gpu guards'
-# ratios (gpu-ratios.json) and each command's --json output (NAME.json).
+# Results in $OUT: results.md (the table docs/scale.md takes), results.json (every step with the
+# command's own --json output), log.txt and the gpu guards' ratios (gpu-ratios.json).
 #
 #   setup    a Llama-3-8B-shaped folder of seeded random weights (scripts/scale_model_folder.py; not timed as a user step)
 #   cap131k  kvtool capture --model FOLDER --device cuda, 131,072 tokens, queries of layers 28-31
@@ -12,26 +12,27 @@
 #   eval     6 formats, --no-model
 #   info     the 32k capture, every tensor checked
 #   guards   pytest -m gpu tests/test_gpu_commands.py (32k x 8 layers: times against reading the input)
+#   compress-unchecked, verify-unchecked: the same without checksums and finite tests (their share)
 #   recommend --budget 15% with the model on the GPU, in whatever time is left
 # Each step is cut to what is left of BUDGET seconds. A rehearsal on a CPU at tiny size:
 #   SHAPE=tiny LONG=2048 T=1024 CHUNK=512 QL=2-3 DEV=cpu GUARDS=0 BUDGET=600 OUT=/tmp/rehearsal bash scripts/scale_gpu.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_INTERPRET=${TRITON_INTERPRET:-0} COLUMNS=200
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-W=${W:-/tmp/scale}; rm -rf "$W"; mkdir -p "$W"
+W=${W:-/tmp/scale}; rm -rf "$W"; mkdir -p "$W/steps"
 BUDGET=${BUDGET:-480}
 SHAPE=${SHAPE:-llama3-8b} LONG=${LONG:-131072} T=${T:-32768} CHUNK=${CHUNK:-8192} QL=${QL:-28-31} DEV=${DEV:-cuda} GUARDS=${GUARDS:-1}
 START=$(date +%s)
 LOG=$OUT/log.txt
 left() { echo $((BUDGET - ($(date +%s) - START))); }
-# step NAME LIMIT CMD...: stdout -> $OUT/NAME.json, stderr -> the log; one "STEP {json}" line in the log
+# step NAME LIMIT CMD...: stdout -> $W/steps/NAME.json, stderr -> the log; one "STEP {json}" line in the log
 # with the command as typed, wall seconds, exit code and the command's peak RSS
 step() {
   local name=$1 limit=$2; shift 2
   local l; l=$(left); [ "$l" -lt "$limit" ] && limit=$l
   if [ "$limit" -le 5 ]; then echo "STEP {\"step\": \"$name\", \"skipped\": \"no time left\", \"command\": \"$*\"}" >>"$LOG"; return; fi
   echo "== $name (limit ${limit}s): $*" >>"$LOG"
-  python3 - "$name" "$limit" "$@" >"$OUT/$name.json" 2>>"$LOG" <<'PY'
+  python3 - "$name" "$limit" "$@" >"$W/steps/$name.json" 2>>"$LOG" <<'PY'
 import json, resource, subprocess, sys, time
 name, limit, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 t = time.perf_counter()
@@ -74,29 +75,38 @@ step info 30 $K info "$W/cap32k.safetensors" --json
 if [ "$GUARDS" = 1 ]; then
   KVTOOL_GPU_RATIOS=$OUT/gpu-ratios.json step guards 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_commands.py
 fi
+# the checks' share at 32 layers: the same commands without them (the source hashed again too)
+rm -rf "${KVTOOL_CACHE:-$HOME/.cache/kvtool}/sha256"
+step compress-unchecked 60 $K --no-verify-checksums --allow-nonfinite compress "$W/cap32k.safetensors" --format bitmap --sparsity 0.7 --device "$DEV" -o "$W/cap32k.bitmap2.safetensors" --json
+step verify-unchecked 60 $K --no-verify-checksums --allow-nonfinite verify "$W/cap32k.bitmap.safetensors" --no-model --device "$DEV" --json
 step recommend 300 $K recommend "$W/cap32k.safetensors" --budget 15% --model "$M" --no-texts --device "$DEV" -o "$W/plan.json" --json
 echo "done at $(( $(date +%s) - START )) s" >>"$LOG"
 
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "$W/steps" <<'PY'
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
+out, outputs = Path(sys.argv[1]), Path(sys.argv[2])
 steps = [json.loads(l[5:]) for l in (out / "log.txt").read_text().splitlines() if l.startswith("STEP ")]
 def result(name):
     try:
-        return json.loads((out / f"{name}.json").read_text())
+        return json.loads((outputs / f"{name}.json").read_text())
     except (OSError, ValueError):
         return {}
+for s in steps:
+    try:
+        s["output"] = result(s["step"]) or (outputs / f"{s['step']}.json").read_text()[-4000:]
+    except OSError:
+        s["output"] = None
 notes = {}
 for s in steps:
     r = result(s["step"])
     if s["step"].startswith("cap") and r:
         notes[s["step"]] = f"{r['tokens']} tokens, {r['bytes_written'] / 1e9:.1f} GB written, capture {r['seconds']} s"
-    elif s["step"] == "compress" and r:
-        notes["compress"] = f"{100 * r.get('ratio', r.get('storage_ratio', 0)):.1f}% of dense"
-    elif s["step"] == "verify" and r:
+    elif s["step"].startswith("compress") and r:
+        notes[s["step"]] = f"{100 * r.get('ratio', r.get('storage_ratio', 0)):.1f}% of dense"
+    elif s["step"].startswith("verify") and r:
         a = r["attention"]
-        notes["verify"] = f"rel L2 {a['overall']['rel_l2']:.3f}, backend {a['backend']}" + (f", kernel vs torch {a['kernel_vs_torch']['rel_l2']:.1e}" if a.get("kernel_vs_torch") else "")
+        notes[s["step"]] = f"rel L2 {a['overall']['rel_l2']:.3f}, backend {a['backend']}" + (f", kernel vs torch {a['kernel_vs_torch']['rel_l2']:.1e}" if a.get("kernel_vs_torch") else "")
     elif s["step"] == "eval" and r:
         notes["eval"] = ", ".join(f"{p['format']} {p.get('seconds', 0):.1f} s" for p in r.get("points", []))
 rows = ["| step | command | wall s | peak RSS GB | rc | result |", "|---|---|---:|---:|---|---|"]
