@@ -210,6 +210,9 @@ class _LazyLayers(Mapping):
             raise KeyError(index)
         return self.owner.read_layer(index)
 
+    def __contains__(self, index: object) -> bool:  # Mapping's own would read the layer
+        return index in self.owner.indices
+
     def __iter__(self) -> Iterator[int]:
         return iter(self.owner.indices)
 
