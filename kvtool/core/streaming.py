@@ -25,7 +25,6 @@ one layer at a time.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -38,54 +37,13 @@ from typing import Any, Iterator
 import torch
 
 from kvtool.core import io
+from kvtool.core.kvfile import crc32_combine
 from kvtool.core.cache import KVCache, LayerKV, ModelFacts, format_indices
 from kvtool.core.errors import BadDataError, UsageError
 
 ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 HEADER_SLACK = 64 * 1024  # room for metadata known only at the end (timings, generated tokens)
 READ_BACK_CHUNK = 4 << 20
-
-
-# ----------------------------------------------------------------------------- CRC-32 of pieces
-
-
-def _gf2_times(matrix: tuple[int, ...], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-def _gf2_compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
-    """The operator "apply b, then a"."""
-    return tuple(_gf2_times(a, column) for column in b)
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros_operator(nbytes: int) -> tuple[int, ...]:
-    """The linear map (32 columns over GF(2)) that advances a raw CRC-32 register by ``nbytes`` zero bytes."""
-    bit = (0xEDB88320,) + tuple(1 << n for n in range(31))  # one zero bit, the reflected polynomial
-    power = bit
-    for _ in range(3):  # one zero byte = 8 zero bits
-        power = _gf2_compose(power, power)
-    result = tuple(1 << n for n in range(32))
-    while nbytes:
-        if nbytes & 1:
-            result = _gf2_compose(power, result)
-        nbytes >>= 1
-        if nbytes:
-            power = _gf2_compose(power, power)
-    return result
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """zlib's CRC-32 of ``A + B`` from ``crc1`` = CRC of A, ``crc2`` = CRC of B and ``len2`` = len(B)."""
-    if len2 <= 0:
-        return crc1
-    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
 
 
 class StreamingWriter:
