@@ -49,7 +49,7 @@ PY
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-  echo "commit $(git rev-parse HEAD 2>/dev/null || cat COMMIT 2>/dev/null || echo unknown)"
+  echo "commit $(cat COMMIT 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)"
   nproc; free -g | head -2; df -h "$W" | tail -1; date -u
 } >>"$LOG" 2>&1
 

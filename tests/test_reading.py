@@ -181,23 +181,25 @@ def test_device_cuda_without_cuda_is_refused_before_any_model_loads(tmp_path, mo
     assert res.exit_code == 2 and "CUDA is not available" in res.output
 
 
-def test_model_on_a_device_is_read_with_pread_not_mmap(tiny_llama_dir, monkeypatch):
-    """A model placed on a device: its weights go there one by one (pread into a short-lived host
-    buffer), never through a memory map that keeps every page resident until the model is loaded."""
+def test_model_on_a_device_is_read_a_tensor_at_a_time_not_mapped(tiny_llama_dir, monkeypatch):
+    """A model placed on a device: its weights go there a few at a time through short-lived host
+    tensors (kvtool's chunked reader), never through a memory map that keeps every page resident
+    until the model is loaded; the weights are the ones transformers' own loading gives."""
     import safetensors
 
     from kvtool.hf import models
 
-    backends = []
-    real = safetensors.safe_open
-
-    def spy(*a, **k):
-        backends.append(k.get("backend", "mmap"))
-        return real(*a, **k)
-
-    monkeypatch.setattr(safetensors, "safe_open", spy)
+    mapped, read = [], []
+    real_open, real_read = safetensors.safe_open, io.KVFile.read
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: mapped.append(a) or real_open(*a, **k))
+    monkeypatch.setattr(io.KVFile, "read", lambda self, names, *a, **k: read.extend(names) or real_read(self, names, *a, **k))
     model, _tok, _src = models.load(str(tiny_llama_dir), device="meta")
-    assert backends and set(backends) == {"pread"} and next(model.parameters()).device.type == "meta"
-    host, _tok, _src = models.load(str(tiny_llama_dir))
-    on_meta = dict(model.named_parameters())
-    assert set(on_meta) == set(dict(host.named_parameters())) and all(on_meta[n].shape == p.shape for n, p in host.named_parameters())
+    assert next(model.parameters()).device.type == "meta" and not mapped and len(read) == len(set(read)) > 0
+    host, _tok, _src = models.load(str(tiny_llama_dir))  # on the CPU: transformers' own loading
+    placed = models._from_folder_on_device(Path(tiny_llama_dir), {"device_map": {"": "cpu"}})
+    want, got = host.state_dict(), placed.state_dict()
+    assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
+    budget = models._HostBudget(100, wait_s=0.1)
+    budget.take(60)
+    budget.take(60)  # over the budget: waits for the first (bounded), here not given back in time
+    assert budget.held == 120

@@ -12,6 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,17 +180,75 @@ def has_tokenizer(folder: Path) -> bool:
     return any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
+class _HostBudget:
+    """Bytes of weights on the host at once: a tensor read waits while others hold the budget (one
+    larger than the budget goes alone), and gives its share back when transformers drops its host
+    copy (after moving it to the device)."""
+
+    def __init__(self, limit: int, wait_s: float = 30.0):
+        self.limit = limit
+        self.wait_s = wait_s
+        self.held = 0
+        self.cond = threading.Condition()
+
+    def take(self, n: int) -> None:
+        with self.cond:
+            # bounded wait: a holder that keeps its host tensor must not stall the load forever
+            self.cond.wait_for(lambda: self.held == 0 or self.held + n <= self.limit, timeout=self.wait_s)
+            self.held += n
+
+    def give(self, n: int) -> None:
+        with self.cond:
+            self.held -= n
+            self.cond.notify_all()
+
+
+class _WeightSlice:
+    """One tensor of a safetensors file, read when transformers materialises it (``[...]``): parallel
+    ``pread`` chunks straight into the tensor's memory (:class:`kvtool.core.kvfile.KVFile`)."""
+
+    def __init__(self, file: Any, name: str, budget: _HostBudget):
+        self.file, self.name, self.budget = file, name, budget
+        self.code, self.shape = file.entries[name]
+        begin, end = file.header.spans[name]
+        self.nbytes = end - begin
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.code
+
+    def __getitem__(self, index: Any) -> Any:
+        from kvtool.core.io import tensor_from_bytes
+
+        self.budget.take(self.nbytes)
+        try:
+            tensor = tensor_from_bytes(self.file.read([self.name])[self.name], self.code, self.shape)
+        except BaseException:
+            self.budget.give(self.nbytes)
+            raise
+        weakref.finalize(tensor, self.budget.give, self.nbytes)
+        return tensor if index is Ellipsis else tensor[index]
+
+
+HOST_WEIGHT_BUDGET = 1 << 30  # bytes of weights on the host at once while a model loads onto a device
+
+
 def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
-    """A Hugging Face folder's model loaded onto ``kwargs["device_map"]`` with every weight read by
-    ``pread`` into a short-lived host buffer, or None when the folder is not plain safetensors of a
+    """A Hugging Face folder's model loaded onto ``kwargs["device_map"]`` with its weights read a few
+    at a time into short-lived host buffers, or None when the folder is not plain safetensors of a
     model class transformers knows (the caller then loads it the usual way).
 
     transformers memory-maps safetensors files and keeps every file mapped until the whole model is
     loaded: each page it copies to the GPU stays resident, so host RSS grows to the size of the
-    weights (15 GB for an 8B model in bf16). The same weights handed over as ``pread`` slices cost
-    one tensor at a time."""
-    from safetensors import safe_open
+    weights (15 GB for an 8B model in bf16); its ``pread`` backend copies each tensor twice, on four
+    threads at once (5 GB for the same model). Here each tensor is read once, in parallel chunks,
+    straight into its host tensor, and at most :data:`HOST_WEIGHT_BUDGET` bytes of them (or one
+    larger tensor) are on the host at a time."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    from kvtool.core.kvfile import KVFile
 
     index = folder / "model.safetensors.index.json"
     try:
@@ -200,11 +260,12 @@ def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
             return None
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        handles = [safe_open(str(folder / name), framework="pt", device="cpu", backend="pread") for name in files]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        handles = [KVFile(folder / name) for name in files]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, BadDataError):
         return None
     try:
-        state = {key: h.get_slice(key) for h in handles for key in h.keys()}
+        budget = _HostBudget(HOST_WEIGHT_BUDGET)
+        state = {key: _WeightSlice(h, key, budget) for h in handles for key in h.entries}
         options = {k: v for k, v in kwargs.items() if k not in ("local_files_only", "trust_remote_code")}
         try:
             model = cls.from_pretrained(None, config=config, state_dict=state, **options)
@@ -213,8 +274,7 @@ def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
             return None
     finally:
         for h in handles:
-            with contextlib.suppress(Exception):
-                h.__exit__(None, None, None)
+            h.close()
     model.config._name_or_path = str(folder)
     return model
 
