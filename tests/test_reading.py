@@ -133,6 +133,26 @@ def test_source_sha256_hashed_once_per_file_version(tmp_path, monkeypatch):
     assert kvfile.sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest() and len(made) == 2
 
 
+def test_source_named_by_its_header_when_it_carries_checksums(tmp_path):
+    import hashlib
+
+    from kvtool.analysis.fidelity import is_source
+
+    path = io.save(synthetic_cache(), tmp_path / "c.safetensors")
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    digest = io.source_sha256(path)
+    assert digest == hashlib.sha256(raw[8 : 8 + n]).hexdigest()  # the header alone: no pass over the payload
+    assert is_source(path, digest) and is_source(path, hashlib.sha256(raw).hexdigest())  # and what older kvtool recorded
+    other = io.save(synthetic_cache(seed=1), tmp_path / "d.safetensors")
+    assert io.source_sha256(other) != digest and not is_source(other, digest)
+    from safetensors.torch import save_file
+
+    plain = tmp_path / "plain.safetensors"
+    save_file({"x": torch.ones(3)}, str(plain))  # no checksum table: the whole file names it
+    assert io.source_sha256(plain) == hashlib.sha256(plain.read_bytes()).hexdigest()
+
+
 def _imports_torch(args: list[str]) -> bool:
     code = ("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
             f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; print('torch' in sys.modules)")

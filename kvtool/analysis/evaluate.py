@@ -122,7 +122,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
             raise UsageError(f"capture {cap_path} has no queries, which eval scores; recapture without --no-queries")
         if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
             raise UsageError(f"capture {cap_path} holds a left-padded batch; eval needs equal-length prompts (recapture with --align truncate)")
-        sha = io.sha256_file(cap_path)
+        sha = io.source_sha256(cap_path)
         spec = default_model_spec(cache.facts, model) if use_model else None
         reference = None
         cases: list = []

@@ -60,8 +60,8 @@ def find_source(cc: CompressedCache, compressed_path: Path | None = None, captur
         if not Path(capture).exists():
             raise BadDataError(f"--capture {capture}: no such file")
         io.read_header(Path(capture))  # a regular kvtool file, before hashing it
-        got = io.sha256_file(capture)
-        if want and got != want:
+        if want and not is_source(capture, want):
+            got = io.source_sha256(capture)
             raise BadDataError(f"--capture {capture} is not the capture this file was compressed from (sha256 {got[:12]}…, the file records {want[:12]}…)")
         return Path(capture)
     recorded = cc.info.get("source_path")
@@ -73,10 +73,17 @@ def find_source(cc: CompressedCache, compressed_path: Path | None = None, captur
     for cand in candidates:
         # only a regular file that reads as a capture of the right length is hashed: a recorded
         # path may name anything (/dev/zero, a FIFO, a huge unrelated file)
-        if plausible_source(cand, cc) and (not want or io.sha256_file(cand) == want):
+        if plausible_source(cand, cc) and (not want or is_source(cand, want)):
             return cand
     where = f" (it was {recorded}, sha256 {want[:12]}…)" if recorded else ""
     raise BadDataError(f"the source capture of this compressed file was not found{where}; pass it with --capture CAPTURE.safetensors")
+
+
+def is_source(path: str | Path, want: str) -> bool:
+    """Whether ``path`` is the file whose ``source_sha256`` (:func:`kvtool.core.kvfile.source_sha256`)
+    is ``want``; a file recorded by the sha256 of its whole content (kvtool before header digests) is
+    recognised too."""
+    return io.source_sha256(path) == want or io.sha256_file(path) == want
 
 
 def plausible_source(path: Path, cc: CompressedCache) -> bool:

@@ -57,6 +57,7 @@ metadata_crc32 = kvfile.metadata_crc32
 read_checksums = kvfile.read_checksums
 check_regular_file = kvfile.check_regular_file
 sha256_file = kvfile.sha256_file
+source_sha256 = kvfile.source_sha256
 read_header = kvfile.read_header
 KVFile = kvfile.KVFile
 

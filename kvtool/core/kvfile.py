@@ -42,9 +42,11 @@ CHECKSUM_ALGORITHM = "crc32"
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "F64": 8}
 ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "U32": "uint32", "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}
 # floating dtypes: (unsigned integer of the same width, exponent mask); a value is NaN or infinite
-# when all its exponent bits are set (float8 e4m3fn has no infinity: NaN is exponent and mantissa all ones)
+# when all its exponent bits are set, that is when its bits without the sign are at least the mask
+# (float8 e4m3fn has no infinity: NaN is exponent and mantissa all ones, 0x7f)
 FLOAT_BITS = {"F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F32": ("<u4", 0x7F800000), "F64": ("<u8", 0x7FF0000000000000),
               "F8_E4M3": ("u1", 0x7F), "F8_E5M2": ("u1", 0x7C)}
+_SCRATCH = threading.local()  # per reader thread: one chunk buffer and one work array per dtype, reused
 CHUNK = 16 << 20  # bytes read, checksummed and tested per task (a multiple of every item size)
 
 
@@ -133,8 +135,33 @@ def nonfinite_count(buf: Any, dtype: str) -> int:
     arr = np.frombuffer(buf, dtype=view)
     if not arr.size:
         return 0
-    m = arr.dtype.type(mask)
-    return int(np.count_nonzero(np.bitwise_and(arr, m) == m))
+    # one pass drops the sign into a reused work array, one max tells whether anything is bad
+    # (both release the GIL); only then are the bad values counted
+    work = _scratch_array(arr.dtype, arr.size)
+    np.bitwise_and(arr, arr.dtype.type(np.iinfo(arr.dtype).max >> 1), out=work)
+    if work.max() < mask:
+        return 0
+    return int(np.count_nonzero(work >= mask))
+
+
+def _scratch_array(dtype: Any, n: int) -> Any:
+    import numpy as np
+
+    arrays = getattr(_SCRATCH, "arrays", None)
+    if arrays is None:
+        arrays = _SCRATCH.arrays = {}
+    have = arrays.get(dtype)
+    if have is None or have.size < n:
+        have = arrays[dtype] = np.empty(max(n, CHUNK // dtype.itemsize), dtype=dtype)
+    return have[:n]
+
+
+def _scratch_buffer(n: int) -> memoryview:
+    """A reusable byte buffer of this thread (no allocation or zeroing per chunk)."""
+    have = getattr(_SCRATCH, "buffer", None)
+    if have is None or len(have) < n:
+        have = _SCRATCH.buffer = memoryview(bytearray(max(n, CHUNK)))
+    return have[:n]
 
 
 # ----------------------------------------------------------------------------- threads
@@ -315,7 +342,8 @@ class KVFile:
             raw = bytearray(n)
             if _pread_into(self.fd, memoryview(raw), 8) != n:
                 raise BadDataError(f"{self.path}: not a safetensors file (too short)")
-            self.header = parse_header(self.path, bytes(raw), self.size)
+            self.raw_header = bytes(raw)
+            self.header = parse_header(self.path, self.raw_header, self.size)
         except OSError as exc:
             self.close()
             raise BadDataError(f"{self.path}: cannot read ({exc.strerror or exc})") from exc
@@ -444,9 +472,9 @@ class KVFile:
             dt = self.header.entries[name][0] if do_finite else None
 
             def task(lo: int, hi: int) -> tuple[int, int, int]:
-                buf = bytearray(hi - lo)
-                got = _pread_into(self.fd, memoryview(buf), lo)
-                part = memoryview(buf)[:got]
+                buf = _scratch_buffer(hi - lo)
+                got = _pread_into(self.fd, buf, lo)
+                part = buf[:got]
                 return got, zlib.crc32(part) if do_crc else 0, nonfinite_count(part, dt) if dt else 0
 
             crc, bad = None, 0
@@ -464,9 +492,9 @@ class KVFile:
         begin, end = self._span(name)
 
         def task(lo: int, hi: int) -> tuple[int, int]:
-            buf = bytearray(hi - lo)
-            got = _pread_into(self.fd, memoryview(buf), lo)
-            return got, zlib.crc32(memoryview(buf)[:got])
+            buf = _scratch_buffer(hi - lo)
+            got = _pread_into(self.fd, buf, lo)
+            return got, zlib.crc32(buf[:got])
 
         crc = None
         for got, part in self._run([lambda lo=lo, hi=hi: task(lo, hi) for lo, hi in self._chunks(begin, end)]):
@@ -592,17 +620,15 @@ def sha256_file(path: str | Path, cache: bool = True) -> str:
         os.close(fd)
 
 
-_HASHER: ThreadPoolExecutor | None = None
-
-
-def sha256_async(path: str | Path) -> Any:
-    """A future of :func:`sha256_file` (hashed on a background thread, beside the work that needs
-    the digest only at its end; ``hashlib`` and the reads release the GIL)."""
-    global _HASHER
-    with _POOL_LOCK:
-        if _HASHER is None:
-            _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtool-hash")
-    return _HASHER.submit(sha256_file, path)
+def source_sha256(path: str | Path) -> str:
+    """The SHA-256 that names a kvtool file as the source of another (``source_sha256``): of its
+    header when the header carries ``kvtool.checksums`` (the CRC-32 of every tensor and of the
+    metadata: the header pins the whole payload, and hashing it costs nothing), else of the whole
+    file (:func:`sha256_file`, once per file version)."""
+    with KVFile(path) as f:
+        if CHECKSUM_KEY in f.meta:
+            return hashlib.sha256(f.raw_header).hexdigest()
+    return sha256_file(path)
 
 
 # ----------------------------------------------------------------------------- describing

@@ -55,7 +55,7 @@ def default_output(source: Path, target: str) -> Path:
 def export_hf(obj: KVCache | CompressedCache, source: Path, output: Path, force: bool = False) -> dict[str, Any]:
     """Write the hf export of ``obj`` (see the module docstring); returns a small report."""
     check_all_layers(obj.layer_indices, obj.facts.num_layers, source)
-    provenance = {"export": "hf", "source_path": str(source), "source_sha256": io.sha256_file(source)}
+    provenance = {"export": "hf", "source_path": str(source), "source_sha256": io.source_sha256(source)}
     if isinstance(obj, CompressedCache) and needs_attention(obj):
         mode = "ring" if obj.fmt.appends_tokens else "attend"
         cc = CompressedCache(obj.facts, obj.format, obj.params, obj.layers, obj.tails, obj.token_ids, {**obj.info, **provenance, "hf_mode": mode})
@@ -214,7 +214,7 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
             cache = dense_of(obj, source, target)
             if target == "paged":
                 paged = to_paged(cache, page_size, layout)
-                paged.info = {"source_path": str(source), "source_sha256": io.sha256_file(source), "format": getattr(obj, "format", "capture")}
+                paged.info = {"source_path": str(source), "source_sha256": io.source_sha256(source), "format": getattr(obj, "format", "capture")}
                 save_paged(paged, output, force=force)
                 report = {"page_size": page_size, "layout": layout, "num_pages": paged.num_pages, "seq_lens": paged.seq_lens.tolist(), "layers": paged.layer_indices}
             elif target == "npz":

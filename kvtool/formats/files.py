@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,29 +18,6 @@ from kvtool.core.streaming import open_capture
 from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import compress_plan, load_plan
-
-
-class _Background:
-    """``fn(*args)`` in a daemon thread (an error in the caller does not wait for it);
-    :meth:`result` waits and returns its value or raises its exception."""
-
-    def __init__(self, fn: Any, *args: Any):
-        self._out: list[Any] = []
-        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Any, args: tuple) -> None:
-        try:
-            self._out.append((True, fn(*args)))
-        except BaseException as exc:  # handed to result()
-            self._out.append((False, exc))
-
-    def result(self) -> Any:
-        self._thread.join()
-        ok, value = self._out[0]
-        if not ok:
-            raise value
-        return value
 
 
 def default_output(capture: Path, fmt: str) -> Path:
@@ -93,7 +69,6 @@ def compress_file(
     progress = or_silent(progress)
     progress.stage(f"compress {name}", len(indices))
     cache: KVCache | None = None
-    source_sha = _Background(io.sha256_file, capture)  # hashed while the layers are encoded
     if whole:
         # encode where the data is best served
         cache = KVCache(lazy.facts, {i: lazy.layers[i] for i in indices}, lazy.token_ids, lazy.info, lazy.attention_mask)
@@ -113,7 +88,7 @@ def compress_file(
         for part_cc in done.values():
             cc.layers.update(part_cc.layers)
             cc.tails.update(part_cc.tails)
-    cc.info["source_sha256"] = source_sha.result()
+    cc.info["source_sha256"] = io.source_sha256(capture)  # its header names it (or its whole content, once per version)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
     if fmt.name == "pipeline":

@@ -320,7 +320,7 @@ def prune_file(
     progress = or_silent(progress)
     progress.stage("pruning", len(cache.layers))
     pruned, report = prune_cache(cache, ks, vs, method, dense_window, progress=lambda i: progress.advance())
-    pruned.info = {**cache.info, "pruned": {k: v for k, v in report.items() if k != "per_layer"}, "pruned_from": str(capture), "pruned_from_sha256": io.sha256_file(capture)}
+    pruned.info = {**cache.info, "pruned": {k: v for k, v in report.items() if k != "per_layer"}, "pruned_from": str(capture), "pruned_from_sha256": io.source_sha256(capture)}
     path = io.save(pruned, output, force=force)
     report["output"] = str(path)
     report["layers"] = [{"layer": int(i), **v} for i, v in report.pop("per_layer").items()]
