@@ -128,7 +128,8 @@ class Router:
 def train_router(hidden: torch.Tensor, target: torch.Tensor, steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2, seed: int = 0,
                  tick: Callable[[], None] | None = None) -> Router:
     """Fit a linear router on hidden ``[N, E]`` to multi-hot targets bool ``[N, H]`` (the oracle top-k),
-    full-batch Adam on binary cross-entropy. Plain torch, CPU, deterministic for a seed. ``tick`` is
+    full-batch Adam on binary cross-entropy. Plain torch on the hidden states' device, deterministic
+    for a seed (the initial weights come from a CPU generator, the same on every device). ``tick`` is
     called after every step (progress)."""
     x = hidden.float()
     mean = x.mean(0)
@@ -136,8 +137,8 @@ def train_router(hidden: torch.Tensor, target: torch.Tensor, steps: int = 300, l
     x = (x - mean) / std
     gen = torch.Generator().manual_seed(seed)
     h, e = target.shape[1], x.shape[1]
-    weight = (torch.randn(h, e, generator=gen) * (1.0 / math.sqrt(e))).requires_grad_(True)
-    bias = torch.zeros(h, requires_grad=True)
+    weight = (torch.randn(h, e, generator=gen) * (1.0 / math.sqrt(e))).to(x.device).requires_grad_(True)
+    bias = torch.zeros(h, device=x.device, requires_grad=True)
     opt = torch.optim.Adam([weight, bias], lr=lr, weight_decay=weight_decay)
     y = target.float()
     with torch.enable_grad():
@@ -172,7 +173,7 @@ def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: b
     static_heads = torch.topk((train**2).mean(0), k).indices
     static = selection_mask(static_heads.expand(test.shape[0], k), h)
     gen = torch.Generator().manual_seed(seed + 1)
-    rand = selection_mask(torch.rand(test.shape, generator=gen).argsort(-1)[:, :k], h)
+    rand = selection_mask(torch.rand(test.shape, generator=gen).argsort(-1)[:, :k].to(test.device), h)
     at_k: dict[str, Any] = {
         "k": k,
         "density": k / h,
@@ -183,7 +184,7 @@ def analyse_layer(layer: LayerKV, kv_heads: int, k: int, heldout: int, router: b
     fitted = None
     if router and layer.hidden is not None:
         hid = layer.hidden
-        target = selection_mask(oracle_topk(train, k), h)
+        target = selection_mask(oracle_topk(train, k), h).to(hid.device)
         fitted = train_router(hid[:, : t - heldout].reshape(-1, hid.shape[-1]), target, steps=steps, seed=seed, tick=tick)
         chosen = selection_mask(fitted.topk(hid[:, t - heldout :].reshape(-1, hid.shape[-1]), k), h)
         at_k["router"] = {"recall": float(recall(chosen, oracle).mean()), "rel_l2": float(selection_error(test, chosen).mean()), "traffic_ratio": float(kv_traffic(chosen, kv_heads).mean())}
