@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.cache import ModelFacts, dtype_name
+from kvtool.core.io import tensor_from_bytes
+from kvtool.core.kvfile import KVFile
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.placement import resolve_device
 from kvtool.hf import shapes
@@ -220,8 +222,6 @@ class _WeightSlice:
         return self.code
 
     def __getitem__(self, index: Any) -> Any:
-        from kvtool.core.io import tensor_from_bytes
-
         self.budget.take(self.nbytes)
         try:
             tensor = tensor_from_bytes(self.file.read([self.name])[self.name], self.code, self.shape)
@@ -247,8 +247,6 @@ def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
     straight into its host tensor, and at most :data:`HOST_WEIGHT_BUDGET` bytes of them (or one
     larger tensor) are on the host at a time."""
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
-
-    from kvtool.core.kvfile import KVFile
 
     index = folder / "model.safetensors.index.json"
     try:
