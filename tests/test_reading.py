@@ -162,6 +162,7 @@ def _imports_torch(args: list[str]) -> bool:
 
 
 HEADER_ONLY = [["info", "sample:"], ["info", "sample:", "--json"], ["version"], ["sample", "path"], ["--help"]]
+HEADER_ONLY += [["bench", suite, "--help"] for suite in ("attention", "dense")]
 HEADER_ONLY += [[name, "--help"] for name in ("capture", "compress", "verify", "eval", "stats", "heads", "recommend", "report", "generate",
                                               "info", "export", "prune", "plot", "decompress", "bench")]
 

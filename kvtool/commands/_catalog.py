@@ -76,3 +76,21 @@ def model_shape_names() -> tuple[str, ...]:
     """The named model shapes of :data:`kvtool.hf.shapes.SHAPES` (``--model random:NAME``), read from
     the source (shell completion must not import torch); tests/test_cli.py checks both agree."""
     return tuple(SHAPE.findall(SHAPES_FILE.read_text(encoding="utf-8")))
+
+
+@lru_cache(maxsize=1)
+def bench_suite_catalog() -> dict[str, tuple[str, str]] | None:
+    """``{suite name: (summary, example)}`` from the same decorators, so that ``kvtool bench SUITE
+    --help`` is built without importing the suites (torch, the kernels); None when a decorator's
+    summary or example is not a plain string (the caller then imports the suites)."""
+    out: dict[str, tuple[str, str]] = {}
+    for path in sorted(SUITES_DIR.glob("*.py")):
+        if path.name.startswith("_") or path.stem == "common":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "register_suite":
+                args = list(node.args) + [kw.value for kw in node.keywords if kw.arg in ("summary", "example")]
+                if len(args) < 4 or not all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in (args[0], args[2], args[3])):
+                    return None
+                out[args[0].value] = (args[2].value, args[3].value)
+    return out

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import click
 import typer
 from typer.core import TyperGroup
 
-from kvtool.commands._catalog import bench_suite_summaries
+from kvtool.commands._catalog import bench_suite_catalog, bench_suite_summaries
 from kvtool.commands._common import (
     DebugOpt,
     ForceOpt,
@@ -82,10 +83,17 @@ class LazyBenchGroup(TyperGroup):
 
     def _commands(self) -> click.Group:
         if LazyBenchGroup._real is None:
-            from kvtool.bench.suites import load_suites  # deferred: start-up time
-
             real = typer.Typer(rich_markup_mode="rich")
-            for suite in load_suites().values():
+            # names, summaries and examples read from the suites' source: --help needs no torch
+            # (a suite runs by its name, imported when it runs)
+            catalog = bench_suite_catalog()
+            if catalog is None:
+                from kvtool.bench.suites import load_suites  # deferred: start-up time
+
+                suites: list[Any] = list(load_suites().values())
+            else:
+                suites = [SimpleNamespace(name=n, summary=summary, example=example) for n, (summary, example) in catalog.items()]
+            for suite in suites:
                 if suite.name == "decode":  # a model, not kernels: options of its own
                     _add_decode(real, suite)
                 else:
