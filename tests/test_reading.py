@@ -153,6 +153,35 @@ def test_source_named_by_its_header_when_it_carries_checksums(tmp_path):
     assert io.source_sha256(plain) == hashlib.sha256(plain.read_bytes()).hexdigest()
 
 
+def test_capture_writes_behind_the_model_and_a_failed_write_leaves_no_file(tmp_path, monkeypatch):
+    """Blocks are written by the writer thread while the model computes; a write that fails there
+    (a full disk) fails the capture as before: a BadDataError naming the output, no file left."""
+    import errno
+
+    from kvtool.core import streaming
+    from kvtool.hf.capture import capture_to_file
+
+    from .conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(0))
+    path, _ = capture_to_file(tmp_path / "ok.safetensors", model=(model, None), input_ids=ids, chunk_size=8)
+    assert io.load(path).num_tokens == 40  # checksums of blocks written by the thread hold
+    real = os.pwrite
+    calls = []
+
+    def full(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(streaming.os, "pwrite", full)
+    with pytest.raises(BadDataError, match="No space left"):
+        capture_to_file(tmp_path / "full.safetensors", model=(model, None), input_ids=ids, chunk_size=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.safetensors"]
+
+
 def _imports_torch(args: list[str]) -> bool:
     code = ("import sys; from typer.testing import CliRunner; from kvtool.cli import app; "
             f"r = CliRunner().invoke(app, {args!r}); assert r.exit_code == 0, r.output; print('torch' in sys.modules)")

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
+import threading
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +46,7 @@ from kvtool.core.errors import BadDataError, UsageError
 ST_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
 HEADER_SLACK = 64 * 1024  # room for metadata known only at the end (timings, generated tokens)
 READ_BACK_CHUNK = 4 << 20
+IN_FLIGHT = 512 << 20  # bytes of blocks the writer thread may have queued
 
 
 class StreamingWriter:
@@ -86,7 +89,50 @@ class StreamingWriter:
     def __enter__(self) -> "StreamingWriter":
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         os.ftruncate(self.fd, 8 + self.header_room + self.data_bytes)
+        # blocks are written (and checksummed) by one background thread, in the order they came,
+        # while the caller's model computes the next ones; at most IN_FLIGHT bytes wait for it
+        self._jobs: queue.Queue = queue.Queue()
+        self._room = threading.Condition()
+        self._in_flight = 0
+        self._failed: BaseException | None = None
+        self._worker = threading.Thread(target=self._drain, name="kvtool-writer", daemon=True)
+        self._worker.start()
         return self
+
+    def _drain(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            raw, e, base, start, inner, in_order = job
+            try:
+                if self._failed is None:
+                    shape, axis = e["shape"], e["axis"]
+                    for r in range(raw.shape[0]):
+                        os.pwrite(self.fd, raw[r].data, base + (r * shape[axis] + start) * inner)
+                        if in_order:
+                            e["row_crcs"][r] = zlib.crc32(raw[r], e["row_crcs"][r])
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self._failed = exc
+            finally:
+                with self._room:
+                    self._in_flight -= raw.nbytes
+                    self._room.notify_all()
+
+    def _stop_writer(self) -> None:
+        worker = getattr(self, "_worker", None)
+        if worker is not None and worker.is_alive():
+            self._jobs.put(None)
+            worker.join()
+
+    def _finish_writes(self) -> None:
+        """Wait for every queued block to be written; raise the writer thread's error, if any."""
+        worker = getattr(self, "_worker", None)
+        if worker is not None and worker.is_alive():
+            self._jobs.put(None)
+            worker.join()
+        if self._failed is not None:
+            raise self._failed
 
     def write(self, name: str, start: int, block: torch.Tensor) -> None:
         """Write ``block`` (shape of tensor ``name`` with ``n`` tokens on its token axis) as tokens
@@ -104,10 +150,12 @@ class StreamingWriter:
         raw = host.reshape(-1).view(torch.uint8).numpy().reshape(rows, n * inner)
         base = 8 + self.header_room + e["begin"]
         in_order = e["in_order"] and start == e["next_token"]
-        for r in range(rows):
-            os.pwrite(self.fd, raw[r].data, base + (r * shape[axis] + start) * inner)
-            if in_order:
-                e["row_crcs"][r] = zlib.crc32(raw[r], e["row_crcs"][r])
+        if self._failed is not None:
+            raise self._failed
+        with self._room:
+            self._room.wait_for(lambda: self._in_flight == 0 or self._in_flight + raw.nbytes <= IN_FLIGHT)
+            self._in_flight += raw.nbytes
+        self._jobs.put((raw, e, base, start, inner, in_order))
         e["in_order"] = in_order
         e["next_token"] = start + n
         e["written"] += raw.nbytes
@@ -138,6 +186,9 @@ class StreamingWriter:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            if exc_type is not None:
+                self._failed = self._failed or exc  # the queued blocks are dropped, not written
+            self._finish_writes() if exc_type is None else self._stop_writer()
             if exc_type is None:
                 short = [n for n, e in self.entries.items() if e["written"] != e["end"] - e["begin"]]
                 if short:
