@@ -217,7 +217,7 @@ def test_every_computing_command_takes_device_auto(command):
     params = {p.name: p for p in group.commands[command].params}
     assert params["device"].default == "auto", command
     res = runner.invoke(app, [command] + ([] if command == "capture" else ["x"]) + ["--device", "[bold]gpu"])
-    assert res.exit_code == 2 and "must be auto, cpu, cuda or cuda:N" in res.output, res.output
+    assert res.exit_code == 2 and "--device must be auto, cpu, cuda" in res.output, res.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

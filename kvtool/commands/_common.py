@@ -398,8 +398,8 @@ def library_progress(quiet: bool = False) -> Iterator[LibraryProgress]:
 DEVICE_HELP = "Where to compute: auto (CUDA when present, else the CPU), cpu, cuda or cuda:N."
 DEVICES_HELP = ("Where layers are computed: auto (default: every visible GPU, layers spread over them and worked on at once; "
                 "the CPU without one), cpu, cuda, cuda:1, or a list such as cuda:0,cuda:2.")
-DEVICE_PATTERN = re.compile(r"(auto|cpu|cuda(:[0-9]+)?)")
-DEVICES_PATTERN = re.compile(r"(auto|(cpu|cuda(:[0-9]+)?)(,(cpu|cuda(:[0-9]+)?))*)")
+DEVICE_PATTERN = re.compile(r"(auto|(cpu|cuda)(:[0-9]+)?)")
+DEVICES_PATTERN = re.compile(r"(auto|(cpu|cuda)(:[0-9]+)?(,(cpu|cuda)(:[0-9]+)?)*)")
 
 
 def check_device_text(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
