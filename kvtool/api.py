@@ -567,6 +567,8 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
     from kvtool.core.cache import KVCache  # deferred: start-up time (torch)
     from kvtool.core.errors import UsageError  # deferred: start-up time
 
+    if options.get("device") == "auto":  # the command's default: an in-memory cache stays where it is
+        options.pop("device")
     unknown = sorted(k for k, v in options.items() if k not in _COMPRESS_OPTIONS and v is not None)
     if unknown:
         raise UsageError(f"compress of an in-memory cache takes no {unknown[0]}=")

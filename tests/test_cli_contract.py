@@ -165,9 +165,9 @@ def test_error_types_are_the_documented_ones(tmp_path, monkeypatch):
     assert runner.invoke(app, args).exit_code == 0
     code, data = run_json(args)
     assert code == 2 and data["error"]["type"] == "UsageError" and "exists" in data["error"]["message"]
-    from kvtool.formats import files
+    from kvtool.core import io
 
-    monkeypatch.setattr(files, "file_info", lambda path: 1 / 0)
+    monkeypatch.setattr(io, "inspect_file", lambda path: 1 / 0)  # what info calls first
     code, data = run_json(["info", "sample:", "--json"])
     assert code == 1 and data["error"]["type"] == "InternalError" and "ZeroDivisionError" in data["error"]["message"]
     assert validate(data) == []
