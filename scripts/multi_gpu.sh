@@ -74,7 +74,7 @@ CAP=$W/cap.safetensors
 DEVMAP="--device-map $MAP"
 timed capture 200 $K capture --model "random:$SHAPE" $DEVMAP --random-tokens "$TOKENS" --chunk-size "$CHUNK" -o "$CAP" --json
 ls -l "$W" >>"$LOG"
-REFDEV=cuda:0; [ "$DEV" = cpu ] && REFDEV=cpu
+REFDEV=cuda:0; case $DEV in cpu*) REFDEV=cpu;; esac
 timed check 90 python3 scripts/multi_gpu_check.py "$CAP" --device "$REFDEV"
 [ -n "${EXT:-}" ] && { echo "waiting for the extension build at $(($(date +%s) - START)) s" >>"$LOG"; wait $EXT; }
 timed compress 120 $K compress "$CAP" --format bitmap --sparsity 0.7 --device "$DEV" -o "$W/cap.bitmap.safetensors" --json
