@@ -155,3 +155,25 @@ def test_shell_completion_offers_formats_models_and_devices(monkeypatch, tmp_pat
     monkeypatch.chdir(tmp_path)
     assert values("generate", "--model", "llama") == ["llama-local"] and values("report", "--model", "sm") == ["small.gguf"]
     assert values("stats", "--device", "cuda:1") == ["cuda:1"] and "cpu" in values("verify", "--device", "")
+
+
+def test_eval_table_reads_nll_in_nats_with_intervals_only_over_several_cases(monkeypatch):
+    from rich.console import Console
+
+    from kvtool.commands import eval as eval_cmd
+
+    console = Console(record=True, width=400)
+    monkeypatch.setattr(eval_cmd, "console", console)
+    row = {"capture": "c.safetensors", "format": "quant", "params_text": "bits=4", "storage_ratio": 0.35, "traffic_ratio": 0.35,
+           "rel_l2": 0.05, "cosine": 0.998, "recall": None, "nll_increase": -0.002, "agreement": 0.97}
+    several = {**row, "cases": [{}, {}, {}], "nll_increase_mean": 0.004, "nll_increase_lo": -0.001, "nll_increase_hi": 0.009,
+               "agreement_mean": 0.96, "agreement_lo": 0.93, "agreement_hi": 0.99}
+    eval_cmd.print_results({"rows": [several], "resumed": 0, "files": {"json": "e/eval.json"}})
+    text = console.export_text()
+    assert "NLL + mean [95%] over 3 cases (nats/token)" in text and "+0.0040 [-0.0010, +0.0090]" in text
+    assert "-0.0020*" in text and "noise" in text and "%" not in text.split("NLL + mean")[1].split("\n")[2]
+    console = Console(record=True, width=400)
+    monkeypatch.setattr(eval_cmd, "console", console)
+    eval_cmd.print_results({"rows": [{**row, "cases": [{}], "nll_increase_mean": 0.001, "nll_increase_lo": None, "nll_increase_hi": None,
+                                      "agreement_mean": 0.9, "agreement_lo": None, "agreement_hi": None}], "resumed": 0, "files": {}})
+    assert "mean [95%]" not in console.export_text()  # one case: no interval columns

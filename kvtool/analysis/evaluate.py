@@ -36,7 +36,8 @@ from kvtool.hf import models
 CSV_FIELDS = [
     "capture", "comparison", "label", "format", "params_text", "storage_ratio", "traffic_ratio", "rel_l2", "cosine",
     "max_abs", "recall", "nll_increase", "ppl_ratio", "agreement", "kl", "first_divergence",
-    "relative_nll_increase_mean", "relative_nll_increase_lo", "relative_nll_increase_hi", "agreement_mean", "agreement_lo", "agreement_hi",
+    "nll_increase_mean", "nll_increase_lo", "nll_increase_hi", "relative_nll_increase_mean", "relative_nll_increase_lo", "relative_nll_increase_hi",
+    "agreement_mean", "agreement_lo", "agreement_hi",
     "seconds", "skipped",
 ]
 

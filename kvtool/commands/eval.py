@@ -102,16 +102,16 @@ def print_results(result: dict[str, Any]) -> None:
     with_model = any(r.get("nll_increase") is not None or r.get("agreement") is not None for r in rows)
     title = "sweep (attention on held-out queries; model on the continuation)" if with_model else "sweep (attention on held-out queries; no model)"
     sweep = [r for r in rows if r.get("comparison") is None and not r.get("skipped")]
-    if any(r.get("relative_nll_increase_mean") is not None for r in rows):
-        n = max(len(r.get("cases", [])) for r in rows)
-        cols = cols + [f"NLL + mean [95%], {n} texts", "top-1 mean [95%]"]
+    n = max((len(r.get("cases", [])) for r in rows), default=0)
+    if n > 1 and any(r.get("nll_increase_mean") is not None for r in rows):
+        cols = cols + [f"NLL + mean [95%] over {n} cases (nats/token)", "top-1 mean [95%]"]
         plain = cells
 
         def cells(r: dict[str, Any]) -> list[Any]:  # noqa: F811
-            if r.get("relative_nll_increase_mean") is None:
+            if r.get("nll_increase_mean") is None:
                 return plain(r) + [None, None]
-            rel = r["relative_nll_increase_mean"]
-            return plain(r) + [graded("relative_nll_increase", rel, f"{100 * rel:+.2f}%{'*' if rel < 0 else ''} [{100 * r['relative_nll_increase_lo']:+.2f}, {100 * r['relative_nll_increase_hi']:+.2f}]"),
+            mean = r["nll_increase_mean"]
+            return plain(r) + [graded("nll_increase", mean, f"{fmt_nll(mean)} [{r['nll_increase_lo']:+.4f}, {r['nll_increase_hi']:+.4f}]"),
                                graded("agreement", r["agreement_mean"], f"{r['agreement_mean']:.4f} [{r['agreement_lo']:.4f}, {r['agreement_hi']:.4f}]")]
     if sweep:
         console.print(make_table(title, cols, [cells(r) for r in sweep]))
@@ -121,7 +121,7 @@ def print_results(result: dict[str, Any]) -> None:
         prow = [([Path(r["capture"]).name] if multi else []) + [r["label"], _pct(r.get("storage_ratio")), *_graded_cells(r)]
                 for r in paper if r["comparison"] == comparison]
         console.print(make_table(comparison, pcols, prow))
-    if any((r.get("nll_increase") or 0) < 0 or (r.get("relative_nll_increase_mean") or 0) < 0 for r in sweep + paper):
+    if any((r.get("nll_increase") or 0) < 0 or (r.get("nll_increase_mean") or 0) < 0 for r in sweep + paper):
         console.print(NLL_NOTE, markup=False)
     if sweep or paper:
         console.print(BAND_NOTE, markup=False)
