@@ -181,3 +181,15 @@ def test_functions_take_caches_in_memory(tmp_path):
         assert kvtool.info(cache).report == {"handled": "KVCache"}  # a command's own handler wins
     finally:
         del api.OBJECT_HANDLERS["info"]
+
+
+def test_recommend_and_heads_report_progress_in_stages(tiny_capture, tmp_path):
+    events = []
+    r = kvtool.recommend(tiny_capture, budget="40%", heldout=16, model=False, no_texts=True, output=tmp_path / "plan.json",
+                         progress=lambda *e: events.append(e))
+    assert isinstance(r, kvtool.RecommendResult) and Path(r.budgets[0]["plan_file"]).exists()
+    stages = [e for e in events if e[0].startswith("sensitivity")]
+    assert stages[0][1] == 0 and stages[-1][1] == stages[-1][2] == 2  # every layer of the tiny capture
+    events.clear()
+    kvtool.heads("sample:", layers="7", steps=5, progress=lambda *e: events.append(e))
+    assert events[-1][1] == events[-1][2] == 1 + 5  # the oracle curves, then each router training step
