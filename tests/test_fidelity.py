@@ -327,7 +327,7 @@ def test_source_checks(cache, tmp_path):
         find_source(cc, tmp_path / "x.safetensors")
 
 
-@pytest.mark.parametrize("spec", ["bitmap:sparsity=0.7", "signvq:bits=2", "pagestat:budget=32,page_size=8"])
+@pytest.mark.parametrize("spec", ["bitmap:sparsity=0.7", "signvq:bits=2", "pagestat:budget=32,page_size=8", "quant:bits=4,group=16"])
 def test_registered_kernels_agree_with_torch(spec, monkeypatch):
     """Every merged format with a Triton kernel: the verify backends agree under TRITON_INTERPRET=1."""
     from kvtool.core.spec import parse_spec

@@ -1,6 +1,6 @@
 """The kernels against their torch references compiled for a CUDA GPU, at real and awkward shapes
-(odd token counts, partial and empty blocks, GQA groups 1, 3, 4, 8, sparsity 0 and 0.99, fp16 and
-bf16, up to Llama-3-8B shapes). The CPU suite runs the same comparisons under TRITON_INTERPRET=1 on
+(odd token counts, partial and empty blocks, GQA groups 1, 3, 4, 8, sparsity 0 and 0.99, KIVI 2/4/8
+bits, fp16 and bf16, up to Llama-3-8B shapes). The CPU suite runs the same comparisons under TRITON_INTERPRET=1 on
 small tensors; these run with ``pytest -m gpu`` on a machine with CUDA and are skipped elsewhere."""
 
 from __future__ import annotations
@@ -11,12 +11,16 @@ import pytest
 import torch
 
 from kvtool.core.attention import attend_partial
+from kvtool.core.cache import LayerKV
+from kvtool.formats import get_format
+from kvtool.formats.base import make_params
 from kvtool.export.paged import from_paged
 from kvtool.formats.pagestat import make_pagestat_inputs, pagestat_decode, pagestat_decode_reference
 from kvtool.formats.signvq import SignVQFormat, lut_scores, make_signvq_inputs, signvq_decode
 from kvtool.kernels.bitmap_attention import bitmap_decode_attention
 from kvtool.kernels.bitmap_compress import encode_cache, random_pruned
 from kvtool.kernels.heads import selective_head_attention, selective_head_attention_reference
+from kvtool.kernels.kivi_attention import cache_from_encoded, kivi_attention
 from kvtool.kernels.signvq_lut import lut_scores_kernel
 
 from .paged_reference import dense_reference, synthetic_paged
@@ -119,3 +123,33 @@ def test_flashinfer_reads_the_paged_export(layout, page_size):
     out = wrapper.run(q, (paged.k_pages[0].cuda(), paged.v_pages[0].cuda())).float().cpu()
     ref = dense_reference(q.float().cpu(), from_paged(paged)[0], 1.0 / math.sqrt(d))
     assert float((out - ref).abs().max()) <= 2e-2
+
+
+# (batch, KV heads, GQA group, tokens, head_dim, bits, group, residual, query tokens, dtype)
+KIVI_CASES = [(8, 8, 4, 32768, 128, 4, 32, 32, 1, F16), (8, 8, 4, 32768, 128, 4, 128, 0, 1, F16), (8, 8, 4, 32768, 128, 2, 32, 32, 1, BF16),
+              (1, 8, 4, 4097, 128, 8, 64, 5, 16, F16), (3, 3, 3, 1000, 64, 2, 16, 7, 1, F16), (2, 2, 1, 777, 96, 4, 5, 40, 1, BF16),
+              (1, 4, 8, 130, 128, 4, 32, 200, 1, F16)]
+
+
+@pytest.mark.parametrize("b,hkv,g,t,d,bits,group,residual,tq,dtype", KIVI_CASES)
+def test_kivi_attention(b, hkv, g, t, d, bits, group, residual, tq, dtype):
+    """The KIVI kernel over a compressed layer's stored bytes against the format's torch reference
+    (decode, then attention), and its launch captured in a CUDA graph equal to the eager call."""
+    fmt = get_format("quant")
+    keys, values = rand(b, hkv, t, d, dtype=dtype, seed=1), rand(b, hkv, t, d, dtype=dtype, seed=2)
+    keys[..., 3] *= 6
+    enc = fmt.encode(LayerKV(keys, values), make_params(fmt, {"bits": str(bits), "group": str(group), "residual": str(residual)}))
+    del keys, values
+    q = rand(b, hkv * g, tq, d, dtype=dtype, seed=3)
+    out, lse = fmt.attend_kernel(q, enc)
+    ref, ref_lse = fmt.attend(q, enc)
+    check(out, ref, dtype, lse, ref_lse)
+    del ref, ref_lse
+    cache = cache_from_encoded(enc)
+    eager = kivi_attention(q, cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kivi_attention(q, cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])

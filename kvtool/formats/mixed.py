@@ -331,6 +331,10 @@ class MixedLive(LiveLayer):
     def room(self) -> int:
         return min(layer.room() for _, layer in self.groups)
 
+    def reserve(self, steps: int) -> None:
+        for _, layer in self.groups:
+            layer.reserve(steps)
+
     def stored_bytes(self) -> int:
         return sum(layer.stored_bytes() for _, layer in self.groups)
 

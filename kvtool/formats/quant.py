@@ -20,6 +20,12 @@ Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` 
   capture dtype: the most recent tokens, unquantised.
 
 Every one of these tensors is stored and counted (parts: codes, scales, zeros, residual).
+
+Attention: :meth:`QuantFormat.attend` attends over the decoded (dequantised) tokens, the torch
+reference; :meth:`QuantFormat.attend_kernel` reads a kivi layer's stored bytes through the KIVI
+decode kernel (:mod:`kvtool.kernels.kivi_attention`); int8 / fp8 have no kernel. A live layer
+(:class:`QuantLive`, kivi) holds these tensors with room to grow and attends through the kernel on
+CUDA (docs/decode.md).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from kvtool.methods.quantize import (
 )
 from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
+from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, plan_splits, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -197,10 +204,21 @@ class QuantFormat(Format):
     )
 
     live_grows = True
+    has_kernel = True
 
-    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "QuantLive":
-        """The layer as a live cache layer (:class:`QuantLive`) on ``like``'s device."""
-        return QuantLive(self, Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta)))
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "QuantLive | SymmetricLive":
+        """The layer as a live cache layer on ``like``'s device: :class:`QuantLive` (scheme kivi,
+        attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8)."""
+        moved = Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta))
+        return QuantLive(self, moved) if enc.meta["scheme"] == "kivi" else SymmetricLive(self, moved)
+
+    def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scheme kivi: :func:`~kvtool.kernels.kivi_attention.kivi_attention` over the stored codes,
+        scales and residual (the maths of :meth:`attend`). Schemes int8 / fp8 have no kernel: their
+        torch reference (:meth:`attend`)."""
+        if enc.meta["scheme"] != "kivi":
+            return self.attend(q, enc, scale)
+        return kivi_attention(q, cache_from_encoded(enc), scale)
 
     def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple[Format, FormatParams]:
         """Pruned tensors keep their bitmap and quantise only the kept elements: ``bitmapq`` (the
@@ -287,6 +305,7 @@ class QuantFormat(Format):
 # ----------------------------------------------------------------------------- live cache
 
 LIVE_CHUNK_SYMMETRIC = 32  # int8 / fp8: recent tokens quantised 32 at a time in a live cache
+RESIDUAL_SLACK = 64  # KIVI live layer: residual slots beyond R + group, for steps replayed from a CUDA graph
 
 
 def quantize_keys_kivi(keys: torch.Tensor, bits: int, group: int, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,49 +339,274 @@ def unpack_fast(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
 
 
-def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype, exact: bool = True) -> torch.Tensor:
+def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
     """``codes [..., L]`` (uint8) with one scale / zero point per ``group`` along the last axis
-    ``[..., ceil(L/group)]`` -> ``[..., L]`` in ``dtype``. ``exact``: float32 maths, the numbers of
-    :func:`dequantize_groups` (the torch reference); else in ``dtype`` in place (the GPU path: two
-    temporaries of the output's size instead of five float32 ones; within ``dtype``'s rounding)."""
+    ``[..., ceil(L/group)]`` -> ``[..., L]`` in ``dtype``: float32 maths, the numbers of
+    :func:`dequantize_groups` (the torch reference), rounded to ``dtype``."""
     length = codes.shape[-1]
-    ct = torch.float32 if exact else dtype
     if length % group == 0:
-        out = codes.to(ct).unflatten(-1, (length // group, group))
-        out.mul_(scale.to(ct)[..., None]).add_(zero.to(ct)[..., None])
+        out = codes.float().unflatten(-1, (length // group, group))
+        out.mul_(scale.float()[..., None]).add_(zero.float()[..., None])
         out = out.flatten(-2)
     else:
-        s = scale.to(ct).repeat_interleave(group, dim=-1)[..., :length]
-        z = zero.to(ct).repeat_interleave(group, dim=-1)[..., :length]
-        out = codes.to(ct) * s + z
+        s = scale.float().repeat_interleave(group, dim=-1)[..., :length]
+        z = zero.float().repeat_interleave(group, dim=-1)[..., :length]
+        out = codes.float() * s + z
     return out.to(dtype)
 
 
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
 class QuantLive(LiveLayer):
-    """A live ``quant`` layer. KIVI: packed key codes with a scale and zero point per channel and
-    group of tokens, packed value codes per token, and full-precision residual keys / values (R to
-    R + group - 1 tokens each). A new token joins both residuals; when one reaches R + group tokens
-    its oldest ``group`` are quantised (keys per channel, values per token) and their codes joined
-    to the stored ones. int8 / fp8 do the same with per-token scales, 32 tokens at a time. A step
-    dequantises the codes (float32 maths, the cache dtype out), then attends with torch SDPA over
-    the dequantised and residual tokens on CUDA (kvtool has no KIVI kernel), or with the float32
-    reference on the CPU; the dequantised copy lives for one layer's attention (the workspace)."""
+    """A live KIVI layer on the kernel's cache with room to grow (:class:`~kvtool.kernels.kivi_attention.KiviCache`).
+
+    Holds, on the model's device: packed key codes with a scale and zero point per channel and group
+    of tokens, packed value codes with a scale and zero point per token (and group of channels),
+    all allocated for a capacity of tokens (1/32 more than held, at least two groups), and
+    full-precision residual keys / values in buffers of R + group + 64 slots; ``lengths`` (int32
+    ``[4]`` on the device) holds the quantised key and value tokens and the residual tokens in use.
+
+    A new token is written at the residual's length on the device (both lengths + 1), so a step
+    captured in a CUDA graph keeps appending when replayed (at most 64 replays past R + group: see
+    :meth:`room`). When an eager append fills a residual to R + group tokens, its oldest ``group``
+    are quantised (keys per channel, values per token, the codes :func:`encode_kivi` writes for the
+    same tokens) into the next slots of the codes, and the residual moves down; this reads the
+    lengths on the host first (a captured step may have appended since). A full capacity is
+    re-allocated once 1/32 larger. A step attends through :func:`~kvtool.kernels.kivi_attention.kivi_attention`
+    on CUDA (no host syncs, no dequantised copy), through the float32 reference over the
+    dequantised tokens elsewhere."""
 
     def __init__(self, fmt: "QuantFormat", enc: Encoded) -> None:
         self.fmt = fmt
         m, ts = enc.meta, enc.tensors
-        self.scheme, self.bits, self.group = m["scheme"], int(m["bits"]), m.get("group")
+        self.bits, self.group, self.residual = int(m["bits"]), int(m["group"]), int(m["residual"])
+        self.chunk = self.group
+        if self.chunk * self.bits % 8:
+            raise UsageError(f"a live KIVI cache packs whole groups of codes: group {self.chunk} x {self.bits} bits is not a whole number of bytes")
+        self.cache_dtype = DTYPES[m["dtype"]]
+        b, h, _, d = m["shape"]
+        self.b, self.h, self.d = b, h, d
+        self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
+        rk, rv = ts["residual.keys"], ts["residual.values"]
+        self.res_n = {"keys": int(rk.shape[2]), "values": int(rv.shape[2])}
+        self.threshold = self.residual + self.chunk
+        rcap = max(self.threshold, rk.shape[2], rv.shape[2]) + RESIDUAL_SLACK
+        self.res = {"keys": rk.new_zeros((b, h, rcap, d)), "values": rv.new_zeros((b, h, rcap, d))}
+        self.res["keys"][:, :, :rk.shape[2]] = rk
+        self.res["values"][:, :, :rv.shape[2]] = rv
+        self.lengths = torch.tensor([self.kt, self.vt, self.res_n["keys"], self.res_n["values"]], dtype=torch.int32, device=rk.device)
+        sdt = ts["scales.keys"].dtype
+        self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values())), sdt, ts)
+        for kind in ("keys", "values"):
+            while self.res_n[kind] >= self.threshold:
+                self._absorb(kind)
+
+    # -- storage
+
+    def _capacity_for(self, tokens: int) -> int:
+        return _round_up(tokens + max(2 * self.group, tokens // 32), self.group)
+
+    def _allocate(self, capacity: int, sdt: torch.dtype, old: dict[str, torch.Tensor]) -> None:
+        """Buffers for ``capacity`` quantised tokens, holding the tokens in use of ``old`` (tensors
+        named as the format stores them, each at least as long as the tokens in use)."""
+        b, h, d, g, bits = self.b, self.h, self.d, self.group, self.bits
+        dev = self.res["keys"].device
+        ngv = math.ceil(d / g)
+        kb, kg = self.kt * bits // 8, self.kt // g
+        kc = torch.zeros((b, h, d, capacity * bits // 8), dtype=torch.uint8, device=dev)
+        ks = torch.zeros((b, h, d, capacity // g), dtype=sdt, device=dev)
+        kz = torch.zeros_like(ks)
+        vc = torch.zeros((b, h, capacity, packed_length(d, bits)), dtype=torch.uint8, device=dev)
+        vs = torch.zeros((b, h, capacity, ngv), dtype=sdt, device=dev)
+        vz = torch.zeros_like(vs)
+        kc[..., :kb] = old["codes.keys"][..., :kb]
+        ks[..., :kg] = old["scales.keys"][..., :kg]
+        kz[..., :kg] = old["zeros.keys"][..., :kg]
+        vc[:, :, :self.vt] = old["codes.values"][:, :, :self.vt]
+        vs[:, :, :self.vt] = old["scales.values"][:, :, :self.vt]
+        vz[:, :, :self.vt] = old["zeros.values"][:, :, :self.vt]
+        self.capacity = capacity
+        self.cache = KiviCache(kc, ks, kz, vc, vs, vz, self.res["keys"], self.res["values"], self.lengths, bits, g)
+
+    def _stored(self) -> dict[str, torch.Tensor]:
+        c = self.cache
+        return {"codes.keys": c.key_codes, "scales.keys": c.key_scales, "zeros.keys": c.key_zeros,
+                "codes.values": c.value_codes, "scales.values": c.value_scales, "zeros.values": c.value_zeros}
+
+    # -- growth
+
+    @property
+    def tokens(self) -> int:
+        return self.kt + self.res_n["keys"]
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.res["keys"]
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        return self.b, self.h, self.tokens, self.d
+
+    def _sync(self) -> None:
+        """The host's counts from the device's lengths (eager work only: one host sync)."""
+        self.kt, self.vt, nk, nv = (int(x) for x in self.lengths.tolist())
+        self.res_n = {"keys": nk, "values": nv}
+
+    def _absorb(self, kind: str) -> None:
+        """The residual's oldest ``group`` tokens of ``kind`` quantised into the next slots (eager)."""
+        self._sync()
+        g, buf, n = self.chunk, self.res[kind], self.res_n[kind]
+        pos = self.kt if kind == "keys" else self.vt
+        sdt = self.cache.key_scales.dtype
+        if scale_dtype_for(buf[:, :, :g]) == torch.float32 and sdt != torch.float32:  # beyond float16's range: widen every scale
+            sdt = torch.float32
+            self._allocate(self.capacity, sdt, self._stored())
+        if pos + g > self.capacity:
+            self._allocate(self._capacity_for(pos + g), sdt, self._stored())
+        c = self.cache
+        if kind == "keys":
+            codes, scale, zero = quantize_keys_kivi(buf[:, :, :g], self.bits, g, sdt)
+            c.key_codes[..., pos * self.bits // 8:(pos + g) * self.bits // 8] = codes
+            c.key_scales[..., pos // g:pos // g + 1] = scale
+            c.key_zeros[..., pos // g:pos // g + 1] = zero
+            self.kt += g
+        else:
+            codes, scale, zero = quantize_values_kivi(buf[:, :, :g], self.bits, g, sdt)
+            c.value_codes[:, :, pos:pos + g] = codes
+            c.value_scales[:, :, pos:pos + g] = scale
+            c.value_zeros[:, :, pos:pos + g] = zero
+            self.vt += g
+        rest = n - g
+        buf[:, :, :rest] = buf[:, :, g:n].clone()
+        self.res_n[kind] = rest
+        i = 0 if kind == "keys" else 1
+        self.lengths[i:i + 1] += g
+        self.lengths[i + 2:i + 3] -= g
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = keys.shape[2]
+        rk, rv = self.res["keys"], self.res["values"]
+        if n == 1 and max(self.res_n.values()) < self.threshold:
+            # a decode step: both written where the device says the residuals end (captured steps keep appending)
+            at = self.lengths[2:4].long()
+            rk.index_copy_(2, at[0:1], keys.to(rk.dtype))
+            rv.index_copy_(2, at[1:2], values.to(rv.dtype))
+            self.lengths[2:4] += 1
+            self.res_n["keys"] += 1
+            self.res_n["values"] += 1
+        else:
+            for i, (kind, x) in enumerate((("keys", keys), ("values", values))):
+                buf, done = self.res[kind], 0
+                while done < n:
+                    while self.res_n[kind] >= self.threshold:
+                        self._absorb(kind)
+                    take = min(n - done, self.threshold - self.res_n[kind])
+                    at = self.lengths[i + 2:i + 3].long() + torch.arange(take, device=buf.device)
+                    buf.index_copy_(2, at, x[:, :, done:done + take].to(buf.dtype))
+                    self.lengths[i + 2:i + 3] += take
+                    self.res_n[kind] += take
+                    done += take
+        for kind in ("keys", "values"):
+            while self.res_n[kind] >= self.threshold:
+                self._absorb(kind)
+
+    def room(self) -> int:
+        """Single-token steps that fit the residual buffers: what a loop replaying a captured step
+        (which appends on the device and never quantises) may run before an eager step; eager
+        steps quantise a group whenever a residual reaches R + group."""
+        return self.res["keys"].shape[2] - max(self.res_n.values()) - 1
+
+    def reserve(self, steps: int) -> None:
+        """Make room for ``steps`` replayed steps (counts read from the device): full groups
+        quantised now, then, if that is not enough, residual buffers re-allocated larger (which
+        invalidates graphs captured before)."""
+        if self.room() >= steps:
+            return
+        self._sync()
+        for kind in ("keys", "values"):
+            while self.room() < steps and self.res_n[kind] >= self.threshold:
+                self._absorb(kind)
+        if self.room() < steps:
+            need = max(self.res_n.values()) + steps + 1
+            for kind in ("keys", "values"):
+                old = self.res[kind]
+                self.res[kind] = old.new_zeros((self.b, self.h, need, self.d))
+                self.res[kind][:, :, :self.res_n[kind]] = old[:, :, :self.res_n[kind]]
+            self.cache.residual_keys, self.cache.residual_values = self.res["keys"], self.res["values"]
+
+    # -- attention
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: codes dequantised with float32
+        maths as ``decode`` does, then the residual tokens (the torch reference)."""
+        c = self.cache
+        kq = _dequant(unpack_fast(c.key_codes, self.bits, self.kt), c.key_scales[..., :self.kt // self.group],
+                      c.key_zeros[..., :self.kt // self.group], self.group, self.cache_dtype).transpose(-1, -2)
+        vq = _dequant(unpack_fast(c.value_codes[:, :, :self.vt], self.bits, self.d), c.value_scales[:, :, :self.vt],
+                      c.value_zeros[:, :, :self.vt], self.group, self.cache_dtype)
+        return (torch.cat([kq, self.res["keys"][:, :, :self.res_n["keys"]]], dim=2),
+                torch.cat([vq, self.res["values"][:, :, :self.res_n["values"]]], dim=2))
+
+    def partial(self, q: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if on_gpu(q):
+            return kivi_attention(q, self.cache, scale)
+        keys, values = self.dense()
+        return attend_partial(q, keys, values, scale)
+
+    # -- bytes
+
+    def stored_bytes(self) -> int:
+        return tensor_nbytes(*self.cache.tensors(), self.lengths)
+
+    def join_bytes(self) -> int:
+        """A group's quantisation: float32 temporaries of its tokens (a few copies) and the residual
+        moved down; a full capacity re-allocated (rare): the quantised tensors once more."""
+        b, h, _, d = self.encoded_shape()
+        group = 8 * b * h * self.chunk * d * 4 + tensor_nbytes(self.res["keys"])
+        return max(group, tensor_nbytes(*self._stored().values()))
+
+    def workspace_bytes(self, query_rows: int) -> int:
+        """A step on the GPU: the kernel's split partials, output and lse (no dequantised copy)."""
+        rows = max(1, query_rows // (self.b * self.h))
+        return kivi_workspace_bytes(self.cache, rows, plan_splits(self.cache, rows, self.res["keys"].device))
+
+    def encoded(self) -> Encoded:
+        c, g = self.cache, self.group
+        tensors = {
+            "codes.keys": c.key_codes[..., :self.kt * self.bits // 8].contiguous(),
+            "scales.keys": c.key_scales[..., :self.kt // g].contiguous(),
+            "zeros.keys": c.key_zeros[..., :self.kt // g].contiguous(),
+            "codes.values": c.value_codes[:, :, :self.vt].contiguous(),
+            "scales.values": c.value_scales[:, :, :self.vt].contiguous(),
+            "zeros.values": c.value_zeros[:, :, :self.vt].contiguous(),
+        }
+        for kind in ("keys", "values"):
+            tensors[f"residual.{kind}"] = self.res[kind][:, :, :self.res_n[kind]].contiguous()
+        meta = {"scheme": "kivi", "bits": self.bits, "group": self.group, "residual": self.residual, "shape": [self.b, self.h, self.tokens, self.d],
+                "dtype": dtype_name(self.cache_dtype), "scale_dtype": dtype_name(c.key_scales.dtype), "key_tokens": self.kt, "value_tokens": self.vt}
+        return Encoded(tensors, meta)
+
+
+class SymmetricLive(LiveLayer):
+    """A live ``quant`` layer of scheme int8 / fp8: codes with one scale per token, and
+    full-precision residual keys / values (R to R + 31 tokens). A new token joins both residuals;
+    when they reach R + 32 tokens their oldest 32 are quantised and joined to the stored codes. A
+    step dequantises the codes (cache dtype) and attends with torch SDPA on CUDA (these schemes
+    have no kernel of their own), or with the float32 reference elsewhere; the dequantised copy
+    lives for one layer's attention (the workspace)."""
+
+    def __init__(self, fmt: "QuantFormat", enc: Encoded) -> None:
+        self.fmt = fmt
+        m, ts = enc.meta, enc.tensors
+        self.scheme = m["scheme"]
         self.residual = int(m["residual"])
         self.cache_dtype = DTYPES[m["dtype"]]
         self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
-        b, h, t, d = m["shape"]
+        b, h, _, d = m["shape"]
         self.b, self.h, self.d = b, h, d
-        self.chunk = int(self.group) if self.scheme == "kivi" else LIVE_CHUNK_SYMMETRIC
-        if self.scheme == "kivi" and self.chunk * self.bits % 8:
-            raise UsageError(f"a live KIVI cache packs whole groups of codes: group {self.chunk} x {self.bits} bits is not a whole number of bytes")
+        self.chunk = LIVE_CHUNK_SYMMETRIC
         self.codes = {kind: ts[f"codes.{kind}"] for kind in ("keys", "values")}
         self.scales = {kind: ts[f"scales.{kind}"] for kind in ("keys", "values")}
-        self.zeros = {kind: ts[f"zeros.{kind}"] for kind in ("keys", "values")} if self.scheme == "kivi" else {}
         cap = self.residual + self.chunk
         self.res: dict[str, torch.Tensor] = {}
         self.res_n: dict[str, int] = {}
@@ -398,23 +642,12 @@ class QuantLive(LiveLayer):
         g, buf, n = self.chunk, self.res[kind], self.res_n[kind]
         x = buf[:, :, :g]
         sdt = self.scales[kind].dtype
-        want = scale_dtype_for(x)
-        if want == torch.float32 and sdt != torch.float32:  # a chunk beyond float16's range: widen the stored scales
-            self.scales[kind] = self.scales[kind].float()
-            if self.zeros:
-                self.zeros[kind] = self.zeros[kind].float()
+        if scale_dtype_for(x) == torch.float32 and sdt != torch.float32:  # a chunk beyond float16's range: widen the stored scales
+            self.scales = {k: s.float() for k, s in self.scales.items()}
             sdt = torch.float32
-        if self.scheme == "kivi":
-            quant = quantize_keys_kivi if kind == "keys" else quantize_values_kivi
-            codes, scale, zero = quant(x, self.bits, self.group, sdt)
-            along = 3 if kind == "keys" else 2
-            self.codes[kind] = torch.cat([self.codes[kind], codes], dim=along)
-            self.scales[kind] = torch.cat([self.scales[kind], scale], dim=along)
-            self.zeros[kind] = torch.cat([self.zeros[kind], zero], dim=along)
-        else:
-            codes, scale = quantize_symmetric(x, self.scheme, sdt)
-            self.codes[kind] = torch.cat([self.codes[kind], codes], dim=2)
-            self.scales[kind] = torch.cat([self.scales[kind], scale], dim=2)
+        codes, scale = quantize_symmetric(x, self.scheme, sdt)
+        self.codes[kind] = torch.cat([self.codes[kind], codes], dim=2)
+        self.scales[kind] = torch.cat([self.scales[kind], scale], dim=2)
         rest = n - g
         buf[:, :, :rest] = buf[:, :, g:n].clone()
         self.res_n[kind] = rest
@@ -439,20 +672,11 @@ class QuantLive(LiveLayer):
 
     # -- attention
 
-    def dense(self, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: dequantised codes, then the residual
-        (``exact``: float32 dequantisation maths, as ``decode``)."""
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys / values ``[B, Hkv, T, D]`` in the cache dtype: dequantised codes, then the residual."""
         out = []
         for kind in ("keys", "values"):
-            n = self.kt if kind == "keys" else self.vt
-            codes, scale = self.codes[kind], self.scales[kind]
-            if self.scheme == "kivi":
-                if kind == "keys":
-                    deq = _dequant(unpack_fast(codes, self.bits, n), scale, self.zeros[kind], self.group, self.cache_dtype, exact).transpose(-1, -2)
-                else:
-                    deq = _dequant(unpack_fast(codes, self.bits, self.d), scale, self.zeros[kind], self.group, self.cache_dtype, exact)
-            else:
-                deq = dequantize_symmetric(codes, scale, self.scheme).to(self.cache_dtype)
+            deq = dequantize_symmetric(self.codes[kind], self.scales[kind], self.scheme).to(self.cache_dtype)
             out.append(torch.cat([deq, self.res[kind][:, :, :self.res_n[kind]]], dim=2))
         return out[0], out[1]
 
@@ -461,34 +685,31 @@ class QuantLive(LiveLayer):
         return attend_partial(q, keys, values, scale)
 
     def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
-        keys, values = self.dense(exact=not on_gpu(q))
+        keys, values = self.dense()
         return dense_attention_out(q, keys, values, scale)
 
     # -- bytes
 
     def stored_bytes(self) -> int:
-        return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.zeros.values(), *self.res.values())
+        return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.res.values())
 
     def join_bytes(self) -> int:
-        """A group's join: the stored codes and scales once more (concatenation)."""
-        return tensor_nbytes(*self.codes.values(), *self.scales.values(), *self.zeros.values())
+        """A chunk's join: the stored codes and scales once more (concatenation)."""
+        return tensor_nbytes(*self.codes.values(), *self.scales.values())
 
     def workspace_bytes(self, query_rows: int) -> int:
-        """A step on the GPU: the dequantised keys and values with the residual (cache dtype), and
-        while one of them is made, its unpacked codes (one byte per element and one more for the
-        shifts) and the dequantised copy before the residual joins: 4 dense copies of the layer's
-        keys or values in all (the float32 reference path on the CPU takes more)."""
+        """A step on the GPU: the dequantised keys and values with the residual (cache dtype), the
+        float32 products of dequantising one of them and the dequantised copy before the residual
+        joins (the float32 reference path on the CPU takes more)."""
         b, h, t, d = self.encoded_shape()
         dense = b * h * t * d * self.cache_dtype.itemsize
-        return 3 * dense + 2 * b * h * t * d + 4 * query_rows * (d + 2) * 2
+        return 3 * dense + 8 * b * h * t * d + 4 * query_rows * (d + 2) * 2
 
     def encoded(self) -> Encoded:
         tensors = {f"codes.{k}": v for k, v in self.codes.items()}
         tensors.update({f"scales.{k}": v for k, v in self.scales.items()})
-        tensors.update({f"zeros.{k}": v for k, v in self.zeros.items()})
         for kind in ("keys", "values"):
             tensors[f"residual.{kind}"] = self.res[kind][:, :, :self.res_n[kind]].contiguous()
-        sdt = self.scales["keys"].dtype
-        meta = {"scheme": self.scheme, "bits": self.bits, "group": self.group, "residual": self.residual, "shape": [self.b, self.h, self.tokens, self.d],
-                "dtype": dtype_name(self.cache_dtype), "scale_dtype": dtype_name(sdt), "key_tokens": self.kt, "value_tokens": self.vt}
+        meta = {"scheme": self.scheme, "bits": 8, "group": None, "residual": self.residual, "shape": [self.b, self.h, self.tokens, self.d],
+                "dtype": dtype_name(self.cache_dtype), "scale_dtype": dtype_name(self.scales["keys"].dtype), "key_tokens": self.kt, "value_tokens": self.vt}
         return Encoded(tensors, meta)

@@ -1,0 +1,440 @@
+"""Decode attention over a KIVI cache (the ``quant`` format, scheme kivi) read as stored: packed
+low-bit key codes with a scale and zero point per channel and group of tokens, packed value codes
+with a scale and zero point per token and group of channels, and the full-precision residual
+tokens; beside a plain-torch reference of the same maths.
+
+Entry points (B batch, H query heads, Hkv KV heads, G = H / Hkv, Tq query tokens, D head_dim; dt =
+float16 / bfloat16 / float32, the cache dtype):
+
+- :func:`kivi_attention` ``(q, cache, scale=None) -> (out, lse)``, the partial of
+  :mod:`kvtool.core.attention`: q ``[B, H, Tq, D]`` dt (any strides), out ``[B, H, Tq, D]`` float32,
+  lse ``[B, H, Tq]`` float32 (natural log; 0 / -inf when the cache holds no token). No masks: every
+  token held is attended.
+- :func:`kivi_attention_reference`: the same in torch (dequantise the tokens in use, then
+  :func:`~kvtool.core.attention.attend_partial`).
+- :func:`cache_from_encoded`: a :class:`KiviCache` over an encoded layer's tensors (no copies).
+
+The cache (:class:`KiviCache`; the layout of :mod:`kvtool.formats.quant`, each tensor allowed to be
+allocated for more tokens than are in use): ``lengths`` int32 ``[4]`` on the device holds Tk, Tv
+(tokens whose keys / values are quantised) and nk, nv (residual keys / values in use), with
+Tk + nk = Tv + nv = T. Token t's key is the dequantised code t when t < Tk, else residual key
+t - Tk; its value likewise against Tv. A live layer that grows writes a new token at residual
+index nk / nv on the device and adds 1 to both lengths, and joins a quantised group by writing its
+codes and scales at token Tk (Tv) and moving the lengths (:class:`kvtool.formats.quant.QuantLive`):
+no shapes change, so a call captured in a CUDA graph stays valid while tokens join.
+
+The kernel (:func:`_kivi_kernel`): one program per (split of the tokens, batch x KV head, block of
+query rows); the G x Tq query rows of a KV head (padded to 16) share one read of its data. Tokens
+go in blocks of BT (64, or the group when it is 16 or 32, so that each block lies inside one key
+group): a block's packed key bytes ``[D, BT * bits / 8]`` and value bytes ``[BT, D * bits / 8]``
+are each loaded once, unpacked with shifts in registers, dequantised as the format decodes them
+(``code * scale + zero`` in float32, rounded to dt) and fed to ``tl.dot`` on the tensor cores
+(:func:`~kvtool.kernels.online_softmax.attend_block`). Key scales are one per channel per block;
+value scales one per token when ``group >= D``, else gathered per element (L1 hits). Blocks
+below min(Tk, Tv) take a path without masks or residual loads; the last blocks mix codes and
+residual tokens. The splits (about 4 programs per SM, planned from the tensors' capacity) share
+the T tokens in use, read from ``lengths`` by each program, so no host sync is needed and one
+captured launch serves every length up to the capacity; their partials are merged by
+:func:`~kvtool.kernels.online_softmax.merge_split_partials`.
+
+Why ``tl.dot`` rather than dequantised products on the CUDA cores: at the card's bandwidth a 4-bit
+cache delivers about 6.7e12 elements per second on an H100 (3.35 TB/s at half a byte each), which
+leaves a few instructions per element for unpacking and dequantising; G multiply-adds per element
+on top would make the kernel bound by instruction issue, while one MMA covers the G rows (padded
+to 16) of a whole tile. This kernel has not been timed on a GPU yet.
+
+Kernels sit below the formats: the cache is read through plain tensors and ints, never a format
+class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+import triton
+import triton.language as tl
+
+from kvtool.core.attention import attend_partial, default_scale
+from kvtool.core.errors import UsageError
+from kvtool.kernels.common import LOG2E, EncodedLike, check_device, check_query, dot_flags, num_splits
+from kvtool.kernels.online_softmax import attend_block, merge_split_partials, store_split_partial
+
+BITS = (2, 4, 8)
+
+
+@dataclass
+class KiviCache:
+    """One layer's KIVI tensors (module docstring). ``key_codes`` uint8 ``[B, Hkv, D, >= Tk * bits / 8]``;
+    ``key_scales`` / ``key_zeros`` ``[B, Hkv, D, >= Tk / group]``; ``value_codes`` uint8
+    ``[B, Hkv, >= Tv, ceil(D * bits / 8)]``; ``value_scales`` / ``value_zeros``
+    ``[B, Hkv, >= Tv, ceil(D / group)]`` (float16 or float32); ``residual_keys`` / ``residual_values``
+    ``[B, Hkv, >= nk / nv, D]`` in the cache dtype; ``lengths`` int32 ``[4]`` (Tk, Tv, nk, nv) on the
+    same device. Each tensor contiguous in its last axis, batch and head axes packed (``stride(0) ==
+    Hkv * stride(1)``)."""
+
+    key_codes: torch.Tensor
+    key_scales: torch.Tensor
+    key_zeros: torch.Tensor
+    value_codes: torch.Tensor
+    value_scales: torch.Tensor
+    value_zeros: torch.Tensor
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+    lengths: torch.Tensor
+    bits: int
+    group: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.residual_keys.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, Hkv, D)."""
+        b, h, _, d = self.residual_keys.shape
+        return b, h, d
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens the tensors can hold (what the splits are planned for)."""
+        keys = self.key_scales.shape[3] * self.group + self.residual_keys.shape[2]
+        values = self.value_codes.shape[2] + self.residual_values.shape[2]
+        return min(keys, values)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.key_codes, self.key_scales, self.key_zeros, self.value_codes, self.value_scales, self.value_zeros,
+                self.residual_keys, self.residual_values)
+
+
+def cache_from_encoded(enc: EncodedLike) -> KiviCache:
+    """A :class:`KiviCache` over the tensors of an encoded ``quant`` layer of scheme kivi (no
+    copies of contiguous tensors); its lengths from the metadata, on the tensors' device."""
+    t, m = enc.tensors, enc.meta
+    if m.get("scheme") != "kivi":
+        raise UsageError(f"the KIVI kernel reads scheme kivi layers, not {m.get('scheme')!r}")
+    b, h, total, d = m["shape"]
+    tk, tv = int(m["key_tokens"]), int(m["value_tokens"])
+    dev = t["residual.keys"].device
+    lengths = torch.tensor([tk, tv, total - tk, total - tv], dtype=torch.int32, device=dev)
+    c = {n: x.contiguous() for n, x in t.items()}
+    return KiviCache(c["codes.keys"], c["scales.keys"], c["zeros.keys"], c["codes.values"], c["scales.values"], c["zeros.values"],
+                     c["residual.keys"], c["residual.values"], lengths, int(m["bits"]), int(m["group"]))
+
+
+def block_tokens(group: int) -> tuple[int, bool]:
+    """(tokens per block, whether each block lies inside one key group): the largest power of two
+    from 16 to 64 that divides ``group``, else 64 with key scales gathered per element."""
+    low = group & -group
+    if low >= 16:
+        return min(64, low), True
+    return 64, False
+
+
+def check_cache(q: torch.Tensor, cache: KiviCache) -> None:
+    """Shapes, dtypes and devices of ``cache`` against each other and q; UsageError naming the
+    first tensor that disagrees (host-side checks only: no sync)."""
+    if cache.bits not in BITS:
+        raise UsageError(f"KIVI codes have 2, 4 or 8 bits, not {cache.bits}")
+    if cache.group < 1:
+        raise UsageError(f"KIVI group must be at least 1, got {cache.group}")
+    if cache.residual_keys.ndim != 4:
+        raise UsageError(f"residual keys must be [batch, kv_heads, tokens, head_dim], got {list(cache.residual_keys.shape)}")
+    b, h, d = cache.shape
+    ngv = -(-d // cache.group)
+    nbv = -(-d * cache.bits // 8)
+    want = {
+        "key_codes": ((b, h, d), torch.uint8), "value_codes": ((b, h, None, nbv), torch.uint8),
+        "key_scales": ((b, h, d), None), "key_zeros": ((b, h, d), None),
+        "value_scales": ((b, h, None, ngv), None), "value_zeros": ((b, h, None, ngv), None),
+        "residual_values": ((b, h, None, d), cache.dtype),
+    }
+    for name, (shape, dt) in want.items():
+        x = getattr(cache, name)
+        ok = x.ndim == 4 and all(s is None or x.shape[i] == s for i, s in enumerate(shape)) and (dt is None or x.dtype == dt)
+        if dt is None:
+            ok = ok and x.dtype in (torch.float16, torch.float32)
+        if not ok or x.stride(3) != 1 or x.stride(0) != h * x.stride(1):
+            raise UsageError(f"{name} is {x.dtype} {list(x.shape)} (strides {list(x.stride())}); expected {list(shape)} "
+                             f"with the last axis contiguous")
+    if cache.key_scales.shape != cache.key_zeros.shape or cache.value_scales.shape != cache.value_zeros.shape:
+        raise UsageError("scales and zero points must have one shape")
+    if cache.key_codes.shape[3] * 8 < cache.key_scales.shape[3] * cache.group * cache.bits:
+        raise UsageError(f"key_codes hold {cache.key_codes.shape[3]} bytes per channel, fewer than the {cache.key_scales.shape[3]} groups need")
+    if cache.value_scales.shape[2] < cache.value_codes.shape[2]:
+        raise UsageError("value_scales hold fewer tokens than value_codes")
+    rk = cache.residual_keys
+    if rk.stride(3) != 1 or rk.stride(0) != h * rk.stride(1):
+        raise UsageError(f"residual_keys must have its last axis contiguous, strides {list(rk.stride())}")
+    if cache.lengths.dtype != torch.int32 or tuple(cache.lengths.shape) != (4,):
+        raise UsageError(f"lengths must be int32 [4] (Tk, Tv, nk, nv), got {cache.lengths.dtype} {list(cache.lengths.shape)}")
+    check_query(q, b, h, d, cache.dtype)
+    check_device(q=q, lengths=cache.lengths, **dict(zip(("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales",
+                                                         "value_zeros", "residual_keys", "residual_values"), cache.tensors())))
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+@triton.jit
+def _unpack(byte, ROWS: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr):
+    """uint8 ``[ROWS, NB]`` packed codes -> float32 ``[ROWS, NB * 8 // BITS]``: code j of byte n
+    (bits ``j * BITS`` up) at column ``n * (8 // BITS) + j``, the order of ``pack_codes``."""
+    x = byte.to(tl.int32)
+    if BITS == 8:
+        out = x.to(tl.float32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        sh = tl.arange(0, PER) * BITS
+        codes = (x[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+        out = tl.reshape(codes, (ROWS, NB * PER)).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _rounded(x, like, UPCAST: tl.constexpr):
+    """float32 x rounded to the dtype of ``like`` (nearest even), as the format's decode rounds its
+    dequantised numbers. UPCAST (bfloat16 on the CPU interpreter, whose float32 -> bfloat16 cast
+    truncates) rounds with integer arithmetic and keeps float32 storage."""
+    if UPCAST:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        out = bits.to(tl.float32, bitcast=True)
+    else:
+        out = x.to(like.dtype)
+    return out
+
+
+@triton.jit
+def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, like,
+              BT: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+              EVEN_D: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr):
+    """Keys of tokens t0 .. t0 + BT - 1 transposed, ``[DP, BT]`` in q's dtype (float32 under UPCAST).
+    FULL: every token of the block is a quantised key (no masks but the channels', no residual)."""
+    NB: tl.constexpr = BT * BITS // 8
+    t = t0 + tl.arange(0, BT)
+    j = tl.arange(0, NB)
+    quant = t < Tk
+    kb = kc_ptr + bh * kc_bh + c[:, None] * kc_c + (t0 * BITS) // 8 + j[None, :]
+    if FULL:
+        if EVEN_D:
+            byte = tl.load(kb)
+        else:
+            byte = tl.load(kb, mask=cmask[:, None], other=0)
+    else:
+        byte = tl.load(kb, mask=cmask[:, None] & ((t0 + j * (8 // BITS)) < Tk)[None, :], other=0)
+    codes = _unpack(byte, DP, NB, BITS)
+    if BLOCK_SCALES:  # the block lies inside one group: one scale and zero point per channel
+        sp = ks_bh * bh + c * ks_c + t0 // GROUP
+        if FULL:
+            if EVEN_D:
+                s = tl.load(ks_ptr + sp).to(tl.float32)
+                z = tl.load(kz_ptr + sp).to(tl.float32)
+            else:
+                s = tl.load(ks_ptr + sp, mask=cmask, other=0.0).to(tl.float32)
+                z = tl.load(kz_ptr + sp, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            smask = cmask & ((c * 0 + t0) < Tk)  # a vector mask (a scalar one is not a mask to the interpreter)
+            s = tl.load(ks_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+            z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        k = codes * s[:, None] + z[:, None]
+    else:
+        sp = ks_bh * bh + c[:, None] * ks_c + (t // GROUP)[None, :]
+        smask = cmask[:, None] & quant[None, :]
+        s = tl.load(ks_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        k = codes * s + z
+    k = _rounded(k, like, UPCAST)
+    if not FULL:
+        rmask = (t >= Tk) & (t < T)
+        r = tl.load(rk_ptr + rk_bh * bh + (t - Tk)[None, :] * rk_t + c[:, None], mask=cmask[:, None] & rmask[None, :], other=0.0)
+        k = tl.where(quant[None, :], k, r.to(k.dtype))
+    return k
+
+
+@triton.jit
+def _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, Tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, like,
+                BT: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, NGV: tl.constexpr, DP: tl.constexpr,
+                EVEN_D: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr):
+    """Values of tokens t0 .. t0 + BT - 1, ``[BT, DP]`` in q's dtype (float32 under UPCAST); NBYTES
+    packed bytes per token. FULL: every token of the block is a quantised value."""
+    NB: tl.constexpr = DP * BITS // 8
+    t = t0 + tl.arange(0, BT)
+    j = tl.arange(0, NB)
+    quant = t < Tv
+    row = vc_ptr + vc_bh * bh + t[:, None] * vc_t + j[None, :]
+    if FULL:
+        if EVEN_D:
+            byte = tl.load(row)
+        else:
+            byte = tl.load(row, mask=(j < NBYTES)[None, :], other=0)
+    else:
+        byte = tl.load(row, mask=quant[:, None] & (j < NBYTES)[None, :], other=0)
+    codes = _unpack(byte, BT, NB, BITS)
+    if NGV == 1:  # one scale and zero point per token
+        sp = vs_bh * bh + t * vs_t
+        smask = quant
+        s = tl.load(vs_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(vz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        v = codes * s[:, None] + z[:, None]
+    else:  # a scale per token and group of channels, gathered per element (L1 hits)
+        sp = vs_bh * bh + t[:, None] * vs_t + (c // GROUP)[None, :]
+        smask = quant[:, None] & cmask[None, :]
+        s = tl.load(vs_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(vz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
+        v = codes * s + z
+    v = _rounded(v, like, UPCAST)
+    if not FULL:
+        rmask = (t >= Tv) & (t < T)
+        r = tl.load(rv_ptr + rv_bh * bh + (t - Tv)[:, None] * rv_t + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        v = tl.where(quant[:, None], v, r.to(v.dtype))
+    return v
+
+
+@triton.jit
+def _kivi_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, S, HKV, TQ, R, NBYTES,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr, NGV: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program: split ``program_id(0)`` of the tokens in use, KV head ``program_id(1)`` (batch x
+    Hkv), query rows ``program_id(2) * RB ..`` (row r = query head g * TQ + query token). Writes
+    its unnormalised partial (acc, base-2 max, sum) at slot ``bh * S + split``."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pid_r = tl.program_id(2)
+    b = bh // HKV
+    kh = bh % HKV
+    EVEN_D: tl.constexpr = D == DP
+    c = tl.arange(0, DP)
+    cmask = c < D
+    rows = pid_r * RB + tl.arange(0, RB)
+    rmask = rows < R
+    qh = kh * G + rows // TQ
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + (rows % TQ)[:, None] * sq_t + c[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+    tk = tl.load(len_ptr)
+    tv = tl.load(len_ptr + 1)
+    nk = tl.load(len_ptr + 2)
+    T = tk + nk
+    blocks = tl.cdiv(T, BT)
+    per = tl.cdiv(blocks, S)
+    start = pid_s * per * BT
+    end = tl.minimum(start + per * BT, T)
+    qend = tl.minimum(end, tl.minimum(tk, tv) // BT * BT)  # blocks whose keys and values are all codes
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, DP], tl.float32)
+    every = tl.full([1, BT], 1, tl.int1)
+    for t0 in range(start, qend, BT):
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+                       BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, True, UPCAST)
+        v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
+                        BT, BITS, GROUP, NGV, DP, EVEN_D, True, UPCAST)
+        m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    for t0 in range(tl.maximum(start, qend), end, BT):
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+                       BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, False, UPCAST)
+        v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
+                        BT, BITS, GROUP, NGV, DP, EVEN_D, False, UPCAST)
+        live = (t0 + tl.arange(0, BT)) < T
+        m_i, l_i, acc = attend_block(q, kt, v, live[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, DP)
+
+
+def plan_splits(cache: KiviCache, rows: int, device: torch.device) -> int:
+    """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq):
+    about 4 programs per SM on CUDA over the cache's capacity (at least 4 blocks of tokens each),
+    1 on the interpreter. Host arithmetic only."""
+    b, hkv, _ = cache.shape
+    rp = max(16, triton.next_power_of_2(rows))
+    bt, _ = block_tokens(cache.group)
+    return num_splits(b * hkv * (rp // min(rp, 64)), -(-cache.capacity // bt), device, per_split_min=4)
+
+
+def workspace_bytes(cache: KiviCache, rows: int, splits: int) -> int:
+    """Bytes one call allocates for ``rows`` query rows per KV head: the split partials (float32
+    accumulator, maximum and sum per padded row) and the output and lse."""
+    b, hkv, d = cache.shape
+    rp = max(16, triton.next_power_of_2(rows))
+    dp = max(16, triton.next_power_of_2(d))
+    return 4 * b * hkv * splits * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
+
+
+def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
+                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) of q over every token the
+    cache holds (module docstring). ``splits``: programs per KV head and row block (default
+    :func:`plan_splits`); ``num_warps``: a tuning knob. No host syncs: capturable in a CUDA graph."""
+    check_cache(q, cache)
+    b, hkv, d = cache.shape
+    h, tq = q.shape[1], q.shape[2]
+    g = h // hkv
+    rows = g * tq
+    device = q.device
+    out = torch.empty(b, h, tq, d, dtype=torch.float32, device=device)
+    lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
+    if out.numel() == 0:
+        return out, lse
+    rp = max(16, triton.next_power_of_2(rows))
+    rb = min(rp, 64)
+    dp = max(16, triton.next_power_of_2(d))
+    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device)
+    bt, block_scales = block_tokens(cache.group)
+    acc = torch.empty(b * hkv, s, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
+    l = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
+    scale = default_scale(d) if scale is None else scale
+    prec, upcast = dot_flags(q.dtype, device)
+    kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
+    ngv = -(-d // cache.group)
+    _kivi_kernel[(s, b * hkv, rp // rb)](
+        q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
+        float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
+        vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2),
+        G=g, D=d, DP=dp, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=block_scales, NGV=ngv,
+        DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
+    )
+    merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- torch reference
+
+
+def _unpack_torch(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """uint8 ``[..., m]`` packed codes -> int64 ``[..., n]`` (the order of ``pack_codes``)."""
+    if bits == 8:
+        return packed[..., :n].long()
+    per = 8 // bits
+    shifts = torch.arange(per, device=packed.device) * bits
+    codes = (packed.long()[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)[..., :n]
+
+
+def dequantize(cache: KiviCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys / values ``[B, Hkv, T, D]`` in the cache dtype of the tokens in use (lengths read on the
+    host): ``code * scale + zero`` in float32 rounded to the cache dtype, then the residual tokens."""
+    tk, tv, nk, nv = (int(x) for x in cache.lengths.tolist())
+    b, h, d = cache.shape
+    g = cache.group
+    kcodes = _unpack_torch(cache.key_codes, cache.bits, tk).float()  # [B, Hkv, D, Tk]
+    kidx = torch.arange(tk, device=kcodes.device) // g
+    ks, kz = cache.key_scales.float()[..., kidx], cache.key_zeros.float()[..., kidx]
+    kq = (kcodes * ks + kz).to(cache.dtype).transpose(-1, -2)
+    vcodes = _unpack_torch(cache.value_codes[:, :, :tv], cache.bits, d).float()  # [B, Hkv, Tv, D]
+    vidx = torch.arange(d, device=vcodes.device) // g
+    vs, vz = cache.value_scales[:, :, :tv].float()[..., vidx], cache.value_zeros[:, :, :tv].float()[..., vidx]
+    vq = (vcodes * vs + vz).to(cache.dtype)
+    keys = torch.cat([kq, cache.residual_keys[:, :, :nk]], dim=2)
+    values = torch.cat([vq, cache.residual_values[:, :, :nv]], dim=2)
+    return keys, values
+
+
+def kivi_attention_reference(q: torch.Tensor, cache: KiviCache, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maths of :func:`kivi_attention` in torch: :func:`dequantize`, then float32 attention."""
+    keys, values = dequantize(cache)
+    return attend_partial(q, keys, values, scale)
+
