@@ -176,7 +176,8 @@ def test_capture_decode_inputs_repeat_the_layer(sample_capture):
 
 
 @pytest.mark.parametrize("sub,extra", [("attention", ["--sparsity", "0.7"]), ("spmv", ["--sparsity", "0.7"]), ("compress", ["--sparsity", "0.7", "--budget", "48"]),
-                                       ("heads", ["--k", "2"]), ("lut", ["--budget", "32"]), ("pages", ["--budget", "32"])])
+                                       ("heads", ["--k", "2"]), ("lut", ["--budget", "32"]), ("pages", ["--budget", "32"]),
+                                       ("kivi", [])])
 def test_every_kernel_suite_runs_tiny(sub, extra, monkeypatch):
     """Each suite end to end on the CPU interpreter: kernels checked against their references (status
     ok), baselines beside them, speedups filled in by name."""
