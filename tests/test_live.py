@@ -296,12 +296,16 @@ def test_bench_decode_runs_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "decode.json"
     res = CliRunner().invoke(app, ["bench", "decode", "--model-shape", "tiny", "--batch", "1", "--seq", "160", "--formats", "bitmap:sparsity=0.7",
-                                   "--formats", "snapstream:budget=64", "--memory-budget", "2MiB", "--runs", "3", "-o", str(out), "--json"])
+                                   "--formats", "snapstream:budget=64", "--formats", "quant:bits=4,group=16", "--memory-budget", "2MiB", "--runs", "3",
+                                   "-o", str(out)])
     assert res.exit_code == 0, res.output
+    assert "dense/sdpa" in res.stdout  # the table (not --json)
     doc = json.loads(out.read_text())
     rows = {(r["kernel"], r["provider"]): r for r in doc["records"]}
-    assert {p for k, p in rows if k == "decode"} == {"dense/sdpa", "bitmap:sparsity=0.7", "snapstream:budget=64"}
-    assert {p for k, p in rows if k == "decode-budget"} == {"dense/sdpa", "bitmap:sparsity=0.7", "snapstream:budget=64"}
+    providers = {"dense/sdpa", "bitmap:sparsity=0.7", "snapstream:budget=64", "quant:bits=4,group=16"}
+    assert {p for k, p in rows if k == "decode"} == providers
+    assert {p for k, p in rows if k == "decode-budget"} == providers
+    assert rows[("decode", "quant:bits=4,group=16")]["stored_bytes"] < 0.6 * rows[("decode", "dense/sdpa")]["stored_bytes"]
     dense, bitmap = rows[("decode", "dense/sdpa")], rows[("decode", "bitmap:sparsity=0.7")]
     assert bitmap["stored_bytes"] < dense["stored_bytes"] and bitmap["tokens_per_s"] > 0 and bitmap["encode_us_per_token"] > 0
     assert not dense["timing_valid"] and bitmap["speedup"]["dense"] > 0 and bitmap["method"] == "eager"

@@ -29,6 +29,7 @@ from kvtool.commands._common import (
     kvtool_command,
     library_progress,
     make_table,
+    quiet_enabled,
     show,
     to_json_text,
 )
