@@ -363,10 +363,12 @@ def workspace_bytes(cache: KiviCache, rows: int, splits: int) -> int:
 
 
 def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
-                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) of q over every token the
     cache holds (module docstring). ``splits``: programs per KV head and row block (default
-    :func:`plan_splits`); ``num_warps``: a tuning knob. No host syncs: capturable in a CUDA graph."""
+    :func:`plan_splits`); ``num_warps``: a tuning knob (default 8 from head_dim 128, where a block's
+    dequantised key and value tiles are 8,192 float32 numbers each, else 4). No host syncs:
+    capturable in a CUDA graph."""
     check_cache(q, cache)
     b, hkv, d = cache.shape
     h, tq = q.shape[1], q.shape[2]
@@ -389,6 +391,7 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     prec, upcast = dot_flags(q.dtype, device)
     kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
     ngv = -(-d // cache.group)
+    num_warps = num_warps or (8 if dp * bt >= 8192 else 4)
     _kivi_kernel[(s, b * hkv, rp // rb)](
         q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
         float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
