@@ -211,6 +211,28 @@ def test_live_replayed_steps_are_picked_up_by_the_next_eager_step():
     assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
 
 
+def test_live_appends_during_a_capture_never_quantise(monkeypatch):
+    """While a CUDA graph is captured an append cannot quantise (that reads the lengths on the host):
+    tokens past R + group wait in the residual's spare slots until the next eager append or reserve."""
+    import kvtool.formats.quant as quant
+
+    live, twin = live_layer(t=90), live_layer(t=90)
+    k, v = tensors(1, 2, 40, 32, F16, seed=4)
+    monkeypatch.setattr(quant, "capturing", lambda x: True)
+    monkeypatch.setattr(QuantLive, "_sync", lambda self: pytest.fail("a host read during a capture"))
+    kt = live.kt
+    for j in range(20):
+        live.append(k[:, :, j:j + 1], v[:, :, j:j + 1])
+    live.append(k[:, :, 20:23], v[:, :, 20:23])
+    assert live.kt == kt and max(live.res_n.values()) >= live.threshold
+    monkeypatch.undo()
+    twin.append(k[:, :, :23], v[:, :, :23])
+    kernel_vs_reference(live)
+    live.reserve(1)
+    a, b = live.encoded(), twin.encoded()
+    assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
 def test_live_reserve_makes_room_for_replays():
     live = live_layer(t=100, group=16, residual=0)
     assert live.room() >= 64

@@ -359,6 +359,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether work on ``x``'s device is being captured in a CUDA graph right now."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class QuantLive(LiveLayer):
     """A live KIVI layer on the kernel's cache with room to grow (:class:`~kvtool.kernels.kivi_attention.KiviCache`).
 
@@ -369,8 +374,8 @@ class QuantLive(LiveLayer):
     ``[4]`` on the device) holds the quantised key and value tokens and the residual tokens in use.
 
     A new token is written at the residual's length on the device (both lengths + 1), so a step
-    captured in a CUDA graph keeps appending when replayed (at most 64 replays past R + group: see
-    :meth:`room`). When an eager append fills a residual to R + group tokens, its oldest ``group``
+    captured in a CUDA graph keeps appending when replayed (:meth:`room` replays, at least 64; a
+    step being captured never quantises). When an eager append fills a residual to R + group tokens, its oldest ``group``
     are quantised (keys per channel, values per token, the codes :func:`encode_kivi` writes for the
     same tokens) into the next slots of the codes, and the residual moves down; this reads the
     lengths on the host first (a captured step may have appended since). A full capacity is
@@ -484,16 +489,26 @@ class QuantLive(LiveLayer):
         self.lengths[i + 2:i + 3] -= g
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """New tokens ``[B, Hkv, N, D]`` into the residuals at the device's lengths; eagerly, each
+        residual that reaches R + group tokens has its oldest group quantised. While a CUDA graph is
+        being captured nothing is quantised (that reads the lengths on the host): the tokens go into
+        the residual's spare slots and the next eager append or :meth:`reserve` quantises."""
         n = keys.shape[2]
         rk, rv = self.res["keys"], self.res["values"]
-        if n == 1 and max(self.res_n.values()) < self.threshold:
-            # a decode step: both written where the device says the residuals end (captured steps keep appending)
+        deferred = capturing(rk)
+        if deferred or (n == 1 and max(self.res_n.values()) < self.threshold):
+            # both written where the device says the residuals end (a replayed step keeps appending)
             at = self.lengths[2:4].long()
-            rk.index_copy_(2, at[0:1], keys.to(rk.dtype))
-            rv.index_copy_(2, at[1:2], values.to(rv.dtype))
-            self.lengths[2:4] += 1
-            self.res_n["keys"] += 1
-            self.res_n["values"] += 1
+            if n == 1:
+                rk.index_copy_(2, at[0:1], keys.to(rk.dtype))
+                rv.index_copy_(2, at[1:2], values.to(rv.dtype))
+            else:
+                span = torch.arange(n, device=rk.device)
+                rk.index_copy_(2, at[0] + span, keys.to(rk.dtype))
+                rv.index_copy_(2, at[1] + span, values.to(rv.dtype))
+            self.lengths[2:4] += n
+            self.res_n["keys"] += n
+            self.res_n["values"] += n
         else:
             for i, (kind, x) in enumerate((("keys", keys), ("values", values))):
                 buf, done = self.res[kind], 0
@@ -506,9 +521,10 @@ class QuantLive(LiveLayer):
                     self.lengths[i + 2:i + 3] += take
                     self.res_n[kind] += take
                     done += take
-        for kind in ("keys", "values"):
-            while self.res_n[kind] >= self.threshold:
-                self._absorb(kind)
+        if not deferred:
+            for kind in ("keys", "values"):
+                while self.res_n[kind] >= self.threshold:
+                    self._absorb(kind)
 
     def room(self) -> int:
         """Single-token steps that fit the residual buffers: what a loop replaying a captured step
@@ -517,14 +533,12 @@ class QuantLive(LiveLayer):
         return self.res["keys"].shape[2] - max(self.res_n.values()) - 1
 
     def reserve(self, steps: int) -> None:
-        """Make room for ``steps`` replayed steps (counts read from the device): full groups
-        quantised now, then, if that is not enough, residual buffers re-allocated larger (which
-        invalidates graphs captured before)."""
-        if self.room() >= steps:
-            return
+        """Make room for ``steps`` replayed steps: the counts read from the device, every full group
+        quantised (what appends during a capture left), then, if that is not enough, the residual
+        buffers re-allocated larger (which invalidates graphs captured before)."""
         self._sync()
         for kind in ("keys", "values"):
-            while self.room() < steps and self.res_n[kind] >= self.threshold:
+            while self.res_n[kind] >= self.threshold:
                 self._absorb(kind)
         if self.room() < steps:
             need = max(self.res_n.values()) + steps + 1
