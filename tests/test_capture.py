@@ -14,11 +14,17 @@ from kvtool.hf.interface import output_cache
 from .conftest import make_tiny_llama
 
 
+def layer_dtype(cache):
+    return next(iter(cache.layers.values())).keys.dtype
+
+
 def test_shapes_and_facts(tiny_llama_dir):
     cache = kvtool.capture("hello kvtool", model=str(tiny_llama_dir), hidden=True)
     f = cache.facts
     assert (f.num_layers, f.num_heads, f.num_kv_heads, f.head_dim, f.group_size) == (2, 4, 2, 16, 2)
-    assert f.source == "hf-folder" and f.dtype == "float32" and f.rope_applied
+    # the model computes in float32; a capture stores 16 bits unless --dtype says otherwise
+    assert f.source == "hf-folder" and f.dtype == "float16" and f.rope_applied
+    assert layer_dtype(cache) == torch.float16
     t = cache.num_tokens
     assert t == len("hello kvtool")  # byte tokenizer, no BOS added by the fast tokenizer
     layer = cache.layers[1]
@@ -31,7 +37,7 @@ def test_shapes_and_facts(tiny_llama_dir):
 def test_keys_values_match_model_cache_and_queries_match_projection():
     model = make_tiny_llama()
     ids = torch.randint(0, 250, (2, 21), generator=torch.Generator().manual_seed(1))
-    cache = kvtool.capture(model=(model, None), input_ids=ids, hidden=True)
+    cache = kvtool.capture(model=(model, None), input_ids=ids, hidden=True, dtype="float32")
     ref = model(input_ids=ids, use_cache=True)
     for i in range(2):
         assert torch.equal(cache.layers[i].keys, output_cache(ref).layers[i].keys)
@@ -57,7 +63,7 @@ def test_attention_output_from_captured_tensors_matches_model():
     """GQA layout check: q against repeat_kv(keys) reproduces the layer's attention output."""
     model = make_tiny_llama()
     ids = torch.randint(0, 250, (1, 17), generator=torch.Generator().manual_seed(2))
-    cache = kvtool.capture(model=(model, None), input_ids=ids)
+    cache = kvtool.capture(model=(model, None), input_ids=ids, dtype="float32")
     from kvtool.core.attention import dense_attention
 
     seen = {}
@@ -74,7 +80,7 @@ def test_attention_output_from_captured_tensors_matches_model():
 def test_generate_appends_decode_steps():
     model = make_tiny_llama()
     ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(3))
-    cache = kvtool.capture(model=(model, None), input_ids=ids, generate=5, hidden=True)
+    cache = kvtool.capture(model=(model, None), input_ids=ids, generate=5, hidden=True, dtype="float32")
     assert cache.num_tokens == 14 and cache.info["generated_tokens"] == 5
     assert cache.layers[0].queries.shape[2] == 14 and cache.layers[0].hidden.shape[1] == 14
     full = model(input_ids=cache.token_ids, use_cache=True)

@@ -30,7 +30,7 @@ import torch
 from kvtool.hf import attention as hfattn
 from kvtool.core import io
 from kvtool.core.attention import attend_partial, attention_probs, dense_attention, merge_partials
-from kvtool.core.cache import KVCache, ModelFacts
+from kvtool.core.cache import KVCache, ModelFacts, dense_reference_bytes
 from kvtool.core.placement import device_label, layer_placement, resolve_device, resolve_devices, run_per_device
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, Encoded, Format
@@ -214,8 +214,7 @@ def layer_fidelity(fmt: Format, enc: Encoded, d: HeldoutData, prefix_tokens: int
         probs = attention_probs(d.queries, d.keys, causal=True)[..., :prefix_tokens]
         result["recall"] = mass_recall(sel.to(device=probs.device, dtype=torch.bool), probs)
     b, hkv, _, hd = d.keys.shape
-    elt = d.keys.element_size()
-    result["dense_bytes"] = 2 * b * hkv * prefix_tokens * hd * elt
+    result["dense_bytes"] = dense_reference_bytes(b, hkv, prefix_tokens, hd)
     result["stored_bytes"] = int(sum(fmt.nbytes(enc).values()))
     result["traffic_bytes"] = int(fmt.traffic_bytes(enc, d.queries[:, :, -1:]))
     return result

@@ -50,6 +50,17 @@ class _Dtypes(Mapping):
 DTYPES: Mapping[str, Any] = _Dtypes()
 
 
+# Every byte ratio kvtool reports (stored %, budgets, plans) is over float16 keys and values, whatever
+# the dtype a capture stores: a float32 capture's 15% is the same number of bytes as a bfloat16 one's.
+REFERENCE_BYTES = 2
+
+
+def dense_reference_bytes(batch: int, kv_heads: int, tokens: int, head_dim: int, layers: int = 1) -> int:
+    """Bytes of float16 keys and values: ``2 x layers x batch x kv_heads x tokens x head_dim x 2``,
+    the denominator of every ratio kvtool reports."""
+    return 2 * layers * batch * kv_heads * tokens * head_dim * REFERENCE_BYTES
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.float16`` -> ``"float16"``."""
     return str(dtype).removeprefix("torch.")

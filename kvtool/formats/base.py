@@ -32,7 +32,7 @@ import torch
 
 from kvtool._version import __version__
 from kvtool.core.attention import attend_partial
-from kvtool.core.cache import KVCache, LayerKV, ModelFacts
+from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dense_reference_bytes
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
 from kvtool.core.io import (
@@ -321,14 +321,15 @@ class CompressedCache:
         return get_format(self.format)
 
     def byte_report(self) -> dict[str, Any]:
-        """Bytes by part over all layers, the dense bytes of the same prefix, and the ratio."""
+        """Bytes by part over all layers, the float16 bytes of the same prefix's keys and values
+        (whatever the capture's dtype), and the ratio."""
         fmt = self.fmt
         parts: dict[str, int] = {}
         for enc in self.layers.values():
             for part, n in fmt.nbytes(enc).items():
                 parts[part] = parts.get(part, 0) + n
         f = self.facts
-        dense = 2 * len(self.layers) * self.token_ids.shape[0] * f.num_kv_heads * self.prefix_tokens * f.head_dim * torch.empty(0, dtype=f.torch_dtype).element_size()
+        dense = dense_reference_bytes(self.token_ids.shape[0], f.num_kv_heads, self.prefix_tokens, f.head_dim, len(self.layers))
         total = sum(parts.values())
         return {"parts": parts, "compressed_bytes": total, "dense_bytes": dense, "ratio": total / dense if dense else float("nan")}
 

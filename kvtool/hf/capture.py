@@ -45,8 +45,11 @@ class _Recorder:
 _state = threading.local()
 
 
-def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
+def _capture_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if args:  # a positional dropout, as wrappers such as kvpress's pass it
+        kwargs.setdefault("dropout", args[0])
 
     rec: _Recorder | None = getattr(_state, "recorder", None)
     idx = getattr(module, "layer_idx", None)
@@ -187,6 +190,19 @@ def random_token_ids(tokens: int, vocab_size: int, batch: int = 1, seed: int = 0
     return torch.randint(0, vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
 
 
+def default_store_dtype(model: Any) -> str:
+    """The dtype a capture stores when none is asked for: the model's dtype when it computes in 16
+    bits, else the 16-bit dtype its config declares, else float16. A model that runs in float32 on a
+    CPU (the embedded model's dequantised GGUF) would serve its KV cache in 16 bits, and every ratio
+    kvtool reports is over float16 keys and values."""
+    compute = next(model.parameters()).dtype
+    if compute in (torch.float16, torch.bfloat16):
+        return dtype_name(compute)
+    declared = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    name = declared if isinstance(declared, str) else (dtype_name(declared) if isinstance(declared, torch.dtype) else None)
+    return name if name in ("float16", "bfloat16") else "float16"
+
+
 def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens=None) -> _Plan:
     models.check_dtype(dtype)
     if random_tokens is not None and input_ids is not None:
@@ -248,7 +264,7 @@ def _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tok
     vocab = getattr(mdl.config, "vocab_size", None)
     if vocab and int(input_ids.max()) >= vocab:
         raise BadDataError(f"token id {int(input_ids.max())} is outside the model's vocabulary of {vocab}")
-    store_dtype = dtype or dtype_name(next(mdl.parameters()).dtype)
+    store_dtype = dtype or default_store_dtype(mdl)
     return _Plan(mdl, source, input_ids.cpu(), mask, info, n_layers, kept, q_layers, store_dtype, tokenizer)
 
 
@@ -402,7 +418,7 @@ def capture(
         query_layers: record queries only for these of the kept layers (default: all kept layers).
         generate: greedy decode steps after the prompt; their tokens, keys, values and queries are
             appended, so ``T = prompt tokens + generate``.
-        dtype: stored dtype (default: the model's compute dtype).
+        dtype: stored dtype (default: :func:`default_store_dtype`, a 16-bit dtype).
         chunk_size: prefill in chunks of this many tokens (same positions and RoPE as one pass).
         progress: callable(stage, done, total) for progress bars.
 
