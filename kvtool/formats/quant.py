@@ -5,12 +5,13 @@ Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` 
 
 - ``scheme=kivi``: keys quantise their first ``Tk = floor(n / group) * group`` tokens, per channel in
   groups of ``group`` tokens (KIVI's key cache: whole groups only; the ``T - Tk`` last keys, between R
-  and R + group - 1 of them, stay in full precision, as KIVI keeps its key tail). Values quantise their
+  and R + group - 1 of them, stay in full precision, as KIVI keeps its key tail; with ``partial=true``
+  the last, shorter group is quantised too, ``Tk = n``, with its own scale and zero point). Values quantise their
   first ``Tv = n`` tokens, per token in groups of ``group`` channels (the last group of a token shorter
   when ``group`` does not divide D: it still has its own scale and zero point, counted). Codes are
   bit-packed (:mod:`kvtool.methods.quantize`): keys along tokens, ``codes.keys`` ``uint8 [B, Hkv, D,
   ceil(Tk*bits/8)]``; values along channels, ``codes.values`` ``uint8 [B, Hkv, Tv, ceil(D*bits/8)]``.
-  Scales/zero points: ``scales.keys``/``zeros.keys`` ``[B, Hkv, D, Tk/group]``,
+  Scales/zero points: ``scales.keys``/``zeros.keys`` ``[B, Hkv, D, ceil(Tk/group)]``,
   ``scales.values``/``zeros.values`` ``[B, Hkv, Tv, ceil(D/group)]``, float16 (float32 when a value
   reaches float16's range; ``meta["scale_dtype"]``).
 - ``scheme=int8`` / ``fp8``: symmetric, one scale per token and head (``max|x| / 127`` or ``/ 448``),
@@ -62,12 +63,15 @@ SCHEMES = ("kivi", "int8", "fp8")
 class QuantParams(FormatParams):
     """``scheme`` kivi|int8|fp8; ``bits`` 2|4|8 (kivi; int8/fp8 are 8); ``group`` elements per scale
     and zero point (kivi, default 32); ``residual`` most recent tokens kept in full precision
-    (default 32 for kivi, 0 for int8/fp8). ``None`` means the scheme's default."""
+    (default 32 for kivi, 0 for int8/fp8); ``partial`` (kivi) quantises the keys' last, partial
+    group of tokens too (its own scale and zero point) instead of keeping it in full precision.
+    ``None`` means the scheme's default."""
 
     bits: int | None = None
     group: int | None = None
     residual: int | None = None
     scheme: Literal["kivi", "int8", "fp8"] = "kivi"
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -84,6 +88,8 @@ class QuantParams(FormatParams):
                 raise UsageError(f"--format quant scheme {self.scheme} stores 8-bit codes; drop --bits {self.bits} or use scheme kivi for 2 or 4 bits")
             if self.group is not None:
                 raise UsageError(f"--format quant scheme {self.scheme} has one scale per token; --group applies to scheme kivi only")
+            if self.partial:
+                raise UsageError(f"--format quant scheme {self.scheme} quantises every token; --partial applies to scheme kivi only")
             self.bits = 8
             self.residual = 0 if self.residual is None else self.residual
         if self.residual < 0:
@@ -94,7 +100,7 @@ def split_tokens(t: int, p: QuantParams) -> tuple[int, int]:
     """(Tk, Tv): tokens whose keys / values are quantised (module docstring)."""
     n = max(t - p.residual, 0)
     if p.scheme == "kivi":
-        return (n // p.group) * p.group, n
+        return (n if p.partial else (n // p.group) * p.group), n
     return n, n
 
 
@@ -109,8 +115,8 @@ def encode_kivi(keys: torch.Tensor, values: torch.Tensor, p: QuantParams) -> tup
     kidx, kgroups = row_groups(b * h * d, tk, p.group, keys.device)
     codes, scale, zero = quantize_groups(krows, kidx, kgroups, p.bits, sdt)
     tensors["codes.keys"] = pack_codes(codes.reshape(b, h, d, tk), p.bits)
-    tensors["scales.keys"] = scale.reshape(b, h, d, tk // p.group)
-    tensors["zeros.keys"] = zero.reshape(b, h, d, tk // p.group)
+    tensors["scales.keys"] = scale.reshape(b, h, d, math.ceil(tk / p.group))
+    tensors["zeros.keys"] = zero.reshape(b, h, d, math.ceil(tk / p.group))
     # values: rows are (b, h, token), grouped along channels
     vrows = values[:, :, :tv].reshape(b * h * tv, d)
     vidx, vgroups = row_groups(b * h * tv, d, p.group, values.device)
@@ -175,8 +181,8 @@ def expected_shapes(meta: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], to
         g = meta["group"]
         shapes.update({
             "codes.keys": ((b, h, d, packed_length(tk, bits)), torch.uint8),
-            "scales.keys": ((b, h, d, tk // g), sdt),
-            "zeros.keys": ((b, h, d, tk // g), sdt),
+            "scales.keys": ((b, h, d, math.ceil(tk / g)), sdt),
+            "zeros.keys": ((b, h, d, math.ceil(tk / g)), sdt),
             "codes.values": ((b, h, tv, packed_length(d, bits)), torch.uint8),
             "scales.values": ((b, h, tv, math.ceil(d / g)), sdt),
             "zeros.values": ((b, h, tv, math.ceil(d / g)), sdt),
@@ -244,6 +250,8 @@ class QuantFormat(Format):
         else:
             tensors, meta = encode_symmetric(keys, values, p)
         meta.update({"scheme": p.scheme, "bits": p.bits, "group": p.group, "residual": p.residual, "shape": list(keys.shape), "dtype": dtype_name(keys.dtype)})
+        if p.partial:
+            meta["partial"] = True
         return Encoded(tensors, meta)
 
     def decode(self, enc: Encoded) -> LayerKV:
@@ -263,7 +271,7 @@ class QuantFormat(Format):
         if m["dtype"] not in DTYPES or m["scale_dtype"] not in DTYPES or len(m["shape"]) != 4:
             raise BadDataError("bad dtype or shape in layer metadata")
         t = m["shape"][2]
-        if not (0 <= m["key_tokens"] <= t and 0 <= m["value_tokens"] <= t) or (m["scheme"] == "kivi" and m["key_tokens"] % m["group"]):
+        if not (0 <= m["key_tokens"] <= t and 0 <= m["value_tokens"] <= t) or (m["scheme"] == "kivi" and not m.get("partial") and m["key_tokens"] % m["group"]):
             raise BadDataError(f"quantised token counts {m['key_tokens']}/{m['value_tokens']} do not fit {t} tokens")
         shapes = expected_shapes(m)
         if set(enc.tensors) != set(shapes):

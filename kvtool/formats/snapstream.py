@@ -30,15 +30,17 @@ import torch
 from kvtool.core.attention import attend_partial, expand_kv
 from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.methods.evict import POLICIES, attention_mass_recall, candidate_positions, check_evict
+from kvtool.methods.evict import POLICIES, attention_mass_recall, budget_for, candidate_positions, check_evict
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
 
 
 @dataclass
 class SnapStreamParams(FormatParams):
-    """budget = sinks + top-K + recent slots per KV head; window/pool: SnapKV's observation window and
-    pooling kernel; policy: snapkv (SnapStream) or streaming (StreamingLLM baseline at equal budget)."""
+    """budget = sinks + top-K + recent slots per KV head; share: the budget as a share of the tokens
+    encoded instead (``share=0.25``: a quarter of any prefix, at least sinks + recent), so one spec
+    fits captures of any length; window/pool: SnapKV's observation window and pooling kernel;
+    policy: snapkv (SnapStream) or streaming (StreamingLLM baseline at equal budget)."""
 
     budget: int = 128
     sinks: int = 4
@@ -46,6 +48,7 @@ class SnapStreamParams(FormatParams):
     window: int = 32
     pool: int = 7
     policy: Literal["snapkv", "streaming"] = "snapkv"
+    share: float | None = None
 
 
 def ring_slot(position: int, sinks: int, recent: int) -> int:
@@ -142,7 +145,7 @@ class SnapStreamFormat(Format):
 
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         assert isinstance(params, SnapStreamParams)
-        check_evict(layer.num_tokens, params.budget, params.sinks, params.recent, params.window, params.pool, params.policy, layer.queries)
+        check_evict(layer.num_tokens, budget_for(params.budget, params.share, layer.num_tokens, params.sinks, params.recent), params.sinks, params.recent, params.window, params.pool, params.policy, layer.queries)
         if params.recent < 1:
             raise UsageError("--recent must be at least 1: the ring buffer needs a slot for new tokens")
 
@@ -152,9 +155,10 @@ class SnapStreamFormat(Format):
         self.check(layer, params)
         t = layer.num_tokens
         s, r = params.sinks, params.recent
+        asked = budget_for(params.budget, params.share, t, s, r)
         # a budget above the tokens would only add empty top-K slots (the ring buffer takes new
         # tokens): clamp it to sinks + recent + the candidates there are, and record the request
-        topk = min(params.budget - s - r, max(t - s - r, 0))
+        topk = min(asked - s - r, max(t - s - r, 0))
         budget = s + r + topk
         chosen = candidate_positions(layer, budget, s, r, params.window, params.pool, params.policy)
         pos = layout_positions(t, chosen, s, r, topk)
@@ -167,8 +171,10 @@ class SnapStreamFormat(Format):
             "topk_pad": torch.full((b,), pad, dtype=torch.int32, device=layer.keys.device),
         }
         meta = {"sinks": s, "recent": r, "topk": topk, "budget": budget, "prefix_tokens": t, "length": t, "policy": params.policy}
-        if budget != params.budget:
-            meta["budget_clamped_from"] = params.budget
+        if params.share is not None:
+            meta["share"] = params.share
+        if budget != asked:
+            meta["budget_clamped_from"] = asked
         return Encoded(tensors, meta)
 
     def decode(self, enc: Encoded) -> LayerKV:

@@ -22,12 +22,15 @@ The stable entry point for other formats is :func:`evict_layer` (``--evict snapk
 
 >>> kept = evict_layer(layer, budget=256)          # int64 [B, Hkv, min(256, T)], ascending positions
 >>> small = gather_tokens(layer, kept)             # LayerKV with keys/values [B, Hkv, K', D]
+
+A budget can also be a share of the tokens (``snapkv:share=0.25``, :meth:`EvictParams.budget_for`),
+so a spec or plan written for one capture keeps the same share of any other's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +54,25 @@ class EvictParams:
     window: int = 32
     pool: int = 7
     policy: Policy = "snapkv"
+    share: float | None = None
+
+    def budget_for(self, tokens: int) -> int:
+        """The token budget for a layer of ``tokens`` tokens: ``budget``, or with ``share`` that
+        share of the tokens (rounded, at least ``sinks + recent``), so one spec fits any length."""
+        return budget_for(self.budget, self.share, tokens, self.sinks, self.recent)
+
+
+def budget_for(budget: int, share: float | None, tokens: int, sinks: int, recent: int) -> int:
+    """``budget``, or ``round(share * tokens)`` raised to ``sinks + recent`` when ``share`` is given."""
+    if share is None:
+        return budget
+    check_share(share)
+    return max(sinks + recent, int(round(share * tokens)))
+
+
+def check_share(share: float) -> None:
+    if not 0 < share <= 1:
+        raise UsageError(f"share must be in (0, 1] (the kept share of the tokens), got {share}")
 
 
 def check_evict(tokens: int, budget: int, sinks: int, recent: int, window: int, pool: int, policy: str, queries: torch.Tensor | None) -> None:
@@ -156,23 +178,28 @@ def parse_evict(spec: str) -> EvictParams:
     name, values = parse_spec(spec)
     if name not in POLICIES:
         raise UsageError(f"--evict {spec!r}: the policy must be one of {', '.join(POLICIES)}")
-    fields = {"budget", "sinks", "recent", "window", "pool"}
-    kwargs: dict[str, int] = {}
+    fields = {"budget", "share", "sinks", "recent", "window", "pool"}
+    kwargs: dict[str, Any] = {}
     for key, value in values.items():
         if key not in fields:
             raise UsageError(f"--evict {spec!r}: unknown parameter {key!r}; it takes {', '.join(sorted(fields))}")
         try:
-            kwargs[key] = int(value)
+            kwargs[key] = float(value) if key == "share" else int(value)
         except ValueError:
-            raise UsageError(f"--evict {spec!r}: {key} must be an integer, got {value!r}") from None
-    if "budget" not in kwargs:
-        raise UsageError(f"--evict {spec!r}: give a budget, e.g. {name}:budget=2048")
+            raise UsageError(f"--evict {spec!r}: {key} must be {'a number' if key == 'share' else 'an integer'}, got {value!r}") from None
+    if "budget" not in kwargs and "share" not in kwargs:
+        raise UsageError(f"--evict {spec!r}: give a budget (tokens) or a share of the tokens, e.g. {name}:budget=2048 or {name}:share=0.25")
+    if "budget" in kwargs and "share" in kwargs:
+        raise UsageError(f"--evict {spec!r}: give budget (tokens) or share, not both")
+    if "share" in kwargs:
+        check_share(kwargs["share"])
     return EvictParams(policy=name, **kwargs)  # type: ignore[arg-type]
 
 
 def evict_with(layer: LayerKV, params: EvictParams, scale: float | None = None) -> tuple[LayerKV, torch.Tensor]:
-    """Run :func:`evict_layer` with ``params``; returns (kept keys/values, kept positions int64 [B, Hkv, K'])."""
-    kept = evict_layer(layer, params.budget, params.sinks, params.recent, params.window, params.pool, params.policy, scale)
+    """Run :func:`evict_layer` with ``params`` (a ``share`` resolved against the layer's tokens);
+    returns (kept keys/values, kept positions int64 [B, Hkv, K'])."""
+    kept = evict_layer(layer, params.budget_for(layer.num_tokens), params.sinks, params.recent, params.window, params.pool, params.policy, scale)
     return gather_tokens(layer, kept), kept
 
 
