@@ -27,7 +27,7 @@ import torch
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, check_geometry, register
-from kvtool.formats.pipeline import resolve
+from kvtool.formats.pipeline import encode_kept, resolve
 from kvtool.formats._live import LiveLayer
 from kvtool.formats.base import get_format
 
@@ -87,6 +87,31 @@ def encode_groups(layer: LayerKV, specs: list[str]) -> Encoded:
         inner = fmt.encode(part, params)
         tensors.update({f"g{j}.{n}": t for n, t in inner.tensors.items()})
         groups.append({"heads": heads, "spec": spec, "format": fmt.name, "params": params.to_dict(), "meta": inner.meta})
+    b, _, t, d = layer.keys.shape
+    return Encoded(tensors, {"shape": [b, hkv, t, d], "groups": groups})
+
+
+def encode_kept_heads(layer: LayerKV, kept: list[torch.Tensor], storage_spec: str = "dense", label: str = "kept tokens") -> Encoded:
+    """A mixed layer holding, per KV head h, the tokens at ``kept[h]`` (int ``[B, K_h]``, ascending
+    original positions; heads may keep different counts, as head-wise selectors such as AdaKV
+    choose) stored with ``storage_spec``. Heads keeping the same count share one group, a pipeline
+    layer (:func:`kvtool.formats.pipeline.encode_kept`) whose spec text is ``label + storage``."""
+    hkv = layer.keys.shape[1]
+    if len(kept) != hkv:
+        raise UsageError(f"give kept positions for each of the {hkv} KV heads, not {len(kept)}")
+    by_count: dict[int, list[int]] = {}
+    for h, k in enumerate(kept):
+        by_count.setdefault(int(k.shape[-1]), []).append(h)
+    spec = label if storage_spec in ("", "dense") else f"{label}+{storage_spec}"
+    tensors: dict[str, torch.Tensor] = {}
+    groups: list[dict[str, Any]] = []
+    for j, (count, heads) in enumerate(sorted(by_count.items(), key=lambda kv: kv[1][0])):
+        part = layer if len(heads) == hkv else slice_heads(layer, heads)
+        positions = torch.stack([kept[h].to(torch.int64) for h in heads], dim=1)  # [B, heads, K]
+        inner = encode_kept(part, positions, storage_spec, label)
+        tensors.update({f"g{j}.{n}": t for n, t in inner.tensors.items()})
+        groups.append({"heads": heads, "spec": spec, "format": "pipeline",
+                       "params": {"evict": label, "prune": None, "format": storage_spec or "dense"}, "meta": inner.meta})
     b, _, t, d = layer.keys.shape
     return Encoded(tensors, {"shape": [b, hkv, t, d], "groups": groups})
 

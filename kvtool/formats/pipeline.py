@@ -44,7 +44,7 @@ from kvtool.core.cache import LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.spec import merge_options, parse_spec
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, get_format, load_all, make_params, register
-from kvtool.methods.evict import POLICIES, evict_with, parse_evict
+from kvtool.methods.evict import POLICIES, evict_with, gather_tokens, parse_evict
 from kvtool.methods.prune import METHODS, check_sparsity, method_needs_queries, parse_method, prune_layer
 
 PRUNE_KEYS = {"k": "key_sparsity", "v": "value_sparsity", "s": "sparsity", "window": "dense_window"}
@@ -215,6 +215,44 @@ def resolve(spec: str, options: dict[str, Any] | None = None):
 KEPT = "pipeline.kept"
 
 
+def store_layer(x: LayerKV, storage: Format, storage_params: FormatParams, label: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Encoded:
+    """The pipeline layer of ``x`` (the tokens left after eviction and pruning) stored with
+    ``storage``; ``tensors``/``meta`` already hold the steps' own entries (``pipeline.kept``,
+    ``tokens``, achieved sparsities)."""
+    storage.check(x, storage_params)
+    inner = storage.encode(x, storage_params)
+    clash = [n for n in inner.tensors if n.startswith("pipeline.")]
+    if clash:
+        raise BadDataError(f"format {storage.name} stores a tensor named {clash[0]!r}, which pipeline reserves")
+    tensors = {**tensors, **inner.tensors}
+    meta = {**meta, "storage": storage.name, "storage_params": storage_params.to_dict(), "storage_meta": inner.meta, "label": label}
+    return Encoded(tensors, meta)
+
+
+def encode_kept(layer: LayerKV, kept: torch.Tensor, storage_spec: str = "dense", label: str = "kept tokens") -> Encoded:
+    """A pipeline layer holding the tokens at ``kept`` (int ``[B, Hkv, K]``, ascending original
+    positions of ``layer``'s ``[B, Hkv, T, D]`` tokens, chosen by anything: a kvpress press, a
+    hand-made list) stored with ``storage_spec`` (``dense``, ``quant:bits=4``, ...). The layer reads
+    like one that ``--evict`` made: ``pipeline.kept`` and the storage format's tensors; ``label``
+    names the selector in the layer metadata."""
+    t = layer.num_tokens
+    k = kept.to(torch.int64)
+    if k.ndim != 3 or tuple(k.shape[:2]) != tuple(layer.keys.shape[:2]):
+        raise UsageError(f"kept positions should be [batch, kv_heads, K] = [{layer.keys.shape[0]}, {layer.keys.shape[1]}, K], got {list(k.shape)}")
+    if k.numel() and (int(k.min()) < 0 or int(k.max()) >= t):
+        raise UsageError(f"kept positions must lie in 0..{t - 1}")
+    if k.shape[-1] > 1 and not bool((k[..., 1:] > k[..., :-1]).all()):
+        raise UsageError("kept positions must be strictly ascending per KV head")
+    name, values = parse_spec(unsemi(storage_spec) or "dense")
+    storage = get_format(name)
+    if storage.evicts or storage.needs_queries or storage.name in ("pipeline", "mixed"):
+        raise UsageError(f"tokens kept by a selector cannot be stored with {name}: it needs every token (use dense, quant, bitmap, bitmapq, signvq without queries)")
+    params = make_params(storage, values)
+    x = gather_tokens(layer, k)
+    tensors = {KEPT: k.to(torch.int16 if t <= 32767 else torch.int32).contiguous()}
+    return store_layer(x, storage, params, label, tensors, {"tokens": t})
+
+
 @dataclass
 class PipelineParams(FormatParams):
     """``evict``: eviction spec (``snapkv:budget=N``...) or None; ``prune``: pruning spec
@@ -275,14 +313,7 @@ class PipelineFormat(Format):
             x = LayerKV(res.keys, res.values, x.queries, x.hidden)
             meta["achieved_key_sparsity"] = res.stats["achieved_key_sparsity"]
             meta["achieved_value_sparsity"] = res.stats["achieved_value_sparsity"]
-        pl.storage.check(x, pl.storage_params)
-        inner = pl.storage.encode(x, pl.storage_params)
-        clash = [n for n in inner.tensors if n.startswith("pipeline.")]
-        if clash:
-            raise BadDataError(f"format {pl.storage.name} stores a tensor named {clash[0]!r}, which pipeline reserves")
-        tensors.update(inner.tensors)
-        meta.update({"storage": pl.storage.name, "storage_params": pl.storage_params.to_dict(), "storage_meta": inner.meta, "label": pl.label})
-        return Encoded(tensors, meta)
+        return store_layer(x, pl.storage, pl.storage_params, pl.label, tensors, meta)
 
     def decode(self, enc: Encoded) -> LayerKV:
         fmt, inner = storage_of(enc)

@@ -32,7 +32,7 @@ from kvtool.core.limits import read_json_input
 from kvtool.formats.mixed import resolve_spec
 from kvtool.core.io import atomic_write_text
 from kvtool.formats.base import CompressedCache, get_format
-from kvtool.formats.mixed import encode_groups
+from kvtool.formats.mixed import encode_groups, encode_kept_heads
 
 PLAN_SCHEMA = "kvtool.plan"
 PLAN_VERSION = 1
@@ -161,3 +161,27 @@ def compress_plan(cache: KVCache, plan: Plan, heldout: int = 0, progress=None):
     info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info}
     params = {"plan": plan_summary(plan, cache.layer_indices, cache.facts.num_kv_heads)}
     return CompressedCache(cache.facts, "mixed", params, layers, tails, cache.token_ids, info)
+
+
+def compress_kept(cache: KVCache, kept: dict[int, list], storage: str = "dense", label: str = "kept tokens", heldout: int = 0):
+    """A ``mixed`` compressed cache holding, in every layer of ``cache``, the tokens a selector kept:
+    ``kept[i][h]`` int ``[B, K]`` ascending positions of KV head h among the first ``T - heldout``
+    tokens (heads may keep different counts), stored with ``storage`` (``dense``,
+    ``quant:bits=4``, ...); the last ``heldout`` tokens stay dense. ``label`` names the selector
+    (a kvpress press, say) in the file's head groups."""
+    get_format("mixed")
+    t = cache.num_tokens
+    if not 0 <= heldout < t:
+        raise UsageError(f"--heldout {heldout} must be at least 0 and below the capture's {t} tokens")
+    missing = [i for i in cache.layer_indices if i not in kept]
+    if missing:
+        raise UsageError(f"no kept positions for layer {missing[0]}")
+    prefix = t - heldout
+    layers, tails = {}, {}
+    for i in cache.layer_indices:
+        full = cache.layers[i]
+        layers[i] = encode_kept_heads(full.slice_tokens(0, prefix), kept[i], storage, label)
+        tail = full.slice_tokens(prefix, None)
+        tails[i] = LayerKV(keys=tail.keys.contiguous(), values=tail.values.contiguous())
+    info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info, "selector": label}
+    return CompressedCache(cache.facts, "mixed", {"plan": f"{label} ({storage})"}, layers, tails, cache.token_ids, info)

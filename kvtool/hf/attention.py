@@ -144,11 +144,14 @@ def _source_for(layer: int | None, key: torch.Tensor) -> Any:
     return None
 
 
-def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, **kwargs: Any):
     """The transformers attention function ``kvtool``: a layer with a compressed source attends
     through it; every other layer (and every other call) is the model's SDPA attention (after which
-    an active ``kvtool.press`` may compress the layer it just filled, :func:`set_prefill_hook`)."""
+    an active ``kvtool.press`` may compress the layer it just filled, :func:`set_prefill_hook`). A
+    positional ``dropout`` after the mask, as wrappers such as kvpress's pass it, is accepted."""
     dense = kwargs.pop("_dense", None)
+    if args:
+        kwargs.setdefault("dropout", args[0])
     idx = getattr(module, "layer_idx", None)
     source = _source_for(idx, key)
     if source is None:
@@ -195,8 +198,8 @@ def dispatch_through_kvtool() -> None:
         elif name == "sdpa" and original is not sdpa_attention_forward and getattr(original, "__name__", "") == "kvtool_dispatch":
             continue
 
-        def kvtool_dispatch(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, _original=original, **kwargs: Any):
-            return _attention(module, query, key, value, attention_mask, _dense=_original, **kwargs)
+        def kvtool_dispatch(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, *args: Any, _original=original, **kwargs: Any):
+            return _attention(module, query, key, value, attention_mask, *args, _dense=_original, **kwargs)
 
         _DISPATCHING[name] = original
         mapping[name] = kvtool_dispatch
