@@ -98,6 +98,8 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
         raise UsageError(f"--x must be storage or traffic, got {x_axis!r}")
     if metric is not None and metric not in METRICS:
         raise UsageError(f"--metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    if metric == "task_accuracy":
+        raise UsageError("--metric task_accuracy: task accuracy comes from `kvtool tasks` (its frontier.png plots it against the bytes); eval scores held-out queries and continuations")
     points = resolve_points(specs, paper=paper)
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out {out_dir} is a file, not a folder")
@@ -150,7 +152,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
                     progress.note(f"eval: dense reference of {cap_path.name} on {name} ({time.perf_counter() - started:.0f} s)")
                     reference = dense_reference(mdl, cache.token_ids, cache.num_tokens - heldout, generate, cache, name)
                     if texts:
-                        cases = text_cases(mdl, models_loaded[spec + ":tok"], _text_list(texts), cache.num_tokens, heldout, cache.layer_indices)
+                        cases = text_cases(mdl, models_loaded[spec + ":tok"], _text_list(texts), cache.num_tokens, heldout, cache.layer_indices, cache.facts.dtype)
                         progress.note(f"eval: {len(cases)} held-out texts prefilled ({time.perf_counter() - started:.0f} s)")
                 row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev, cases))
                 if not row.get("skipped"):

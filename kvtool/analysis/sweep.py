@@ -160,6 +160,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "agreement": ("top-1 next-token agreement", True),
     "nll_increase": ("NLL increase (nats/token)", False),
     "kl": ("KL(dense || lossy)", False),
+    # `kvtool tasks`: share of long-context task samples answered right through the compressed context
+    "task_accuracy": ("task accuracy (question after compression)", True),
 }
 
 

@@ -34,7 +34,7 @@ SHORT_HELP = "Sweep formats and parameters; fidelity vs bytes frontier"
 # the library's kvtool.analysis.fidelity.BACKENDS and kvtool.analysis.sweep.METRICS, named here so
 # that --help needs no torch (tests/test_cli.py checks they agree)
 BACKEND_NAMES = ("auto", "torch", "triton")
-METRIC_NAMES = ("rel_l2", "cosine", "recall", "agreement", "nll_increase", "kl")
+METRIC_NAMES = ("rel_l2", "cosine", "recall", "agreement", "nll_increase", "kl", "task_accuracy")
 
 def split_inputs(items: list[str], formats: list[str]) -> tuple[list[Path], list[str]]:
     """Positional arguments are captures; one that is not a file but names a registered format (the
