@@ -30,42 +30,59 @@ from typing import Any
 import torch
 
 from kvtool.core.attention import dense_attention
-from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.cache import KVCache, LayerKV, REFERENCE_BYTES, dense_reference_bytes
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.analysis.fidelity import HeldoutData, heldout_output
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, model_shape
 
-# Fractions of the prefix kept by the eviction candidates (SnapKV + sinks + recent).
-EVICT_FRACTIONS = (0.125, 0.25, 0.5)
+# Shares of the prefix kept by the eviction candidates (SnapKV + sinks + recent), and by the eviction +
+# KIVI pipelines: shares, not token counts, so a plan fits captures of any length
+EVICT_SHARES = (0.0625, 0.125, 0.25, 0.5)
+PIPELINE_SHARES = (0.125, 0.25, 0.5)
+KIVI_STORE = "quant:bits={bits},group=32,residual=0,partial=true"
+# families whose files the paged layout (FlashInfer, vLLM) holds as they are: every head of a layer
+# keeps the same tokens count when the layer's candidates share one token share
+SERVABLE_FAMILIES = ("dense", "quant", "evict", "pipeline")
 
 
-def menu(prefix_tokens: int, families: list[str] | None = None) -> list[str]:
-    """Candidate specs for a capture whose compressed prefix has ``prefix_tokens`` tokens.
+def menu(prefix_tokens: int | None = None, families: list[str] | None = None) -> list[str]:
+    """Candidate specs (every token budget a share of the prefix, so the menu and the plans it makes
+    fit any capture length; ``prefix_tokens`` is accepted for callers that pass it).
 
     ``families`` (names such as ``quant``, ``bitmap``, ``evict``, ``pipeline``) restricts the menu."""
     specs = {
         "dense": ["dense"],
-        "quant": ["quant:bits=8", "quant:bits=4", "quant:bits=4,group=128,residual=0",
-                  "quant:bits=2", "quant:bits=2,group=64,residual=16", "quant:bits=2,group=128,residual=0"],
+        "quant": ["quant:bits=8", "quant:bits=4", "quant:bits=4,group=128,residual=0,partial=true",
+                  "quant:bits=2", "quant:bits=2,group=64,residual=0,partial=true", "quant:bits=2,group=128,residual=0,partial=true"],
         "bitmap": ["bitmap:sparsity=0.5", "bitmap:sparsity=0.7", "bitmap:sparsity=0.9"],
         "bitmapq": ["bitmapq:sparsity=0.5,bits=4", "bitmapq:sparsity=0.7,bits=4", "bitmapq:sparsity=0.5,bits=2"],
         "signvq": ["signvq:bits=2", "signvq:bits=4"],
         "pagestat": ["pagestat:budget_ratio=0.25"],
-        "evict": [], "pipeline": [],
+        "evict": [f"snapstream:share={s:g}" for s in EVICT_SHARES],
+        "pipeline": [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=4) for s in PIPELINE_SHARES] + ["snapkv:share=0.5+" + KIVI_STORE.format(bits=2)],
     }
-    for frac in EVICT_FRACTIONS:
-        budget = int(round(prefix_tokens * frac))
-        if budget >= 48 and budget < prefix_tokens:
-            specs["evict"].append(f"snapstream:budget={budget}")
-            specs["pipeline"].append(f"snapkv:budget={budget}+quant:bits=4,group=128,residual=0")
     chosen = families or list(specs)
     unknown = [f for f in chosen if f not in specs]
     if unknown:
         raise UsageError(f"--menu {unknown[0]!r} is not a family; families: {', '.join(specs)}")
     out = [s for f in chosen for s in specs[f]]
     return out if "dense" in out else ["dense"] + out
+
+
+def token_share(spec: str) -> float:
+    """The share of a prefix's tokens a candidate keeps: its eviction share, 1.0 when it keeps
+    every token (quantisation, pruning, dense). UsageError for an absolute token budget."""
+    import re
+
+    first = spec.split("+")[0]
+    m = re.search(r"(?:^|[:,])share=([0-9.]+)", first)
+    if m:
+        return float(m.group(1))
+    if first.startswith(("snapstream", "snapkv", "streaming")):
+        raise UsageError(f"candidate {spec!r} keeps an absolute number of tokens; a servable plan needs shares (share=0.25)")
+    return 1.0
 
 
 @dataclass
@@ -147,7 +164,7 @@ def measure_sensitivity(
         data = HeldoutData(cal.queries[:, :, calib_prefix:], cal.keys, cal.values, cal.keys[:, :, calib_prefix:], cal.values[:, :, calib_prefix:])
         ref = dense_attention(data.queries, data.keys, data.values, causal=True).float()
         ref_sq = float((ref**2).sum()) or 1.0
-        dense_bytes += 2 * head.keys.numel() * head.keys.element_size()
+        dense_bytes += dense_reference_bytes(*head.keys.shape[:3], head.keys.shape[3])
         for c, (spec, fmt, params) in enumerate(resolved):
             if not ok[c]:
                 continue
@@ -241,8 +258,11 @@ def uniform_options(sens: Sensitivity) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["bytes"])
 
 
-def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000) -> tuple[Plan, dict[str, float]]:
-    """The plan minimising the predicted loss at ``fraction`` of the dense prefix bytes."""
+def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
+    """The plan minimising the predicted loss at ``fraction`` of the dense prefix bytes.
+    ``servable="paged"``: every KV head of a layer keeps the same tokens (:func:`allocate_servable`)."""
+    if servable is not None:
+        return allocate_servable(sens, fraction, facts, buckets)
     budget = fraction * sens.dense_bytes
     choice = solve_knapsack(sens.bytes, sens.loss, budget, buckets)
     if choice is None:
@@ -250,6 +270,58 @@ def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000) -> 
         raise UsageError(f"no plan fits {100 * fraction:.1f}% of the dense bytes: the cheapest candidate takes {100 * cheapest:.1f}% (raise --budget)")
     pred = predicted(sens, choice)
     return plan_of(sens, choice, facts), pred
+
+
+def pareto(options: list[tuple[float, float, tuple[int, ...]]], cap: int = 256) -> list[tuple[float, float, tuple[int, ...]]]:
+    """The (bytes, loss, choice) options no other option beats in both bytes and loss, cheapest
+    first; thinned evenly to at most ``cap`` (the cheapest and the best kept)."""
+    front: list[tuple[float, float, tuple[int, ...]]] = []
+    for opt in sorted(options, key=lambda o: (o[0], o[1])):
+        if not front or opt[1] < front[-1][1]:
+            front.append(opt)
+    if len(front) > cap:
+        step = (len(front) - 1) / (cap - 1)
+        front = [front[round(j * step)] for j in range(cap)]
+    return front
+
+
+def allocate_servable(sens: Sensitivity, fraction: float, facts, buckets: int = 4000) -> tuple[Plan, dict[str, float]]:
+    """A plan that a paged cache can serve: in every layer all KV heads keep the same share of the
+    tokens (one token budget per layer), while each head still picks its own storage among the
+    candidates of that share. Per layer and share, the heads' options are merged into a Pareto
+    front of (bytes, loss); a multiple-choice knapsack then picks one option per layer."""
+    if any(h is None for _, h in sens.groups):
+        raise UsageError("--servable needs the per-KV-head sensitivity (drop --per-layer)")
+    shares = [token_share(s) for s in sens.specs]
+    layers = sorted({i for i, _ in sens.groups})
+    rows = {i: [g for g, (li, _) in enumerate(sens.groups) if li == i] for i in layers}
+    per_layer: list[list[tuple[float, float, tuple[int, ...]]]] = []
+    for i in layers:
+        opts: list[tuple[float, float, tuple[int, ...]]] = []
+        for share in sorted(set(shares)):
+            cols = [c for c, sh in enumerate(shares) if sh == share]
+            merged: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+            for g in rows[i]:
+                head = [(float(sens.bytes[g, c]), float(sens.loss[g, c]), c) for c in cols if math.isfinite(float(sens.loss[g, c]))]
+                merged = pareto([(b + hb, l + hl, ch + (c,)) for b, l, ch in merged for hb, hl, c in head])
+            opts += merged
+        per_layer.append(pareto(opts))
+    width = max(len(o) for o in per_layer)
+    costs = torch.full((len(layers), width), float("inf"), dtype=torch.float64)
+    losses = torch.full((len(layers), width), float("inf"), dtype=torch.float64)
+    for r, opts in enumerate(per_layer):
+        for c, (b, l, _) in enumerate(opts):
+            costs[r, c], losses[r, c] = b, l
+    costs = torch.where(torch.isfinite(costs), costs, torch.full_like(costs, fraction * sens.dense_bytes * 10 + 1))
+    choice = solve_knapsack(costs, losses, fraction * sens.dense_bytes, buckets)
+    if choice is None:
+        raise UsageError(f"no servable plan fits {100 * fraction:.1f}% of the dense bytes (raise --budget)")
+    head_choice = [0] * len(sens.groups)
+    for r, i in enumerate(layers):
+        for g, col in zip(rows[i], per_layer[r][choice[r]][2]):
+            head_choice[g] = col
+    plan = plan_of(sens, head_choice, facts, {"servable": "paged"})
+    return plan, predicted(sens, head_choice)
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -285,20 +357,20 @@ def parse_budget(text: str, facts, batch: int | None = None, context: str | None
         raise UsageError(f"--budget must be a share like 15% or a size like 2GiB, got {text!r}")
     value, unit = _number(m.group(1), text), m.group(2)
     if unit == "%":
-        frac, how = value / 100, f"{text} of the dense KV bytes"
+        frac, how = value / 100, f"{text} of the float16 KV bytes"
     elif unit == "":
         if value > 1:
             raise UsageError(f"--budget {text}: a bare number is a fraction (0..1); write 15% or 2GiB")
-        frac, how = value, f"{value:g} of the dense KV bytes"
+        frac, how = value, f"{value:g} of the float16 KV bytes"
     else:
         if batch is None or context is None:
             raise UsageError(f"--budget {text} is a size: give --batch and --context (e.g. --batch 16 --context 32k) to turn it into a share of the KV cache")
         tokens = parse_count(context, "--context")
-        elt = torch.empty(0, dtype=facts.torch_dtype).element_size()
-        dense = 2 * facts.num_layers * batch * facts.num_kv_heads * tokens * facts.head_dim * elt
+        elt = REFERENCE_BYTES
+        dense = dense_reference_bytes(batch, facts.num_kv_heads, tokens, facts.head_dim, facts.num_layers)
         frac = value * SIZE_UNITS[unit] / dense
         how = (f"{text} / the dense KV cache of {facts.name} at batch {batch} x {tokens} tokens "
-               f"(2 x {facts.num_layers} layers x {facts.num_kv_heads} KV heads x {facts.head_dim} dims x {elt} bytes = {dense / 1024**3:.2f} GiB)")
+               f"(2 x {facts.num_layers} layers x {facts.num_kv_heads} KV heads x {facts.head_dim} dims x {elt} bytes (float16) = {dense / 1024**3:.2f} GiB)")
     if not 0 < frac:
         raise UsageError(f"--budget {text} must be above 0")
     if frac >= 1:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvtool.core.progress import Progress
-from kvtool.core.cache import KVCache
+from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name
 from kvtool.core.errors import UsageError
 from kvtool.analysis.fidelity import DenseReference, dense_reference, model_fidelity
 from kvtool.formats.plan import Plan, compress_plan
@@ -100,16 +100,23 @@ def capture_case(model: Any, cache: KVCache, heldout: int, name: str = "capture"
 
 
 @torch.no_grad()
-def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, heldout: int, layers: list[int] | None = None) -> Case:
+def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, heldout: int, layers: list[int] | None = None, dtype: str | None = None) -> Case:
     """A held-out text cut to its first ``tokens`` tokens: one pass over the prefix records its cache
-    (the compressor's input and the dense reference's prefix), then the continuation runs densely."""
+    (the compressor's input, stored in ``dtype`` like the capture it is compared with; the dense
+    reference keeps the model's own), then the continuation runs densely."""
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, :tokens]
     if ids.shape[1] <= heldout + 16:
         raise UsageError(f"text {name} has {ids.shape[1]} tokens, too few for {heldout} held-out tokens (give a longer text)")
     p = ids.shape[1] - heldout
-    cache = capturing.capture(model=(model, tokenizer), input_ids=ids[:, :p], queries=True)
-    dtype = next(model.parameters()).dtype
-    prefix = {i: type(layer)(keys=layer.keys.to(dtype), values=layer.values.to(dtype)) for i, layer in cache.layers.items()}
+    model_dtype = next(model.parameters()).dtype
+    full = capturing.capture(model=(model, tokenizer), input_ids=ids[:, :p], queries=True, dtype=dtype_name(model_dtype))
+    prefix = {i: type(layer)(keys=layer.keys, values=layer.values) for i, layer in full.layers.items()}
+    cache = full
+    if dtype is not None and dtype != dtype_name(model_dtype):
+        dt = DTYPES[dtype]
+        cache = KVCache(type(full.facts)(**{**full.facts.to_dict(), "dtype": dtype}),
+                        {i: LayerKV(l.keys.to(dt), l.values.to(dt), None if l.queries is None else l.queries.to(dt)) for i, l in full.layers.items()},
+                        full.token_ids, full.info)
     dense = hfattn.build_cache(model, prefix, None)
     with hfattn.compressed_attention(model, None):
         logits = hfattn.forward(model, dense, ids[:, p:])
@@ -167,5 +174,5 @@ def score_format_on_cases(model: Any, cases: list[Case], fmt: Any, params: Any) 
     return rows
 
 
-def text_cases(model: Any, tokenizer: Any, texts: list[tuple[str, str]], tokens: int, heldout: int, layers: list[int] | None = None) -> list[Case]:
-    return [text_case(model, tokenizer, text, name, tokens, heldout, layers) for name, text in texts]
+def text_cases(model: Any, tokenizer: Any, texts: list[tuple[str, str]], tokens: int, heldout: int, layers: list[int] | None = None, dtype: str | None = None) -> list[Case]:
+    return [text_case(model, tokenizer, text, name, tokens, heldout, layers, dtype) for name, text in texts]

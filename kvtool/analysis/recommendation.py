@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import torch
 from typing import Any
 
 from kvtool.core import io
@@ -21,7 +23,14 @@ from kvtool.core.streaming import open_capture
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
-from kvtool.analysis.allocation import allocate, measure_sensitivity, menu, parse_budget, uniform_options
+from kvtool.analysis.allocation import SERVABLE_FAMILIES, Sensitivity, allocate, measure_sensitivity, menu, parse_budget, uniform_options
+from kvtool.analysis.fill import FAMILIES, fill_spec
+from kvtool.analysis import taskrun
+from kvtool.analysis.tasks import Tokens, generate_sample
+from kvtool.hf import capture as capturing
+
+# the budget-filling uniform families a paged cache holds (no per-element pruning or selection)
+SERVABLE_UNIFORM = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2")
 from kvtool.core.cache import KVCache
 from kvtool.analysis.fidelity import dense_reference, model_fidelity
 from kvtool.formats.plan import compress_plan
@@ -66,14 +75,14 @@ def layer_weights(model: Any, cache, sens, heldout: int, probe: str = WEIGHT_PRO
     return {i: v / mean for i, v in raw.items()}
 
 
-def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000, tries: int = 4) -> tuple[Plan, dict[str, float]]:
+def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000, tries: int = 4, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
     """:func:`~kvtool.analysis.allocation.allocate`, then compress the plan and count its bytes exactly (a KV
     head's bytes in the sensitivity table are its share of the layer's); when they exceed the budget,
     solve again with the budget lowered by the excess. ``predicted`` gains ``exact_bytes`` and
     ``exact_ratio``."""
     target = fraction
     for _ in range(tries):
-        plan, pred = allocate(sens, target, cache.facts, buckets)
+        plan, pred = allocate(sens, target, cache.facts, buckets, servable)
         rep = compress_plan(cache, plan, heldout).byte_report()
         pred.update({"exact_bytes": rep["compressed_bytes"], "exact_ratio": rep["ratio"]})
         if rep["ratio"] <= fraction + 1e-12 or fraction >= 1:
@@ -82,25 +91,61 @@ def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000,
     raise UsageError(f"no plan's exact bytes fit {100 * fraction:.2f}% after {tries} tries (the last took {100 * rep['ratio']:.2f}%); raise --budget slightly")
 
 
-def _allocate_all(result: dict[str, Any], parsed: list[dict[str, Any]], cache, sens, heldout: int, buckets: int, capture: Path) -> None:
+def _allocate_all(result: dict[str, Any], parsed: list[dict[str, Any]], cache, sens, heldout: int, buckets: int, capture: Path | str,
+                  servable: str | None = None) -> None:
     for b in parsed:
-        plan, pred = fit_exactly(cache, sens, b["fraction"], heldout, buckets)
+        plan, pred = fit_exactly(cache, sens, b["fraction"], heldout, buckets, servable=servable)
         fitting = [r for r in uniform_options(sens) if r["ratio"] <= b["fraction"] + 1e-12]
-        plan.extra.update({"budget": {"text": b["budget"], "fraction": b["fraction"], "how": b["how"]}, "predicted": pred,
-                           "capture": str(capture), "heldout": heldout, "calibrate": sens.calibrate})
+        plan.extra.update({"budget": {"text": b["budget"], "fraction": b["fraction"], "how": b["how"], "of": "float16 keys and values of the context (a share: the plan fits any length)"},
+                           "predicted": pred, "capture": str(capture), "heldout": heldout, "calibrate": sens.calibrate})
         result["budgets"].append({**b, "plan": plan, "predicted": pred, "uniform": fitting, "check": None, "best_uniform": None})
 
 
-def load_cases(model: Any, tokenizer: Any, cache, heldout: int, texts: list[tuple[str, str]], model_name: str, progress=None) -> list:
-    """The capture's continuation, then one case per text (cut to the capture's length)."""
+def load_cases(model: Any, tokenizer: Any, cache, heldout: int, texts: list[tuple[str, str]], model_name: str, progress=None, score_tokens: int | None = None) -> list:
+    """The capture's continuation, then one case per text: the text's first ``P`` tokens (the
+    capture's prefix length) and the next ``score_tokens`` (default: ``heldout``) scored, its prefix
+    stored in the capture's dtype."""
     progress = or_silent(progress)
     progress.stage("model check: dense reference runs, texts", 1 + len(texts))
     cases = [capture_case(model, cache, heldout, "capture", model_name)]
     progress.advance()
+    w = score_tokens or heldout
+    prefix = cache.num_tokens - heldout
     for name, text in texts:
-        cases.append(text_case(model, tokenizer, text, name, cache.num_tokens, heldout, cache.layer_indices))
+        cases.append(text_case(model, tokenizer, text, name, prefix + w, w, cache.layer_indices, cache.facts.dtype))
         progress.advance()
     return cases
+
+
+def check_servable(servable: str | None, families: list[str] | None, per_head: bool) -> list[str] | None:
+    """The menu families for ``--servable`` (only those a paged cache holds), or ``families``."""
+    if servable is None:
+        return families
+    if servable != "paged":
+        raise UsageError(f"--servable must be paged, got {servable!r}")
+    if not per_head:
+        raise UsageError("--servable paged chooses per KV head within one token budget per layer; drop --per-layer")
+    if families is None:
+        return list(SERVABLE_FAMILIES)
+    bad = [f for f in families if f not in SERVABLE_FAMILIES]
+    if bad:
+        raise UsageError(f"--servable paged: family {bad[0]} selects or prunes per element, which pages cannot hold; servable families: {', '.join(SERVABLE_FAMILIES)}")
+    return families
+
+
+def filled_uniform(fraction: float, cache, heldout: int, servable: str | None = None) -> dict[str, str]:
+    """Per format family, the uniform setting that fills ``fraction`` of the float16 bytes of the
+    capture's prefix (:func:`kvtool.analysis.fill.fill_spec`); families that cannot get that small
+    are left out. With ``servable`` only the families a paged cache holds."""
+    f = cache.facts
+    out = {}
+    for fam in FAMILIES:
+        if servable and fam not in SERVABLE_UNIFORM:
+            continue
+        spec = fill_spec(fam, fraction, cache.num_tokens - heldout, f.num_kv_heads, f.num_heads, f.head_dim)
+        if spec is not None:
+            out[fam] = spec
+    return out
 
 
 def recommend_capture(
@@ -115,13 +160,15 @@ def recommend_capture(
     use_model: bool = True,
     texts: list[Path] | None = None,
     use_texts: bool = True,
-    uniform_checks: int = 3,
+    uniform_checks: int = len(FAMILIES),
     buckets: int = 4000,
     progress: Progress | None = None,
     calibrate: str = "prefix",
     weights: bool = True,
     threads: int | None = 1,
     device: str | None = "auto",
+    servable: str | None = None,
+    score_tokens: int = 256,
 ) -> dict[str, Any]:
     """Plans for each budget, with their predicted and (with the model) measured cost.
 
@@ -140,13 +187,13 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights, resolve_device(device))
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_device(device), servable, score_tokens)
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights, dev=None) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, dev=None, servable=None, score_tokens=256) -> dict[str, Any]:
     start = time.perf_counter()
     progress = or_silent(progress)
     if not budgets:
@@ -164,18 +211,19 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     if cache.num_tokens <= heldout + 16:
         raise UsageError(f"{capture} has {cache.num_tokens} tokens, too few for --heldout {heldout} (capture a longer prompt or lower --heldout)")
     parsed = [dict(budget=b, **parse_budget(b, cache.facts, batch, context)) for b in budgets]
+    families = check_servable(servable, families, per_head)
     specs = menu(cache.num_tokens - heldout, families)
     sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate)
     result: dict[str, Any] = {
         "capture": str(capture), "model_facts": cache.facts.to_dict(), "heldout": heldout, "per_head": per_head,
-        "menu": sens.specs, "dropped": sens.errors, "calibrate": calibrate,
+        "menu": sens.specs, "dropped": sens.errors, "calibrate": calibrate, "servable": servable,
         "sensitivity": {"seconds": round(sens.seconds, 1), "groups": len(sens.groups), "dense_bytes": sens.dense_bytes,
                         "prefix_tokens": sens.prefix_tokens, "uniform": uniform_options(sens)},
         "budgets": [], "cases": [], "model": None,
     }
     spec = default_model_spec(cache.facts, model) if use_model else None
     if spec is None:
-        _allocate_all(result, parsed, cache, sens, heldout, buckets, capture)
+        _allocate_all(result, parsed, cache, sens, heldout, buckets, capture, servable)
         result["model_skipped"] = "--no-model" if not use_model else f"the capture came from {cache.facts.name} ({cache.facts.source}); pass --model to check the plans on the model"
         result["seconds"] = round(time.perf_counter() - start, 1)
         return result
@@ -193,28 +241,32 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
             sens.loss[g] *= w[i]
         result["layer_weights"] = w
         result["sensitivity"]["uniform"] = uniform_options(sens)
-    _allocate_all(result, parsed, cache, sens, heldout, buckets, capture)
+    _allocate_all(result, parsed, cache, sens, heldout, buckets, capture, servable)
     chosen_texts: list[tuple[str, str]] = []
     if texts:
         chosen_texts = shipped_texts.read_files(texts)
     elif use_texts and (cache.facts.source == "embedded" or model):
         chosen_texts = shipped_texts.shipped()
-    cases = load_cases(mdl, tok, cache, heldout, chosen_texts, name, progress)
+    cases = load_cases(mdl, tok, cache, heldout, chosen_texts, name, progress, score_tokens)
     result["model"] = name
     result["cases"] = [c.name for c in cases]
-    per_budget = [1 + min(uniform_checks, len(b["uniform"])) + 1 for b in result["budgets"]]  # plan, shortlist, one above: on the capture
+    result["score_tokens"] = {"capture": heldout, "texts": score_tokens}
+    per_budget = [1 + min(uniform_checks, len(FAMILIES)) for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
     progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) + (len(cases) - 1) * 2 * len(result["budgets"]))
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
-        shortlist = sorted(b["uniform"], key=lambda r: r["loss"])[:uniform_checks]
-        # the cheapest uniform setting with at least the plan's bytes (it may exceed the budget)
-        above = [r for r in result["sensitivity"]["uniform"] if r["bytes"] >= b["predicted"]["bytes"] and r["spec"] not in {x["spec"] for x in shortlist}]
-        b["uniform_above"] = above[0]["spec"] if above else None
+        fills = filled_uniform(b["fraction"], cache, heldout, servable)
+        if len(fills) > uniform_checks:
+            # the families with the lowest predicted loss (their attention error on the prompt's tail)
+            small = measure_sensitivity(cache, list(fills.values()), heldout, False, None, calibrate)
+            order = sorted(range(len(small.specs)), key=lambda c: float(small.loss[:, c].sum()))
+            keep = {small.specs[c] for c in order[:uniform_checks]}
+            fills = {f: sp for f, sp in fills.items() if sp in keep}
+        b["uniform_fills"] = fills
+        shortlist = [{"spec": sp} for sp in fills.values()]
         plans = {f"plan @ {pct}": b["plan"], **{r["spec"]: Plan({}, default=r["spec"]) for r in shortlist}}
-        if above:
-            plans[above[0]["spec"]] = Plan({}, default=above[0]["spec"])
         first = score_plans(mdl, cases[:1], plans, progress)
-        uniform_labels = [r["spec"] for r in shortlist]  # the best uniform fits the budget
+        uniform_labels = [r["spec"] for r in shortlist]  # every one fills the budget
         best = min(uniform_labels, key=lambda s: first[s]["cases"][0]["nll_increase"]) if uniform_labels else None
         rest = score_plans(mdl, cases[1:], {k: plans[k] for k in [f"plan @ {pct}"] + ([best] if best else [])}, progress) if len(cases) > 1 else {}
         check = {}
@@ -225,5 +277,168 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         b["best_uniform"] = best
         b["plan_label"] = f"plan @ {pct}"
         b["plan"].extra["verified"] = {k: {m: v[m] for m in ("relative_nll_increase", "agreement", "kl")} | {"capture": v["cases"][0]} for k, v in check.items() if k == b["plan_label"] or k == best}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+# ----------------------------------------------------------------------------- objective: tasks
+
+
+def task_cases(model: Any, tokenizer: Any, tasks: list[str], lengths: list[int], samples: int, seed: int, progress=None) -> list[tuple[Any, int]]:
+    """Calibration cases for ``--objective tasks``: per task, length and index, the sample's context,
+    question and answer captured in one pass (queries of every token), with ``heldout`` = the
+    question and answer tokens. Their queries score the candidates on the compressed context only
+    (the compressor never sees them)."""
+    tok = Tokens(tokenizer)
+    out = []
+    progress = or_silent(progress)
+    progress.stage("calibration: task samples captured", len(tasks) * len(lengths) * samples)
+    for task in tasks:
+        for length in lengths:
+            for i in range(samples):
+                s = generate_sample(tokenizer, task, length, seed, i, tok)
+                ids = torch.tensor([s.context + s.question + s.answer])
+                cache = capturing.capture(model=(model, tokenizer), input_ids=ids, queries=True, dtype="float16")
+                out.append((cache, len(s.question) + len(s.answer)))
+                progress.advance()
+    return out
+
+
+def combined_sensitivity(cases: list[tuple[Any, int]], specs: list[str], per_head: bool, progress=None) -> Any:
+    """The sensitivity over several calibration cases: each case's losses (its held-out queries over
+    its compressed prefix) averaged, and bytes as shares of each case's float16 bytes averaged, so
+    ``dense_bytes`` is 1 and a budget is a share."""
+    parts = []
+    for cache, heldout in cases:
+        parts.append(measure_sensitivity(cache, specs, heldout, per_head, progress, "heldout"))
+    common = [s for s in parts[0].specs if all(s in p.specs for p in parts)]
+    errors: dict[str, str] = {}
+    for p in parts:
+        errors.update(p.errors)
+    cols = [[p.specs.index(s) for s in common] for p in parts]
+    loss = sum(p.loss[:, c] for p, c in zip(parts, cols)) / len(parts)
+    shares = sum(p.bytes[:, c] / p.dense_bytes for p, c in zip(parts, cols)) / len(parts)
+    first = parts[0]
+    return Sensitivity(first.groups, common, shares, loss, 1, first.prefix_tokens, first.heldout, errors,
+                       sum(p.seconds for p in parts), "tasks")
+
+
+def task_layer_weights(model: Any, cases: list[tuple[Any, int]], sens: Any, probe: str = WEIGHT_PROBE, progress=None) -> dict[int, float]:
+    """:func:`layer_weights` for task calibration: each layer alone compressed with ``probe``; the KL
+    of the next-token distributions over the question and answer of every case, divided by the
+    layer's predicted loss, normalised to mean 1."""
+    if probe not in sens.specs:
+        return {i: 1.0 for i, _ in sens.groups}
+    col = sens.specs.index(probe)
+    predicted_loss: dict[int, float] = {}
+    for g, (i, _h) in enumerate(sens.groups):
+        predicted_loss[i] = predicted_loss.get(i, 0.0) + float(sens.loss[g, col])
+    kl: dict[int, float] = {i: 0.0 for i in predicted_loss}
+    progress = or_silent(progress)
+    progress.stage(f"layer weights ({probe} on one layer at a time), cases x layers", len(cases) * len(predicted_loss))
+    for cache, heldout in cases:
+        p = cache.num_tokens - heldout
+        ref = dense_reference(model, cache.token_ids, p, 0, cache)
+        for i in sorted(predicted_loss):
+            one = KVCache(cache.facts, {i: cache.layers[i]}, cache.token_ids, cache.info)
+            cc = compress_plan(one, Plan({i: [probe]}), heldout=heldout)
+            kl[i] += model_fidelity(model, cc, ref)["kl"] / len(cases)
+            progress.advance()
+    raw = {i: kl[i] / predicted_loss[i] if predicted_loss[i] > 0 else 0.0 for i in kl}
+    mean = sum(raw.values()) / len(raw) if raw else 0.0
+    return {i: (v / mean if mean > 0 else 1.0) for i, v in raw.items()}
+
+
+def recommend_tasks(
+    budgets: list[str],
+    tasks: list[str],
+    lengths: list[int],
+    calib_samples: int = 1,
+    calib_seed: int = 1,
+    check_samples: int = 5,
+    check_seed: int = 0,
+    per_head: bool = True,
+    families: list[str] | None = None,
+    model: str | None = None,
+    weights: bool = True,
+    buckets: int = 4000,
+    servable: str | None = None,
+    progress: Progress | None = None,
+    threads: int | None = 1,
+) -> dict[str, Any]:
+    """Plans for each budget calibrated on task samples (``--objective tasks``): the sensitivity is
+    the attention error of the questions' and answers' queries over the compressed contexts of
+    ``calib_samples`` samples per task and length (seed ``calib_seed``), layers weighted by their
+    measured cost on those answers; then, with ``check_samples`` > 0, the plan, the dense model and
+    every budget-filling uniform family answer ``check_samples`` other samples per task and length
+    (seed ``check_seed``, which must differ from ``calib_seed``): accuracy with 95% intervals."""
+    return taskrun.with_threads(threads, lambda: _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_samples, check_seed,
+                                                                  per_head, families, model, weights, buckets, servable, progress))
+
+
+def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_samples, check_seed, per_head, families, model,
+                     weights, buckets, servable, progress) -> dict[str, Any]:
+    start = time.perf_counter()
+    if not budgets:
+        raise UsageError("give --budget, e.g. --budget 15%")
+    if calib_samples < 1:
+        raise UsageError(f"--calib-samples must be at least 1, got {calib_samples}")
+    if check_samples and check_seed == calib_seed:
+        raise UsageError(f"--check-seed {check_seed} equals --calib-seed: the plan would be checked on the samples it was calibrated on")
+    mdl, tok, source = models.load(model)
+    name = source.name
+    facts = models.facts_of(mdl, source, "float16")
+    parsed = [dict(budget=b, **parse_budget(b, facts)) for b in budgets]
+    families = check_servable(servable, families, per_head)
+    specs = menu(None, families)
+    progress = or_silent(progress)
+    cases = task_cases(mdl, tok, tasks, lengths, calib_samples, calib_seed, progress)
+    sens = combined_sensitivity(cases, specs, per_head, progress)
+    result: dict[str, Any] = {
+        "objective": "tasks", "model": name, "model_facts": facts.to_dict(), "per_head": per_head, "servable": servable,
+        "calibration": {"tasks": tasks, "lengths": lengths, "samples": calib_samples, "seed": calib_seed},
+        "menu": sens.specs, "dropped": sens.errors, "calibrate": "tasks", "heldout": None,
+        "sensitivity": {"seconds": round(sens.seconds, 1), "groups": len(sens.groups), "dense_bytes": 1, "prefix_tokens": sens.prefix_tokens,
+                        "uniform": uniform_options(sens)},
+        "budgets": [], "cases": [],
+    }
+    if weights:
+        w = task_layer_weights(mdl, cases, sens, progress=progress)
+        for g, (i, _h) in enumerate(sens.groups):
+            sens.loss[g] *= w[i]
+        result["layer_weights"] = w
+        result["sensitivity"]["uniform"] = uniform_options(sens)
+    first_cache, first_heldout = cases[0]
+    _allocate_all(result, parsed, first_cache, sens, first_heldout, buckets, f"task samples (seed {calib_seed})", servable)
+    for b in result["budgets"]:
+        b["plan"].extra.update({"objective": "tasks", "calibration": result["calibration"]})
+        b["plan"].extra.pop("capture", None)
+        b["plan"].extra.pop("heldout", None)
+    if check_samples:
+        methods = [taskrun.Method("dense", "dense")] + [taskrun.Method("uniform", f) for f in FAMILIES
+                                                         if not servable or f in SERVABLE_UNIFORM]
+        for b in result["budgets"]:
+            pct = f"{100 * b['fraction']:g}%"
+            plan_method = taskrun.Method("plan", "recommended", plan=b["plan"])
+            rows = []
+            sample_tok = Tokens(tok)
+            progress.stage(f"task check @ {pct}: samples", len(tasks) * len(lengths) * check_samples)
+            nominal: dict = {}
+            for task in tasks:
+                for length in lengths:
+                    for i in range(check_samples):
+                        s = generate_sample(tok, task, length, check_seed, i, sample_tok)
+                        todo = taskrun.settings_of(methods, [b["fraction"]]) + [taskrun.Setting(plan_method, b["fraction"])]
+                        rows += taskrun.run_sample(mdl, tok, s, todo, False, "forced", nominal)
+                        progress.advance()
+            summary = taskrun.summarize(rows)
+            b["task_check"] = summary
+            b["plan_label"] = f"plan:recommended @ {pct}"
+            by = {r["setting"]: r for r in summary["by_setting"]}
+            uniform = [r for r in summary["by_setting"] if r["method"] in FAMILIES]
+            best = max(uniform, key=lambda r: r["accuracy"]) if uniform else None
+            b["best_uniform"] = best["setting"] if best else None
+            plan_row = next((r for r in summary["by_setting"] if r["method"].startswith("plan:")), None)
+            b["plan"].extra["verified"] = {"tasks": {"plan": plan_row, "dense": by.get("dense"), "best_uniform": best}}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result

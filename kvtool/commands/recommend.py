@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
+from kvtool.core.sample import resolve_sample
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import (
     DeviceOpt,
@@ -76,6 +77,27 @@ def gate(result: dict[str, Any], limit: tuple[float, bool] | None) -> list[str]:
     return missed
 
 
+def print_tasks_result(result: dict[str, Any], paths: list[Path]) -> None:
+    cal = result["calibration"]
+    console.print(f"[bold]--objective tasks[/bold]: {result['model']}, {len(result['menu'])} candidates x {result['sensitivity']['groups']} "
+                  f"{'KV heads' if result['per_head'] else 'layers'}, calibrated on {cal['samples']} sample(s) per task and length "
+                  f"(seed {cal['seed']}): {', '.join(cal['tasks'])} at {', '.join(map(str, cal['lengths']))} tokens ({result['sensitivity']['seconds']} s)")
+    for b, path in zip(result["budgets"], paths):
+        console.print(f"\n[bold]budget {b['budget']}[/bold] = {100 * b['fraction']:.2f}% of the float16 bytes"
+                      + (" (servable: one token budget per layer)" if result.get("servable") else ""))
+        console.print(f"plan: {100 * b['predicted']['exact_ratio']:.2f}% of the float16 bytes, predicted loss {b['predicted']['loss']:.4g}")
+        check = b.get("task_check")
+        if check:
+            rows = []
+            for r in sorted(check["by_setting"], key=lambda r: -(r["accuracy"] or 0)):
+                rows.append([r["setting"], f"{100 * r['stored_ratio']:.1f}", f"{100 * r['accuracy']:.0f}% [{100 * r['lo']:.0f}, {100 * r['hi']:.0f}]", r["n"],
+                             "-" if r["kept_of_dense"] is None else f"{100 * r['kept_of_dense']:.0f}%"])
+            console.print(make_table("task check (other seed than the calibration): plan, dense and every budget-filling uniform family",
+                                     ["setting", "stored %", "accuracy [95%]", "samples", "of dense"], rows))
+        console.print(f"wrote {path}   (apply: kvtool compress CAPTURE --plan {path} -o out.safetensors, or kvtool tasks --methods plan:{path})")
+    console.print(f"{result['seconds']} s in all")
+
+
 def print_result(result: dict[str, Any], paths: list[Path]) -> None:
     s = result["sensitivity"]
     console.print(
@@ -98,12 +120,13 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
             cases = result["cases"]
             cols = ["format", "stored %", f"NLL + ({cases[0]}, nats/token)", f"top-1 ({cases[0]})", f"KL ({cases[0]}, nats)"]
             if len(cases) > 1:
-                cols += [f"NLL + mean [95%] over {len(cases)} cases", "top-1 mean [95%]"]
+                cols += [f"NLL + mean [95%] over {len(cases)} cases", "top-1 mean [95%]", "KL mean [95%]"]
             table_rows = []
             negative = False
             for label, sc in check.items():
                 c0 = sc["cases"][0]
-                name = label if label == b["plan_label"] else f"uniform {label}" + (" (best within budget)" if label == b["best_uniform"] else (" (cheapest with >= the plan's bytes)" if label == b.get("uniform_above") else ""))
+                family = next((f for f, sp in (b.get("uniform_fills") or {}).items() if sp == label), None)
+                name = label if label == b["plan_label"] else f"uniform {family + ': ' if family else ''}{label}" + (" (best that fills the budget)" if label == b["best_uniform"] else "")
                 row = [name, f"{100 * c0['stored_ratio']:.2f}", graded("nll_increase", c0["nll_increase"], fmt_nll(c0["nll_increase"])),
                        graded("agreement", c0["agreement"]), graded("kl", c0["kl"])]
                 negative |= c0["nll_increase"] < 0
@@ -111,11 +134,14 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
                     if len(sc["cases"]) > 1:
                         iv = sc["nll_increase"]
                         negative |= iv["mean"] < 0
-                        row += [graded("nll_increase", iv["mean"], _ci(iv)), graded("agreement", sc["agreement"]["mean"], _ci(sc["agreement"]))]
+                        row += [graded("nll_increase", iv["mean"], _ci(iv)), graded("agreement", sc["agreement"]["mean"], _ci(sc["agreement"])),
+                                graded("kl", sc["kl"]["mean"], _ci(sc["kl"]))]
                     else:
-                        row += ["-", "-"]
+                        row += ["-", "-", "-"]
                 table_rows.append(row)
-            console.print(make_table(f"model check on {result['model']} (continuation of {result['heldout']} tokens)", cols, table_rows))
+            st = result.get("score_tokens") or {}
+            console.print(make_table(f"model check on {result['model']} (the capture's continuation of {result['heldout']} tokens; "
+                                     f"{st.get('texts', result['heldout'])} tokens of each text)", cols, table_rows))
             if negative:
                 console.print(NLL_NOTE, markup=False)
         else:
@@ -168,6 +194,9 @@ def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str])
 
 
 def print_recommended(outcome: Outcome) -> None:
+    if outcome.view["result"].get("objective") == "tasks":
+        print_tasks_result(outcome.view["result"], outcome.view["paths"])
+        return
     print_result(outcome.view["result"], outcome.view["paths"])
     for line in outcome.view["missed"]:
         console.print(f"[red]missed:[/red] {line}")
@@ -190,8 +219,8 @@ def print_recommended(outcome: Outcome) -> None:
     render=print_recommended,
 )
 def recommend(
-    capture: CaptureArg,
-    budget: Annotated[list[str], typer.Option("--budget", "-b", help="Share of the dense KV bytes (15%, 0.15) or a size (2GiB) with --batch/--context; repeatable.")],
+    capture: Annotated[Path | None, typer.Argument(help="A capture file made by `kvtool capture`, or 'sample:' (not with --objective tasks, which makes its own task samples).", show_default=False)] = None,
+    budget: Annotated[list[str] | None, typer.Option("--budget", "-b", help="Share of the float16 KV bytes (15%, 0.15) or a size (2GiB) with --batch/--context; repeatable.")] = None,
     batch: Annotated[int | None, typer.Option(help="Sequences served at once (for a size budget).", min=1)] = None,
     context: Annotated[str | None, typer.Option(help="Tokens per sequence, e.g. 32k (for a size budget).")] = None,
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan file (several budgets: NAME-15.json, ...).", dir_okay=False)] = Path("plan.json"),
@@ -205,7 +234,16 @@ def recommend(
     calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
     no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
-    uniform_checks: Annotated[int, typer.Option(help="Uniform settings that fit the budget checked on the model (lowest predicted loss first).")] = 3,
+    uniform_checks: Annotated[int, typer.Option(help="Budget-filling uniform families checked on the model (those with the lowest predicted loss; default: all of them).", min=1)] = 8,
+    objective: Annotated[str, typer.Option(help="nll: calibrate on the capture's prompt, check NLL/top-1/KL on its continuation and texts; tasks: calibrate on long-context task samples (question after compression), check task accuracy.")] = "nll",
+    servable: Annotated[str | None, typer.Option(help="paged: one token budget per layer across its KV heads (KIVI / eviction only), so `kvtool export --to paged` takes the plan.")] = None,
+    score_tokens: Annotated[int, typer.Option(help="Continuation tokens scored on each held-out text (NLL, top-1, KL).", min=1)] = 256,
+    tasks: Annotated[str, typer.Option("--tasks", help="--objective tasks: tasks to calibrate and check on.")] = "niah_single,niah_essay,niah_multikey,niah_multikey_essay",
+    lengths: Annotated[str, typer.Option("--lengths", help="--objective tasks: prompt lengths (1k = 1024 tokens).")] = "1k",
+    calib_samples: Annotated[int, typer.Option(help="--objective tasks: calibration samples per task and length.", min=1)] = 2,
+    calib_seed: Annotated[int, typer.Option(help="--objective tasks: seed of the calibration samples.")] = 1,
+    check_samples: Annotated[int, typer.Option(help="--objective tasks: samples per task and length that check the plan (0: none).", min=0)] = 5,
+    check_seed: Annotated[int, typer.Option(help="--objective tasks: seed of the check samples (not the calibration seed).")] = 0,
     max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
     device: DeviceOpt = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
@@ -221,13 +259,38 @@ def recommend(
     if limit is not None and not use_model:
         raise UsageError("--max-nll-increase needs the model check; drop --no-model")
     families = [f.strip() for f in menu_opt.split(",") if f.strip()] if menu_opt else None
-    if not capture.exists():
-        raise UsageError(f"capture {capture}: no such file")
+    if not budget:
+        raise UsageError("give --budget, e.g. --budget 15%")
+    if objective not in ("nll", "tasks"):
+        raise UsageError(f"--objective must be nll or tasks, got {objective!r}")
     if len(budget) == 1:
         io.check_output(output, force)
+    if objective == "tasks":
+        from kvtool.analysis.recommendation import recommend_tasks  # deferred: start-up time
+        from kvtool.analysis.tasks import parse_lengths, parse_tasks  # deferred: start-up time
+
+        if capture is not None:
+            raise UsageError("--objective tasks calibrates on generated task samples; drop the capture argument")
+        if not use_model or limit is not None:
+            raise UsageError("--objective tasks runs the model and checks task accuracy; drop --no-model and --max-nll-increase")
+        result = recommend_tasks(budget, parse_tasks(tasks), parse_lengths(lengths), calib_samples, calib_seed, check_samples, check_seed,
+                                 per_head, families, model, not no_weights, servable=servable, progress=progress, threads=threads)
+        paths = plan_paths(output, result["budgets"])
+        for b, path in zip(result["budgets"], paths):
+            if len(paths) > 1:
+                io.check_output(path, force)
+            save_plan(b["plan"], path, force=True)
+        data = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
+                                       "plan": b["plan"].to_dict(), "plan_file": str(p)} for b, p in zip(result["budgets"], paths)]}
+        return Outcome(data, output=paths[0] if len(paths) == 1 else None, view={"result": result, "paths": paths, "missed": []})
+    if capture is None:
+        raise UsageError("give a capture file (or --objective tasks)")
+    capture = Path(resolve_sample(str(capture)))
+    if not capture.exists():
+        raise UsageError(f"capture {capture}: no such file")
     result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, use_model,
                                texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads,
-                               device=device)
+                               device=device, servable=servable, score_tokens=score_tokens)
     if limit is not None and result["model"] is None:
         raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
     paths = plan_paths(output, result["budgets"])
