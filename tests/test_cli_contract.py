@@ -98,6 +98,8 @@ def success_cases(files, tiny_capture, tiny_llama_dir, tmp: Path) -> list[tuple[
         ("generate", ["generate", str(tiny_comp), "--prompt", " hi", "-n", "2"], str(tiny_comp), False),
         ("bench dense", ["bench", "dense", *BENCH_TINY, "-o", str(bench_out)], None, True),
         ("bench report", ["bench", "report", str(bench_out)], None, False),
+        ("tasks", ["tasks", "--model", str(tiny_llama_dir), "--tasks", "niah_single", "--lengths", "400", "--samples", "1", "--methods", "dense",
+                   "--out-dir", str(tmp / "tk")], None, True),
     ]
 
 
