@@ -47,7 +47,7 @@ PRESSES = {
     "pyramidkv": "PyramidKVPress",
     "random": "RandomPress",
 }
-INSTALL = "pip install --no-deps kvpress==0.5.5 && pip install 'cachetools<6' datasets 'fire<0.7'"
+INSTALL = "pip install 'kvtool[kvpress]' && pip install --no-deps kvpress==0.5.5"
 
 
 @dataclass
