@@ -31,7 +31,10 @@ def print_exported(outcome: Outcome) -> None:
             "attend": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens attended through kvtool's attention function)",
             "ring": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens; later tokens go through its ring buffer)",
         }[r["mode"]],
-        "paged": lambda r: f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, sequence lengths {r['seq_lens']}, {len(r['layers'])} layers",
+        "paged": lambda r: (f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, sequence lengths {r['seq_lens']}, {len(r['layers'])} layers"
+                            if not isinstance(r["num_pages"], dict) else
+                            f"{sum(r['num_pages'].values())} pages of {r['page_size']} tokens, {r['layout']}, {len(r['layers'])} layers keeping "
+                            f"{min(r['seq_lens'].values())}..{max(r['seq_lens'].values())} tokens (a page table per layer; next position {r['next_position']})"),
         "npz": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
         "dense": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
         "csv": lambda r: f"{r['rows']} rows from {r['table']}",

@@ -31,8 +31,8 @@ from kvtool.core.limits import read_json_input
 from kvtool.core.cache import KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.base import CompressedCache, save_compressed
-from kvtool.formats.files import check_all_layers, dense_of, needs_attention, read_kv_file
-from kvtool.export.paged import check_layout, save_paged, to_paged
+from kvtool.formats.files import check_all_layers, dense_of, keeps_every_token, needs_attention, read_kv_file
+from kvtool.export.paged import check_layout, save_paged, to_paged, to_paged_layers
 from kvtool.core.cache import ModelFacts
 from kvtool.core.jsonio import to_json_text
 
@@ -69,6 +69,35 @@ def export_hf(obj: KVCache | CompressedCache, source: Path, output: Path, force:
     out = KVCache(cache.facts, layers, cache.token_ids, info, cache.attention_mask)
     path = io.save(out, output, force=force)
     return {"mode": "dense", "format": info.get("format", "capture"), "tokens": out.num_tokens, "output": str(path)}
+
+
+def export_paged_evicted(cc: CompressedCache, source: Path, output: Path, page_size: int, layout: str, force: bool = False) -> dict[str, Any]:
+    """Pages of a file whose layers keep fewer tokens than they were given (eviction formats; plans
+    written with ``recommend --servable paged``): every KV head of a layer must keep the same count
+    (layers may differ: each such layer gets its own page table, :mod:`kvtool.export.paged`). The
+    kept tokens are decoded (dequantised where stored quantised) and followed by the held-out tail."""
+    fmt = cc.fmt
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    kept: dict[int, int] = {}
+    for i in cc.layer_indices:
+        try:
+            dense = fmt.decode(cc.layers[i])
+        except UsageError as exc:
+            raise UsageError(f"{source}: layer {i} cannot be paged: {exc}; make the plan with `kvtool recommend --servable paged` (one token budget per layer)") from None
+        tail = cc.tails.get(i)
+        k, v = dense.keys.to(cc.facts.torch_dtype), dense.values.to(cc.facts.torch_dtype)
+        if tail is not None and tail.keys.shape[2]:
+            k, v = torch.cat([k, tail.keys.to(k.dtype)], dim=2), torch.cat([v, tail.values.to(v.dtype)], dim=2)
+        layers[i] = (k.contiguous(), v.contiguous())
+        kept[i] = int(dense.keys.shape[2])
+    paged = to_paged_layers(cc.facts, layers, page_size, layout)
+    paged.info = {"source_path": str(source), "source_sha256": io.sha256_file(source), "format": cc.format,
+                  "next_position": int(cc.token_ids.shape[1]), "kept_prefix_tokens": {str(i): n for i, n in kept.items()},
+                  "prefix_tokens": cc.prefix_tokens}
+    save_paged(paged, output, force=force)
+    return {"page_size": page_size, "layout": paged.layout, "num_pages": {str(i): int(p.shape[0]) for i, p in paged.k_pages.items()},
+            "seq_lens": {str(i): int(paged.table(i)["seq_lens"][0]) for i in paged.layer_indices}, "layers": paged.layer_indices,
+            "next_position": int(cc.token_ids.shape[1])}
 
 
 # ----------------------------------------------------------------------------- npz
@@ -210,6 +239,8 @@ def export_file(source: str | Path, target: str, output: str | Path | None = Non
         obj = read_kv_file(source)
         if target == "hf":
             report = export_hf(obj, source, output, force)
+        elif target == "paged" and isinstance(obj, CompressedCache) and not keeps_every_token(obj):
+            report = export_paged_evicted(obj, source, output, page_size, layout, force)
         else:
             cache = dense_of(obj, source, target)
             if target == "paged":

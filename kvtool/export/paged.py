@@ -17,6 +17,14 @@ vLLM's per-layer key/value caches):
 
 Unused slots of a last page are zero. kvtool writes pages in sequence order (``kv_indices`` is
 ``0..num_pages-1``), but readers must follow the table.
+
+Layers that keep fewer tokens (an eviction format, or a plan written with ``kvtool recommend
+--servable paged``: every KV head of a layer keeps the same number of tokens, layers differ) carry
+their own page table: the five table tensors under ``layers.{i}.`` (``layers.{i}.kv_indptr``, ...),
+and ``kvtool.paged`` lists them in ``layer_tables``; a serving engine plans those layers with their
+table (FlashInfer: one ``plan`` per distinct table). The kept tokens sit in pages in the order kept,
+with RoPE applied at their original positions, so a new token's position is ``next_position`` in
+``kvtool.info`` (the original token count), not the layer's sequence length.
 """
 
 from __future__ import annotations
@@ -57,6 +65,14 @@ class PagedKV:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     info: dict[str, Any] = field(default_factory=dict)
+    layer_tables: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def table(self, layer: int | None = None) -> dict[str, torch.Tensor]:
+        """The page table of ``layer`` (its own when it keeps a different token count, else the
+        shared one)."""
+        if layer is not None and layer in self.layer_tables:
+            return self.layer_tables[layer]
+        return {name: getattr(self, name) for name in TABLE_NAMES}
 
     @property
     def layer_indices(self) -> list[int]:
@@ -136,14 +152,16 @@ def to_paged(cache: KVCache, page_size: int = 16, layout: str = "NHD") -> PagedK
     return PagedKV(f, page_size, layout, k_pages, v_pages, info={}, **table)
 
 
-def gather_sequence(pool: torch.Tensor, paged: PagedKV, b: int) -> torch.Tensor:
-    """Sequence b's tokens ``[Hkv, L_b, D]`` read from one page pool by following the page table."""
-    pages = paged.kv_indices[int(paged.kv_indptr[b]) : int(paged.kv_indptr[b + 1])].long()
+def gather_sequence(pool: torch.Tensor, paged: PagedKV, b: int, layer: int | None = None) -> torch.Tensor:
+    """Sequence b's tokens ``[Hkv, L_b, D]`` read from one page pool by following the page table
+    (``layer``'s own table when it has one)."""
+    t = paged.table(layer)
+    pages = t["kv_indices"][int(t["kv_indptr"][b]) : int(t["kv_indptr"][b + 1])].long()
     chosen = pool[pages]
     if paged.layout == "HND":
         chosen = chosen.transpose(1, 2)  # -> [n_b, P, Hkv, D]
     flat = chosen.reshape(-1, chosen.shape[2], chosen.shape[3])
-    return flat[: int(paged.seq_lens[b])].transpose(0, 1)
+    return flat[: int(t["seq_lens"][b])].transpose(0, 1)
 
 
 def from_paged(paged: PagedKV) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -151,8 +169,48 @@ def from_paged(paged: PagedKV) -> dict[int, list[tuple[torch.Tensor, torch.Tenso
     out: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     batch = int(paged.seq_lens.numel())
     for i in paged.layer_indices:
-        out[i] = [(gather_sequence(paged.k_pages[i], paged, b), gather_sequence(paged.v_pages[i], paged, b)) for b in range(batch)]
+        out[i] = [(gather_sequence(paged.k_pages[i], paged, b, i), gather_sequence(paged.v_pages[i], paged, b, i)) for b in range(batch)]
     return out
+
+
+def _pools(src: torch.Tensor, real: list[torch.Tensor], table: dict[str, torch.Tensor], page_size: int, layout: str) -> torch.Tensor:
+    """One layer's keys or values ``[B, Hkv, T, D]`` (sequence b's real tokens ``real[b]``) cut
+    into its pages."""
+    num_pages = int(table["kv_indices"].numel())
+    lens = [int(m.sum()) for m in real]
+    flat = src.new_zeros((num_pages * page_size, src.shape[1], src.shape[-1]))
+    for b in range(src.shape[0]):
+        start = int(table["kv_indptr"][b]) * page_size
+        flat[start : start + lens[b]] = src[b][:, real[b]].transpose(0, 1)
+    pool = flat.view(num_pages, page_size, src.shape[1], src.shape[-1])
+    if layout == "HND":
+        pool = pool.transpose(1, 2)
+    return pool.contiguous()
+
+
+def to_paged_layers(facts: ModelFacts, layers: dict[int, tuple[torch.Tensor, torch.Tensor]], page_size: int = 16, layout: str = "NHD") -> PagedKV:
+    """Page layers that may keep different token counts: ``layers[i]`` = keys/values ``[B, Hkv,
+    L_i, D]`` (every sequence and KV head of a layer keeps L_i tokens). Layers of the first layer's
+    count share the file's table; the others get their own (module docstring)."""
+    layout = check_layout(page_size, layout)
+    order = sorted(layers)
+    if not order:
+        raise UsageError("no layers to page")
+    batch = layers[order[0]][0].shape[0]
+    shared_len = layers[order[0]][0].shape[2]
+    shared = page_table([shared_len] * batch, page_size)
+    k_pages: dict[int, torch.Tensor] = {}
+    v_pages: dict[int, torch.Tensor] = {}
+    own: dict[int, dict[str, torch.Tensor]] = {}
+    for i in order:
+        k, v = layers[i]
+        n = k.shape[2]
+        table = shared if n == shared_len else page_table([n] * batch, page_size)
+        if n != shared_len:
+            own[i] = table
+        real = [torch.ones(n, dtype=torch.bool) for _ in range(batch)]
+        k_pages[i], v_pages[i] = _pools(k, real, table, page_size, layout), _pools(v, real, table, page_size, layout)
+    return PagedKV(facts, page_size, layout, k_pages, v_pages, info={}, layer_tables=own, **shared)
 
 
 def save_paged(paged: PagedKV, path: str | Path, force: bool = False) -> Path:
@@ -161,13 +219,16 @@ def save_paged(paged: PagedKV, path: str | Path, force: bool = False) -> Path:
     for i in paged.layer_indices:
         tensors[f"layers.{i}.k_pages"] = paged.k_pages[i]
         tensors[f"layers.{i}.v_pages"] = paged.v_pages[i]
+        for name, t in paged.layer_tables.get(i, {}).items():
+            tensors[f"layers.{i}.{name}"] = t
     meta = {
         "kvtool.schema": PAGED_SCHEMA,
         "kvtool.schema_version": SCHEMA_VERSION,
         "kvtool.version": __version__,
         "kvtool.model": json.dumps(paged.facts.to_dict()),
         "kvtool.layers": json.dumps(paged.layer_indices),
-        "kvtool.paged": json.dumps({"page_size": paged.page_size, "layout": paged.layout, "num_pages": paged.num_pages, "batch": int(paged.seq_lens.numel())}),
+        "kvtool.paged": json.dumps({"page_size": paged.page_size, "layout": paged.layout, "num_pages": paged.num_pages, "batch": int(paged.seq_lens.numel()),
+                                    **({"layer_tables": sorted(paged.layer_tables)} if paged.layer_tables else {})}),
         "kvtool.info": json.dumps(paged.info),
     }
     return write_safetensors(path, tensors, meta, force=force)
@@ -189,21 +250,32 @@ def load_paged(path: str | Path) -> PagedKV:
         raise BadDataError(f"{path}: kvtool.paged lacks page_size or layout") from None
     if page_size < 1 or layout not in LAYOUTS:
         raise BadDataError(f"{path}: kvtool.paged has page_size {page_size} and layout {layout!r}")
-    for name in TABLE_NAMES:
-        if name not in entries:
-            raise BadDataError(f"{path}: tensor {name!r} is missing")
-        if entries[name][0] != "I32":
-            raise BadDataError(f"{path}: {name} should be int32, it is {entries[name][0]}")
+    own = geo.get("layer_tables", []) if isinstance(geo, dict) else []
+    if not isinstance(own, list) or not all(isinstance(i, int) and i in indices for i in own):
+        raise BadDataError(f"{path}: kvtool.paged layer_tables must list layers of the file")
     tensors = read_tensors(path)
-    indptr, idx, last, lens = (tensors[n].long() for n in TABLE_NAMES[:4])
-    batch = lens.numel()
-    if indptr.numel() != batch + 1 or last.numel() != batch or int(indptr[0]) != 0 or bool((indptr[1:] < indptr[:-1]).any()):
-        raise BadDataError(f"{path}: kv_indptr must be [batch + 1], start at 0 and never decrease")
-    if int(indptr[-1]) != idx.numel():
-        raise BadDataError(f"{path}: kv_indptr ends at {int(indptr[-1])} but kv_indices has {idx.numel()} entries")
-    pages_per_seq = indptr[1:] - indptr[:-1]
-    if bool((last < 1).any() or (last > page_size).any()) or not torch.equal((pages_per_seq - 1) * page_size + last, lens):
-        raise BadDataError(f"{path}: kv_last_page_len disagrees with seq_lens and the page counts")
+
+    def checked_table(prefix: str, what: str) -> dict[str, torch.Tensor]:
+        for name in TABLE_NAMES:
+            if prefix + name not in entries:
+                raise BadDataError(f"{path}: tensor {prefix + name!r} is missing")
+            if entries[prefix + name][0] != "I32":
+                raise BadDataError(f"{path}: {prefix + name} should be int32, it is {entries[prefix + name][0]}")
+        indptr, idx, last, lens = (tensors[prefix + n].long() for n in TABLE_NAMES[:4])
+        batch = lens.numel()
+        if indptr.numel() != batch + 1 or last.numel() != batch or int(indptr[0]) != 0 or bool((indptr[1:] < indptr[:-1]).any()):
+            raise BadDataError(f"{path}: {what}kv_indptr must be [batch + 1], start at 0 and never decrease")
+        if int(indptr[-1]) != idx.numel():
+            raise BadDataError(f"{path}: {what}kv_indptr ends at {int(indptr[-1])} but kv_indices has {idx.numel()} entries")
+        pages_per_seq = indptr[1:] - indptr[:-1]
+        if bool((last < 1).any() or (last > page_size).any()) or not torch.equal((pages_per_seq - 1) * page_size + last, lens):
+            raise BadDataError(f"{path}: {what}kv_last_page_len disagrees with seq_lens and the page counts")
+        return {n: tensors[prefix + n] for n in TABLE_NAMES}
+
+    table = checked_table("", "")
+    layer_tables = {i: checked_table(f"layers.{i}.", f"layer {i}'s ") for i in own}
+    if any(t["seq_lens"].numel() != table["seq_lens"].numel() for t in layer_tables.values()):
+        raise BadDataError(f"{path}: a layer's page table holds another batch size than the file's")
     k_pages: dict[int, torch.Tensor] = {}
     v_pages: dict[int, torch.Tensor] = {}
     for i in indices:
@@ -216,7 +288,7 @@ def load_paged(path: str | Path) -> PagedKV:
             if pool.ndim != 4 or list(pool.shape[1:3]) != want_mid or pool.shape[3] != facts.head_dim:
                 raise BadDataError(f"{path}: {name} has shape {list(pool.shape)}, expected [pages, {', '.join(map(str, want_mid))}, {facts.head_dim}] for {layout}")
             store[i] = pool
+        idx = layer_tables.get(i, table)["kv_indices"].long()
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k_pages[i].shape[0]):
             raise BadDataError(f"{path}: kv_indices point outside layer {i}'s {k_pages[i].shape[0]} pages")
-    table = {n: tensors[n] for n in TABLE_NAMES}
-    return PagedKV(facts, page_size, layout, k_pages, v_pages, info=info, **table)
+    return PagedKV(facts, page_size, layout, k_pages, v_pages, info=info, layer_tables=layer_tables, **table)
