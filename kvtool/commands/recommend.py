@@ -16,7 +16,6 @@ from kvtool.commands._common import (
     ModelOpt,
     NoModelOpt,
     model_choice,
-    CaptureArg,
     console,
     example_epilog,
     make_table,
