@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
 from kvtool.commands import about, compress as compress_cmd, eval as eval_cmd, export as export_cmd, generate as generate_cmd
 from kvtool.commands import heads as heads_cmd, info as info_cmd, plot as plot_cmd, prune as prune_cmd
 from kvtool.commands import recommend as recommend_cmd, report as report_cmd, stats as stats_cmd, verify as verify_cmd
+from kvtool.commands import tasks as tasks_cmd
 from kvtool.commands._command import Outcome, declared_parameters, parameter_meta, spec_of
 from kvtool.commands._common import declare_files
 from kvtool.core import outputs
@@ -416,10 +417,11 @@ export = from_command(export_cmd.export, ExportResult)
 generate = from_command(generate_cmd.generate, GenerateResult)
 env = from_command(about.env)
 version = from_command(about.version)
+tasks = from_command(tasks_cmd.tasks_cmd)
 
 # the command each function above stands for; tests/test_api.py checks every command has one
 COMMAND_FUNCTIONS = {f.command: f for f in (info, stats, plot, prune, compress, decompress, heads, verify, recommend, evaluate, report,
-                                             export, generate, env, version)}
+                                             export, generate, env, version, tasks)}
 
 
 # --------------------------------------------------------------------------- functions written here

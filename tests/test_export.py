@@ -182,10 +182,13 @@ def keep_last():
 def test_a_target_that_cannot_hold_the_format_says_which_can(keep_last, tmp_path):
     cache = synthetic_cache(tokens=20, layers=(0,))
     comp = save_compressed(compress_cache(cache, keep_last, KeepLastParams(), heldout=4), tmp_path / "k.safetensors")
-    for target in ("paged", "npz", "dense"):
+    for target in ("npz", "dense"):
         res = runner.invoke(app, ["export", str(comp), "--to", target])
         assert res.exit_code == 2, res.output
         assert f"--to {target} cannot hold it; --to hf can" in res.output
+    # pages hold it: every KV head keeps the same count (the kept tokens, then the held-out tail)
+    paged = export_file(comp, "paged", tmp_path / "k.paged.safetensors", page_size=4)
+    assert paged["next_position"] == 20 and paged["layers"] == [0]
     report = export_file(comp, "hf", tmp_path / "k.hf.safetensors")
     assert report["mode"] == "attend"
 

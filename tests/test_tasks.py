@@ -344,8 +344,8 @@ def test_summary_marks_budgets_a_family_cannot_reach():
 
 
 def test_recommend_tasks_objective_and_servable_plan(tiny_llama_dir, tmp_path):
-    from kvtool.analysis.advisor import recommend_tasks
-    from kvtool.analysis.recommend import token_share
+    from kvtool.analysis.recommendation import recommend_tasks
+    from kvtool.analysis.allocation import token_share
 
     res = recommend_tasks(["30%"], ["niah_single"], [400], calib_samples=1, calib_seed=1, check_samples=1, check_seed=0,
                           model=str(tiny_llama_dir), weights=False, servable="paged")

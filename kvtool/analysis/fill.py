@@ -10,6 +10,7 @@ that the stored bytes come as close to ``f`` as the family allows without exceed
 | ``kivi`` | KIVI with the partial key group quantised and no residual: the most bits (8, 4, 2) and then the smallest group (32, 64, 128) that fit; then the full-precision residual (recent tokens) grown to fill the rest |
 | ``snapkv`` / ``streaming`` | the kept share of the tokens (``snapstream:share=``), SnapKV + sinks + recent, or sinks + recent only (StreamingLLM) |
 | ``snapkv+kivi4`` / ``snapkv+kivi2`` | the kept share of SnapKV eviction whose tokens are stored as KIVI 4 / 2 bits (group 32, partial group quantised, no residual) |
+| ``snapkv+kivi4g128`` / ``snapkv+kivi2g128`` | the same with groups of 128 (fewer scales, more tokens kept at the same bytes) |
 | ``bitmap`` | the sparsity of per-token magnitude pruning (Mustafar) |
 | ``bitmapq`` | the sparsity of pruning with 4-bit codes for the kept elements |
 | ``signvq`` | the most bits (4, 2) that fit (sign-VQ has no finer knob) |
@@ -33,7 +34,7 @@ from kvtool.formats.base import get_format
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.pipeline import encode_kept
 
-FAMILIES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "bitmap", "bitmapq", "signvq")
+FAMILIES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
 KIVI_CHOICES = [(bits, group) for bits in (8, 4, 2) for group in (32, 64, 128)]
 
 
@@ -96,9 +97,10 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
     if family in ("snapkv", "streaming"):
         policy = "" if family == "snapkv" else ",policy=streaming"
         return _largest(lambda n: f"snapstream:share={_num(n / tokens)}{policy}", min(floor, tokens), tokens, fraction, ratio)
-    if family in ("snapkv+kivi4", "snapkv+kivi2"):
-        bits = family[-1]
-        return _largest(lambda n: f"snapkv:share={_num(n / tokens)}+quant:bits={bits},group=32,residual=0,partial=true", min(floor, tokens), tokens, fraction, ratio)
+    if family.startswith("snapkv+kivi"):
+        bits, _, g = family[len("snapkv+kivi"):].partition("g")
+        group = int(g or 32)
+        return _largest(lambda n: f"snapkv:share={_num(n / tokens)}+quant:bits={bits},group={group},residual=0,partial=true", min(floor, tokens), tokens, fraction, ratio)
     if family == "bitmap":
         return _largest(lambda n: f"bitmap:sparsity={_num(1 - n / head_dim)}", 1, head_dim, fraction, ratio)
     if family == "bitmapq":

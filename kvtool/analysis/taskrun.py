@@ -201,18 +201,26 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``samples.jsonl``, the first of each (sample, setting) (two processes working on
+    one folder may both have scored a sample)."""
     rows = []
+    seen: set[tuple[str, str]] = set()
     if not path.exists():
         return rows
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            if n == len(path.read_text(encoding="utf-8").splitlines()):
+            if n == len(lines):
                 break  # a line cut by an interrupted write: recomputed
             raise BadDataError(f"{path}: line {n} is not JSON; move the file away or pass --force") from None
+        key = (row.get("sample"), row.get("setting"))
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
     return rows
 
 

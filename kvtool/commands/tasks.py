@@ -8,18 +8,9 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import UsageError
-from kvtool.commands._common import (
-    DebugOpt,
-    JsonOpt,
-    QuietOpt,
-    console,
-    emit_json,
-    example_epilog,
-    kvtool_command,
-    library_progress,
-    make_table,
-    show,
-)
+from kvtool.commands._command import Outcome, add_commands, declare
+from kvtool.commands._common import console, example_epilog, make_table, show
+from kvtool.core.progress import Progress
 
 ORDER = 56
 SHORT_HELP = "Long-context task accuracy, the question asked after compression"
@@ -27,7 +18,7 @@ SHORT_HELP = "Long-context task accuracy, the question asked after compression"
 # the library's kvtool.analysis.tasks.TASKS and fill.FAMILIES, named here so that --help needs no
 # torch (tests/test_tasks.py checks they agree)
 TASK_NAMES = ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa")
-FAMILY_NAMES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "bitmap", "bitmapq", "signvq")
+FAMILY_NAMES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
 
 
 def parse_budgets(items: list[str] | None) -> list[float]:
@@ -84,63 +75,67 @@ def print_summary(summary: dict[str, Any]) -> None:
         show("n/a: the family cannot store that little ({})", ", ".join(na))
 
 
-def register(app: typer.Typer) -> None:
-    @app.command(
-        "tasks",
-        help="Long-context tasks (RULER-style needles, variable tracking, common words, recall over the shipped texts), "
-        "generated offline from a seed: each sample's context is captured and compressed before the question is seen, "
-        "then the question and answer run through the compressed context. Methods: dense (the ceiling), kvtool's "
-        "format families filling each byte budget, kvpress presses (press:NAME, needs kvpress), plans (plan:FILE) "
-        "and fixed specs (spec:SPEC). Accuracy per task and length with 95% Wilson intervals; writes samples.jsonl "
-        "(a rerun resumes), tasks.json, tasks.csv and frontier.png into --out-dir.",
-        epilog=example_epilog(
-            "kvtool tasks --tasks niah_single --lengths 1k --samples 10 --methods dense,kivi,snapkv --budgets 25%",
-            "kvtool tasks --lengths 1k --samples 50 --methods dense,kivi,snapkv+kivi4,press:snapkv,plan:plan15.json --budgets 10%,15%,25%,50%",
-            "kvtool tasks --tasks niah_multikey --lengths 1k,2k,4k,8k --samples 20 --methods dense --json",
-        ),
-    )
-    @kvtool_command
-    def tasks_cmd(
-        methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+kivi4], plan:FILE; spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
-        tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + ".")] = "niah_single,niah_essay,niah_multikey,niah_multikey_essay",
-        lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
-        samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,
-        seed: Annotated[int, typer.Option(help="Seed of the samples (recommend --objective tasks calibrates on another).")] = 0,
-        budgets: Annotated[list[str] | None, typer.Option("--budgets", "-b", help="Byte budgets of the families and presses, shares of the float16 bytes: 10%,15%,25%,50%.")] = None,
-        out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for samples.jsonl, tasks.json, tasks.csv and frontier.png.", file_okay=False)] = Path("tasks.out"),
-        question_aware: Annotated[bool, typer.Option("--question-aware", help="Compress the context with the question (as kvpress's query-aware runs); default: the question comes after compression.")] = False,
-        scoring: Annotated[str, typer.Option(help="forced: every answer token the top-1 given the ones before (one pass); greedy: greedy decoding and string match.")] = "forced",
-        model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: the embedded SmolLM2-135M).")] = None,
-        threads: Annotated[int, typer.Option(help="Torch CPU threads.", min=1)] = 1,
-        force: Annotated[bool, typer.Option("--force", "-f", help="Start over instead of resuming from samples.jsonl.")] = False,
-        json_out: JsonOpt = False,
-        quiet: QuietOpt = False,
-        debug: DebugOpt = False,
-    ) -> None:
-        from kvtool.analysis import taskrun  # deferred: start-up time
-        from kvtool.analysis.tasks import parse_lengths, parse_tasks  # deferred: start-up time
-        from kvtool.hf import models  # deferred: start-up time
+def print_tasks(outcome: Outcome) -> None:
+    print_summary(outcome.view["summary"])
+    show("wrote {}", ", ".join(outcome.view["files"].values()))
 
-        task_list = parse_tasks(tasks)
-        length_list = parse_lengths(lengths)
-        budget_list = parse_budgets(budgets)
-        method_list = [taskrun.parse_method(m) for m in split_methods(methods)]
-        if out_dir.exists() and not out_dir.is_dir():
-            raise UsageError(f"--out-dir {out_dir} is a file, not a folder")
-        with library_progress(quiet or json_out) as progress:
-            progress.stage("load model", 1)
-            mdl, tok, source = models.load(model)
-            progress.advance()
-            limit = int(getattr(mdl.config, "max_position_embeddings", 0) or 0)
-            too_long = [n for n in length_list if limit and n > limit]
-            if too_long:
-                raise UsageError(f"--lengths {too_long[0]}: {source.name} reads at most {limit} tokens")
-            summary = taskrun.with_threads(threads, lambda: taskrun.run_tasks(
-                mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
-                question_aware=question_aware, scoring=scoring, force=force, progress=progress))
-        files = taskrun.write_outputs(summary, out_dir)
-        if json_out:
-            emit_json({"run": summary["run"], "files": files, "cells": summary["cells"], "by_setting": summary["by_setting"]}, output=out_dir)
-        else:
-            print_summary(summary)
-            show("wrote {}", ", ".join(files.values()))
+
+@declare(
+    "tasks",
+    help="Long-context tasks (RULER-style needles, variable tracking, common words, recall over the shipped texts), "
+    "generated offline from a seed: each sample's context is captured and compressed before the question is seen, "
+    "then the question and answer run through the compressed context. Methods: dense (the ceiling), kvtool's "
+    "format families filling each byte budget, kvpress presses (press:NAME, needs kvpress), plans (plan:FILE) "
+    "and fixed specs (spec:SPEC). Accuracy per task and length with 95% Wilson intervals; writes samples.jsonl "
+    "(a rerun resumes), tasks.json, tasks.csv and frontier.png into --out-dir.",
+    epilog=example_epilog(
+        "kvtool tasks --tasks niah_single --lengths 1k --samples 10 --methods dense,kivi,snapkv --budgets 25%",
+        "kvtool tasks --lengths 1k --samples 50 --methods dense,kivi,snapkv+kivi4,press:snapkv,plan:plan15.json --budgets 10%,15%,25%,50%",
+        "kvtool tasks --tasks niah_multikey --lengths 1k,2k,4k,8k --samples 20 --methods dense --json",
+    ),
+    render=print_tasks,
+)
+def tasks_cmd(
+    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+kivi4], plan:FILE; spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
+    tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + ".")] = "niah_single,niah_essay,niah_multikey,niah_multikey_essay",
+    lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
+    samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,
+    seed: Annotated[int, typer.Option(help="Seed of the samples (recommend --objective tasks calibrates on another).")] = 0,
+    start: Annotated[int, typer.Option(help="Index of the first sample (--start 25 --samples 25: samples 25..49, e.g. a second process on the same --out-dir).", min=0)] = 0,
+    budgets: Annotated[list[str] | None, typer.Option("--budgets", "-b", help="Byte budgets of the families and presses, shares of the float16 bytes: 10%,15%,25%,50%.")] = None,
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for samples.jsonl, tasks.json, tasks.csv and frontier.png.", file_okay=False)] = Path("tasks.out"),
+    question_aware: Annotated[bool, typer.Option("--question-aware", help="Compress the context with the question (as kvpress's query-aware runs); default: the question comes after compression.")] = False,
+    scoring: Annotated[str, typer.Option(help="forced: every answer token the top-1 given the ones before (one pass); greedy: greedy decoding and string match.")] = "forced",
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded SmolLM2-135M).")] = None,
+    threads: Annotated[int, typer.Option(help="Torch CPU threads.", min=1)] = 1,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Start over instead of resuming from samples.jsonl.")] = False,
+    *,
+    progress: Progress,
+) -> Outcome:
+    from kvtool.analysis import taskrun  # deferred: start-up time
+    from kvtool.analysis.tasks import parse_lengths, parse_tasks  # deferred: start-up time
+    from kvtool.hf import models  # deferred: start-up time
+
+    task_list = parse_tasks(tasks)
+    length_list = parse_lengths(lengths)
+    budget_list = parse_budgets(budgets)
+    method_list = [taskrun.parse_method(m) for m in split_methods(methods)]
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"--out-dir {out_dir} is a file, not a folder")
+    progress.stage("load model", 1)
+    mdl, tok, source = models.load(None if model in (None, "embedded") else model)
+    progress.advance()
+    limit = int(getattr(mdl.config, "max_position_embeddings", 0) or 0)
+    too_long = [n for n in length_list if limit and n > limit]
+    if too_long:
+        raise UsageError(f"--lengths {too_long[0]}: {source.name} reads at most {limit} tokens")
+    summary = taskrun.with_threads(threads, lambda: taskrun.run_tasks(
+        mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
+        question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress))
+    files = taskrun.write_outputs(summary, out_dir)
+    data = {"run": summary["run"], "files": files, "cells": summary["cells"], "by_setting": summary["by_setting"]}
+    return Outcome(data, output=out_dir, view={"summary": summary, "files": files})
+
+
+def register(app: typer.Typer) -> None:
+    add_commands(app, tasks_cmd)
