@@ -30,6 +30,7 @@ NEEDS = [
     (lambda a: a[0] in ("verify", "eval") and "--no-model" not in a, "scores the continuation with the model"),
     (lambda a: a[0] == "report" and "--eval" in a, "reads the model-level eval folder and a GPU bench file made above"),
     (lambda a: a[0] == "export" and "hf" in a, "a transformers cache needs all 30 layers; the seeded capture holds 4"),
+    (lambda a: a[0] == "tasks" or (a[0] == "recommend" and "tasks" in a), "runs the model on long-context task samples (tests/test_tasks.py runs them on a tiny model)"),
 ]
 
 
