@@ -376,3 +376,20 @@ def test_servable_plan_exports_to_pages(tmp_path):
     seqs = from_paged(paged)
     assert seqs[0][0][0].shape[1] == 40 + 16 and seqs[1][0][0].shape[1] == 80 + 16
     assert report["next_position"] == 96
+
+
+def test_report_takes_a_tasks_folder(tiny_capture, tmp_path):
+    from kvtool.analysis.html_report import build_report
+
+    rows = []
+    for i in range(3):
+        for setting, method, budget, ok, stored in (("dense", "dense", None, True, 1.0), ("kivi @ 25%", "kivi", 0.25, i == 0, 0.248)):
+            rows.append({"sample": f"niah_single:400:0:{i}", "task": "niah_single", "length": 400, "setting": setting, "method": method,
+                         "budget": budget, "correct": ok, "part": float(ok), "stored_ratio": stored, "spec": method})
+    out = tmp_path / "t"
+    out.mkdir()
+    taskrun.write_outputs(taskrun.summarize(rows), out)
+    text, summary = build_report(tiny_capture, ["40%"], use_model=False, use_texts=False, heldout=16, tasks_dir=out)
+    assert "tasks" in summary["sections"] and "kivi @ 25%" in text and "33% [" in text
+    with pytest.raises(UsageError):
+        build_report(tiny_capture, ["40%"], use_model=False, use_texts=False, heldout=16, tasks_dir=tmp_path / "nothing")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.documents import check_eval_points, read_bench_document
-from kvtool.core.errors import UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import read_json_input
 from kvtool.analysis.palette import format_color, spec_format
 from kvtool.analysis.bands import grade
@@ -51,7 +51,7 @@ from kvtool.analysis.recommendation import recommend_capture
 from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
 from kvtool.analysis.frontier import plot_frontier
 
-SECTIONS = ("model", "cut", "frontier", "recommend", "kernels")
+SECTIONS = ("model", "cut", "frontier", "recommend", "tasks", "kernels")
 DEFAULT_BUDGETS = ("10%", "15%", "25%", "40%")
 
 
@@ -274,6 +274,54 @@ def read_eval(folder: Path) -> list[dict[str, Any]]:
     return [p for p in points if not p.get("skipped")]
 
 
+def read_tasks(folder: Path) -> dict[str, Any]:
+    """The summary a ``kvtool tasks`` run wrote (``tasks.json``)."""
+    path = Path(folder) / "tasks.json"
+    if not path.is_file():
+        raise UsageError(f"--tasks {folder}: no tasks.json there (run kvtool tasks --out-dir {folder} first)")
+    data = read_json_input(path, f"--tasks {path}")
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("by_setting"), list):
+        raise BadDataError(f"--tasks {path}: not a kvtool tasks summary")
+    return data
+
+
+def reading_tasks(summary: dict[str, Any]) -> str:
+    rows = [r for r in summary["by_setting"] if r.get("accuracy") is not None]
+    dense = next((r for r in rows if r["setting"] == "dense"), None)
+    others = sorted((r for r in rows if r["setting"] != "dense"), key=lambda r: -r["accuracy"])
+    tasks = ", ".join(f"{t['task']} {t['length']}" for t in summary.get("tasks", []))
+    text = f"Accuracy on {tasks}, the question asked after the context was compressed."
+    if dense is not None:
+        text += f" The dense model answers {100 * dense['accuracy']:.0f}% (n={dense['n']})."
+    if others:
+        best = others[0]
+        text += f" Best compressed setting: {best['setting']} at {100 * best['stored_ratio']:.1f}% of the float16 bytes, {100 * best['accuracy']:.0f}% [{100 * best['lo']:.0f}, {100 * best['hi']:.0f}]."
+    return text
+
+
+def tasks_section(summary: dict[str, Any]) -> tuple[str, int]:
+    """The tasks section's body (frontier figure and table) and its figure count."""
+    points = [{"format": r["method"], "params_text": "" if r["budget"] is None else f"{100 * r['budget']:g}%",
+               "storage_ratio": r["stored_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r.get("accuracy") is not None]
+    body, figures = "", 0
+    if points:
+        fig, ax = _figure(8.5, 5.2)
+        plot_frontier(points, Path("unused.png"), "task_accuracy", title="task accuracy, mean over the tasks", ax=ax)
+        body += _img(fig_png(fig), "task accuracy frontier")
+        figures += 1
+    tasks = [(t["task"], t["length"]) for t in summary.get("tasks", [])]
+    cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
+    rows = []
+    for r in sorted(summary["by_setting"], key=lambda r: (r["budget"] or 0, -(r["accuracy"] or 0))):
+        row = [r["setting"], pct(r["stored_ratio"])]
+        for t, n in tasks:
+            c = cells.get((r["setting"], t, n))
+            row.append("-" if c is None or not c["n"] else f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]")
+        rows.append(row)
+    body += _table(["setting", "stored"] + [f"{t} {n}" for t, n in tasks], rows)
+    return body, figures
+
+
 def read_bench(paths: list[Path]) -> list[dict[str, Any]]:
     """The ``--bench`` documents, each checked field by field (:mod:`kvtool.core.documents`)."""
     docs = []
@@ -438,11 +486,14 @@ def build_report(
     progress: Progress | None = None,
     command: str | None = None,
     device: str | None = "auto",
+    tasks_dir: Path | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The report's HTML text and a summary dict (sections, figure count, per-budget numbers).
     ``command``: the command line that made the report, shown with the ones that reproduce its plans.
-    ``device``: where the recommendation scores candidates and runs the model (auto: CUDA when present)."""
+    ``device``: where the recommendation scores candidates and runs the model (auto: CUDA when present).
+    ``tasks_dir``: a ``kvtool tasks`` folder whose accuracy table and frontier become a section."""
     eval_rows = read_eval(eval_dir) if eval_dir else None
+    task_summary = read_tasks(tasks_dir) if tasks_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
     facts = cache.facts
@@ -521,6 +572,13 @@ def build_report(
     body += "<p class=\"muted\">Reproduce: " + "<br>".join(f"<code>{html.escape(c)}</code>" for c in ([command] if command else []) + reproduce(capture, budgets, eval_dir, bench, use_model, use_texts, model, heldout, uniform_checks)) + \
             f"<br>Cases: {html.escape(', '.join(rec['cases']) or 'none (no model check)')}.</p>"
     sections.append(_section("recommend", "Recommendation per budget", " ".join(readings[:2]) if readings else "No budgets.", body))
+    if task_summary is not None:
+        body, n_fig = tasks_section(task_summary)
+        figures += n_fig
+        sections.append(_section("tasks", "Long-context tasks (question after compression)", reading_tasks(task_summary), body))
+    else:
+        sections.append(_section("tasks", "Long-context tasks (question after compression)",
+                                 "No tasks folder was given: run kvtool tasks --methods dense,kivi,... --budgets 15% --out-dir tasks.out and pass --tasks tasks.out.", ""))
     if bench_docs:
         body = ""
         for doc in bench_docs:

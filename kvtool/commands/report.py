@@ -50,6 +50,7 @@ def report(
     output: Annotated[Path, typer.Option("--output", "-o", help="The HTML file.", dir_okay=False)] = Path("report.html"),
     eval_dir: Annotated[Path | None, typer.Option("--eval", help="A kvtool eval output folder (its eval.json) to add its frontier.", file_okay=False)] = None,
     bench: Annotated[list[Path] | None, typer.Option("--bench", help="kvtool bench --json files (repeatable).", dir_okay=False)] = None,
+    tasks_dir: Annotated[Path | None, typer.Option("--tasks", help="A kvtool tasks output folder (its tasks.json) to add task accuracy.", file_okay=False)] = None,
     budgets: Annotated[str, typer.Option("--budgets", help="Comma-separated budgets for the recommendation section.")] = "10%,15%,25%,40%",
     model: ModelOpt = None,
     no_model: NoModelOpt = False,
@@ -73,8 +74,9 @@ def report(
     line = ["kvtool", "report", str(capture), "--budgets", ",".join(chosen), "--heldout", str(heldout), "-o", str(output)]
     line += (["--eval", str(eval_dir)] if eval_dir else []) + [a for b in bench or [] for a in ("--bench", str(b))]
     line += (["--model", str(model)] if model else []) + ([] if use_model else ["--no-model"]) + (["--no-texts"] if no_texts else [])
+    line += ["--tasks", str(tasks_dir)] if tasks_dir else []
     text, summary = build_report(capture, chosen, eval_dir, bench, use_model, not no_texts, model, heldout, progress=progress, device=device,
-                                 command=shlex.join(line))
+                                 command=shlex.join(line), tasks_dir=tasks_dir)
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())
     names = {"budget": "budget_spec", "stored_ratio": "storage_ratio"}
