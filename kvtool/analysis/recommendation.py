@@ -252,7 +252,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     result["cases"] = [c.name for c in cases]
     result["score_tokens"] = {"capture": heldout, "texts": score_tokens}
     per_budget = [1 + min(uniform_checks, len(FAMILIES)) for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
-    progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) + (len(cases) - 1) * 2 * len(result["budgets"]))
+    progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) * len(cases))
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
         fills = filled_uniform(b["fraction"], cache, heldout, servable)
@@ -265,14 +265,19 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         b["uniform_fills"] = fills
         shortlist = [{"spec": sp} for sp in fills.values()]
         plans = {f"plan @ {pct}": b["plan"], **{r["spec"]: Plan({}, default=r["spec"]) for r in shortlist}}
+        # the plan and every budget-filling family on every case: the best uniform setting is the one
+        # with the lowest mean relative NLL increase over the cases, and per case the lowest KL of
+        # any family is kept too (the plan is compared with the best family of each text)
         first = score_plans(mdl, cases[:1], plans, progress)
         uniform_labels = [r["spec"] for r in shortlist]  # every one fills the budget
-        best = min(uniform_labels, key=lambda s: first[s]["cases"][0]["nll_increase"]) if uniform_labels else None
-        rest = score_plans(mdl, cases[1:], {k: plans[k] for k in [f"plan @ {pct}"] + ([best] if best else [])}, progress) if len(cases) > 1 else {}
+        rest = score_plans(mdl, cases[1:], plans, progress) if len(cases) > 1 else {}
         check = {}
         for label, scores in first.items():
             rows = scores["cases"] + (rest[label]["cases"] if label in rest else [])
             check[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
+        best = min(uniform_labels, key=lambda s: check[s]["relative_nll_increase"]["mean"]) if uniform_labels else None
+        b["best_uniform_kl_per_case"] = {c["case"]: min(check[s]["cases"][n]["kl"] for s in uniform_labels)
+                                         for n, c in enumerate(check[f"plan @ {pct}"]["cases"])} if uniform_labels else {}
         b["check"] = check
         b["best_uniform"] = best
         b["plan_label"] = f"plan @ {pct}"
