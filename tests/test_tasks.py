@@ -393,3 +393,21 @@ def test_report_takes_a_tasks_folder(tiny_capture, tmp_path):
     assert "tasks" in summary["sections"] and "kivi @ 25%" in text and "33% [" in text
     with pytest.raises(UsageError):
         build_report(tiny_capture, ["40%"], use_model=False, use_texts=False, heldout=16, tasks_dir=tmp_path / "nothing")
+
+
+def test_the_attend_path_answers_as_the_live_cache(tiny):
+    """kvtool tasks decodes the question through the encoded prefix (decoded once where the format's
+    attention is attention over its decoding); the live cache of the same file gives the same logits
+    for a format that keeps the question's tokens (KIVI)."""
+    from kvtool.hf import attention as hfattn
+    from kvtool.hf.live import live_cache_from
+
+    model, tokenizer, _ = tiny
+    s = T.generate_sample(tokenizer, "niah_single", 400, seed=2, index=0)
+    prep = taskeval.prepare(model, tokenizer, s)
+    cc = compress_cache(prep.cache, *resolve_spec("quant:bits=4"))
+    ours = taskeval.answer(model, tokenizer, prep, cc)
+    ids = torch.cat([prep.feed, torch.tensor([s.answer])[:, :-1]], dim=1)
+    logits = hfattn.forward(model, live_cache_from(cc, model), ids)
+    top = logits[0, prep.feed.shape[1] - 1:].argmax(-1).tolist()
+    assert top == ours["ids"]
