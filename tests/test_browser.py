@@ -73,4 +73,4 @@ def test_report_in_chromium(tiny_capture, tmp_path):
     seen = render(out, tmp_path / "report.png")
     assert seen["images"] >= 5 and seen["broken"] == 0
     assert seen["scroll"] <= seen["inner"] and not seen["wide"], seen
-    assert seen["readings"] == len(seen["sections"]) == 5
+    assert seen["readings"] == len(seen["sections"]) == 6  # statistics..., recommend, tasks (a hint without --tasks)

@@ -33,7 +33,7 @@ def tiny(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def tiny_cap(tiny_llama_dir, tmp_path_factory):
     """A capture of every layer with 3 decode steps (so the cache holds decode-time keys too)."""
-    cache = kvtool.capture("kvtool export test " * 3, model=str(tiny_llama_dir), generate=3)
+    cache = kvtool.capture("kvtool export test " * 3, model=str(tiny_llama_dir), generate=3, dtype="float32")  # the model computes in float32: same bits as its own cache
     return kvtool.save(cache, tmp_path_factory.mktemp("gen") / "cap.safetensors")
 
 

@@ -143,7 +143,7 @@ def test_models_load_and_the_capture_cli_take_random_shapes(tmp_path):
     mdl, tok, source = models.load("random:tiny")
     assert tok is None and source.kind == "random" and mdl.config.num_hidden_layers == 4
     out = tmp_path / "r.safetensors"
-    r = CliRunner().invoke(app, ["capture", "--model", "random:tiny", "--random-tokens", "64", "--chunk-size", "24", "-o", str(out), "--json"])
+    r = CliRunner().invoke(app, ["capture", "--model", "random:tiny", "--random-tokens", "64", "--chunk-size", "24", "--dtype", "float32", "-o", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["tokens"] == 64
     cap = open_capture(out)
@@ -151,7 +151,7 @@ def test_models_load_and_the_capture_cli_take_random_shapes(tmp_path):
     # the same model and ids in one pass, built again: the same keys (seeded weights and ids)
     from kvtool.hf.capture import capture, random_token_ids
 
-    ref = capture(model=(build_model("tiny"), None), input_ids=random_token_ids(64, 512))
+    ref = capture(model=(build_model("tiny"), None), input_ids=random_token_ids(64, 512), dtype="float32")
     assert torch.equal(ref.token_ids, cap.token_ids)
     assert torch.allclose(ref.layers[3].keys, cap.layers[3].keys, atol=1e-5)
     from kvtool.hf.cache import model_spec

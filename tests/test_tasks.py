@@ -376,6 +376,7 @@ def test_servable_plan_exports_to_pages(tmp_path):
     seqs = from_paged(paged)
     assert seqs[0][0][0].shape[1] == 40 + 16 and seqs[1][0][0].shape[1] == 80 + 16
     assert report["next_position"] == 96
+    assert [(r["layer"], r["seq_len"]) for r in report["layers"]] == [(0, 40 + 16), (1, 80 + 16)]
 
 
 def test_report_takes_a_tasks_folder(tiny_capture, tmp_path):

@@ -10,6 +10,7 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._command import Outcome, add_commands, declare
+from kvtool.commands.tasks import json_names
 from kvtool.commands._common import (
     DeviceOpt,
     graded,
@@ -180,7 +181,10 @@ def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str])
     each budget with its plan (the plan file's content, docs/formats.md) and ``plan_file``."""
     budgets = []
     for b, path in zip(result["budgets"], paths):
-        entry = {("budget_spec" if k == "budget" else k): v for k, v in b.items() if k not in ("plan", "predicted", "uniform", "check")}
+        entry = {("budget_spec" if k == "budget" else k): v for k, v in b.items() if k not in ("plan", "predicted", "uniform", "check", "task_check")}
+        if b.get("task_check") is not None:  # --objective tasks: the plan and the uniform families on task samples
+            tc = b["task_check"]
+            entry["task_check"] = {"cells": [json_names(c) for c in tc["cells"]], "by_setting": [json_names(r) for r in tc["by_setting"]]}
         entry.update(predicted=_stored(b["predicted"]), uniform=[_stored(r) for r in b["uniform"]], check=_check_json(b.get("check")),
                      plan=b["plan"].to_dict(), plan_file=str(path))
         budgets.append(entry)
@@ -279,8 +283,7 @@ def recommend(
             if len(paths) > 1:
                 io.check_output(path, force)
             save_plan(b["plan"], path, force=True)
-        data = {**result, "budgets": [{**{("budget_spec" if k == "budget" else k): v for k, v in b.items() if k != "plan"},
-                                       "plan": b["plan"].to_dict(), "plan_file": str(p)} for b, p in zip(result["budgets"], paths)]}
+        data = recommend_json(result, paths, [])
         return Outcome(data, output=paths[0] if len(paths) == 1 else None, view={"result": result, "paths": paths, "missed": []})
     if capture is None:
         raise UsageError("give a capture file (or --objective tasks)")

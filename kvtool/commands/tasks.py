@@ -55,6 +55,13 @@ def cell_text(c: dict[str, Any]) -> str:
     return f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]"
 
 
+def json_names(row: dict[str, Any]) -> dict[str, Any]:
+    """A summary row in the JSON contract's names (docs/cli.md): ``stored_ratio`` -> ``storage_ratio``,
+    ``stored_max`` -> ``storage_ratio_max``."""
+    names = {"stored_ratio": "storage_ratio", "stored_max": "storage_ratio_max"}
+    return {names.get(k, k): v for k, v in row.items()}
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     tasks = [(t["task"], t["length"]) for t in summary["tasks"]]
     cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
@@ -133,7 +140,8 @@ def tasks_cmd(
         mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
         question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress))
     files = taskrun.write_outputs(summary, out_dir)
-    data = {"run": summary["run"], "files": files, "cells": summary["cells"], "by_setting": summary["by_setting"]}
+    data = {"run": summary["run"], "files": files, "cells": [json_names(c) for c in summary["cells"]],
+            "by_setting": [json_names(r) for r in summary["by_setting"]]}
     return Outcome(data, output=out_dir, view={"summary": summary, "files": files})
 
 

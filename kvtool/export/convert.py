@@ -95,8 +95,8 @@ def export_paged_evicted(cc: CompressedCache, source: Path, output: Path, page_s
                   "next_position": int(cc.token_ids.shape[1]), "kept_prefix_tokens": {str(i): n for i, n in kept.items()},
                   "prefix_tokens": cc.prefix_tokens}
     save_paged(paged, output, force=force)
-    return {"page_size": page_size, "layout": paged.layout, "num_pages": {str(i): int(p.shape[0]) for i, p in paged.k_pages.items()},
-            "seq_lens": {str(i): int(paged.table(i)["seq_lens"][0]) for i in paged.layer_indices}, "layers": paged.layer_indices,
+    layer_rows = [{"layer": i, "num_pages": int(paged.k_pages[i].shape[0]), "seq_len": int(paged.table(i)["seq_lens"][0])} for i in paged.layer_indices]
+    return {"page_size": page_size, "layout": paged.layout, "num_pages": sum(r["num_pages"] for r in layer_rows), "layers": layer_rows,
             "next_position": int(cc.token_ids.shape[1])}
 
 
