@@ -188,7 +188,7 @@ def test_a_target_that_cannot_hold_the_format_says_which_can(keep_last, tmp_path
         assert f"--to {target} cannot hold it; --to hf can" in res.output
     # pages hold it: every KV head keeps the same count (the kept tokens, then the held-out tail)
     paged = export_file(comp, "paged", tmp_path / "k.paged.safetensors", page_size=4)
-    assert paged["next_position"] == 20 and [r["layer"] for r in paged["layers"]] == [0] and paged["layers"][0]["seq_len"] == 16 + 4
+    assert paged["next_position"] == 20 and [r["layer"] for r in paged["layers"]] == [0] and paged["layers"][0]["seq_len"] == 8 + 4  # the 8 kept, then the 4 held out
     report = export_file(comp, "hf", tmp_path / "k.hf.safetensors")
     assert report["mode"] == "attend"
 
