@@ -412,3 +412,28 @@ def test_the_attend_path_answers_as_the_live_cache(tiny):
     logits = hfattn.forward(model, live_cache_from(cc, model), ids)
     top = logits[0, prep.feed.shape[1] - 1:].argmax(-1).tolist()
     assert top == ours["ids"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("methods", ["dense,kivi,snapkv+kivi4,bitmap,streaming", "press:knorm,press:snapkv,press:adakv-expected_attention"])
+def test_tasks_on_cuda_score_as_on_the_cpu(tiny_llama_dir, tmp_path, methods):
+    """The model, its cache and the presses on the GPU; the compression and the scoring the same."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    if methods.startswith("press:"):
+        pytest.importorskip("kvpress")
+    rows = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        args = ["tasks", "--model", str(tiny_llama_dir), "--tasks", "niah_single,niah_multikey", "--lengths", "400", "--samples", "2",
+                "--methods", methods, "--budgets", "25%", "--device", device, "--out-dir", str(out), "--json"]
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        rows[device] = {(r["sample"], r["setting"]): r for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines())}
+    assert rows["cpu"].keys() == rows["cuda"].keys() and rows["cpu"]
+    for key, cpu in rows["cpu"].items():
+        gpu = rows["cuda"][key]
+        assert gpu["stored_ratio"] == pytest.approx(cpu["stored_ratio"], rel=1e-6), key
+        assert gpu["answer_nll"] == pytest.approx(cpu["answer_nll"], rel=2e-2, abs=2e-2), key

@@ -9,7 +9,7 @@ import typer
 
 from kvtool.core.errors import UsageError
 from kvtool.commands._command import Outcome, add_commands, declare
-from kvtool.commands._common import console, example_epilog, make_table, show
+from kvtool.commands._common import DeviceOpt, console, example_epilog, make_table, show
 from kvtool.core.progress import Progress
 
 ORDER = 56
@@ -115,6 +115,7 @@ def tasks_cmd(
     scoring: Annotated[str, typer.Option(help="forced: every answer token the top-1 given the ones before (one pass); greedy: greedy decoding and string match.")] = "forced",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded SmolLM2-135M).")] = None,
     threads: Annotated[int, typer.Option(help="Torch CPU threads.", min=1)] = 1,
+    device: DeviceOpt = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Start over instead of resuming from samples.jsonl.")] = False,
     *,
     progress: Progress,
@@ -130,7 +131,9 @@ def tasks_cmd(
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out-dir {out_dir} is a file, not a folder")
     progress.stage("load model", 1)
-    mdl, tok, source = models.load(None if model in (None, "embedded") else model)
+    from kvtool.core.placement import resolve_device  # deferred: needs torch
+
+    mdl, tok, source = models.load(None if model in (None, "embedded") else model, device=str(resolve_device(device)))
     progress.advance()
     limit = int(getattr(mdl.config, "max_position_embeddings", 0) or 0)
     too_long = [n for n in length_list if limit and n > limit]

@@ -255,8 +255,8 @@ def prefill(model: Any, prefix_ids: torch.Tensor) -> dict[int, LayerKV]:
 def build_cache(model: Any, dense: dict[int, LayerKV], prefix: CompressedPrefix | None = None) -> Any:
     """A fresh ``DynamicCache`` of P tokens for every model layer: ``dense[i]`` for layers not in
     ``prefix.layers``, a zero placeholder of the same shape for layers in it. ``dense`` must cover
-    every layer that is not compressed (:func:`prefill` gives all of them). Tensors are cloned, so
-    the same ``dense`` can seed several runs."""
+    every layer that is not compressed (:func:`prefill` gives all of them). Tensors are copied onto
+    the model's device, so the same ``dense`` can seed several runs."""
     from transformers import DynamicCache
 
     n = int(model.config.num_hidden_layers)
@@ -265,6 +265,7 @@ def build_cache(model: Any, dense: dict[int, LayerKV], prefix: CompressedPrefix 
     if missing:
         raise UsageError(f"layer {missing[0]} has neither an encoded nor a dense prefix")
     ref = next(iter(dense.values())) if dense else None
+    device = next(model.parameters()).device  # the cache lives where the model computes
     data = []
     for i in range(n):
         if i in compressed:
@@ -273,9 +274,9 @@ def build_cache(model: Any, dense: dict[int, LayerKV], prefix: CompressedPrefix 
                 raise UsageError("build_cache needs at least one dense layer to shape the placeholders")
             shape = list(like.keys.shape)
             shape[2] = prefix.prefix_tokens
-            data.append((like.keys.new_zeros(shape), like.values.new_zeros(shape)))
+            data.append((like.keys.new_zeros(shape, device=device), like.values.new_zeros(shape, device=device)))
         else:
-            data.append((dense[i].keys.clone(), dense[i].values.clone()))
+            data.append((dense[i].keys.to(device, copy=True), dense[i].values.to(device, copy=True)))
     try:
         return DynamicCache(ddp_cache_data=data, config=model.config)
     except TypeError:

@@ -301,12 +301,13 @@ def press_kept(model: Any, press: Any, inputs: AttentionInputs, layers: list[int
     with _rotary_on_modules(model):
         for i in chosen:
             module = mods[i]
-            keys, values = inputs.keys[i], inputs.values[i]
+            hidden = inputs.hidden[i]
+            keys, values = inputs.keys[i].to(hidden.device), inputs.values[i].to(hidden.device)  # where the module computes
             b, hkv, t, _ = keys.shape
-            kwargs = {"position_embeddings": inputs.position_embeddings, "cache_position": torch.arange(t), "attention_mask": None}
+            kwargs = {"position_embeddings": inputs.position_embeddings, "cache_position": torch.arange(t, device=hidden.device), "attention_mask": None}
             module.masked_key_indices = None
             try:
-                new_k, _ = press.compress(module, inputs.hidden[i], keys, values, None, kwargs)
+                new_k, _ = press.compress(module, hidden, keys, values, None, kwargs)
                 masked = getattr(module, "masked_key_indices", None)
             finally:
                 module.masked_key_indices = None
