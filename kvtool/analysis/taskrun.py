@@ -251,7 +251,13 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
     done = {(r["sample"], r["setting"]) for r in read_rows(rows_path)}
     todo_settings = settings_of(methods, budgets)
     tok = Tokens(tokenizer)
+    # budgets are filled for one nominal length per task and length, sample 0's, whatever --start a
+    # process was given: processes sharing a folder resolve each family to the same spec
     nominal: dict[tuple[str, int], int] = {}
+    for task in tasks:
+        for length in lengths:
+            first = generate_sample(tokenizer, task, length, seed, 0, tok)
+            nominal[(task, length)] = len(first.context) + (len(first.question) - 1 if question_aware else 0)
     started = time.perf_counter()
     total = len(tasks) * len(lengths) * samples
     n = 0
@@ -270,8 +276,7 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
                 t0 = time.perf_counter()
                 rows = run_sample(model, tokenizer, sample, todo, question_aware, scoring, nominal)
                 with open(rows_path, "a", encoding="utf-8") as fh:
-                    for r in rows:
-                        fh.write(json.dumps(r) + "\n")
+                    fh.write("".join(json.dumps(r) + "\n" for r in rows))  # one write: processes sharing the file never interleave lines
                 ok = sum(1 for r in rows if r.get("correct"))
                 progress.note(f"tasks: {task} {length} #{i} ({n}/{total}): {ok}/{len(rows)} settings right, {time.perf_counter() - t0:.0f} s "
                               f"({time.perf_counter() - started:.0f} s in all)")

@@ -32,9 +32,9 @@ def print_exported(outcome: Outcome) -> None:
             "ring": f" ({r['format']} prefix of {r.get('prefix_tokens')} tokens; later tokens go through its ring buffer)",
         }[r["mode"]],
         "paged": lambda r: (f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, sequence lengths {r['seq_lens']}, {len(r['layers'])} layers"
-                            if not isinstance(r["num_pages"], dict) else
-                            f"{sum(r['num_pages'].values())} pages of {r['page_size']} tokens, {r['layout']}, {len(r['layers'])} layers keeping "
-                            f"{min(r['seq_lens'].values())}..{max(r['seq_lens'].values())} tokens (a page table per layer; next position {r['next_position']})"),
+                            if "next_position" not in r else
+                            f"{r['num_pages']} pages of {r['page_size']} tokens, {r['layout']}, {len(r['layers'])} layers keeping "
+                            f"{min(x['seq_len'] for x in r['layers'])}..{max(x['seq_len'] for x in r['layers'])} tokens (a page table per layer; next position {r['next_position']})"),
         "npz": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
         "dense": lambda r: f"{len(r['layers'])} layers, {r['tokens']} tokens",
         "csv": lambda r: f"{r['rows']} rows from {r['table']}",
