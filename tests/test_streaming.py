@@ -216,3 +216,12 @@ def test_device_option_on_every_command(tmp_path, sample_capture, monkeypatch):
     res = runner.invoke(app, ["stats", str(sample_capture), "--layers", "15", "--device", "cpu", "--json"])
     ref = runner.invoke(app, ["stats", str(sample_capture), "--layers", "15", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["model_summary"] == json.loads(ref.output)["model_summary"]
+
+
+def test_same_device_reads_cuda_as_the_current_gpu(monkeypatch):
+    from kvtool.core.streaming import same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert same_device(torch.device("cuda"), torch.device("cuda:0")) and same_device(torch.device("cuda:0"), torch.device("cuda"))
+    assert not same_device(torch.device("cuda"), torch.device("cuda:1")) and not same_device(torch.device("cuda:0"), torch.device("cpu"))
+    assert same_device(torch.device("cpu"), torch.device("cpu")) and not same_device(torch.device("cpu"), torch.device("cpu:0"))

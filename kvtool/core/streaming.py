@@ -229,6 +229,18 @@ class _LazyLayers(Mapping):
         return len(self.owner.indices)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether tensors on ``a`` are on ``b``: ``cuda`` means the current GPU, so it is the ``cuda:0``
+    a tensor reports when GPU 0 is current (other devices compare as they are)."""
+    if a.type != "cuda" or b.type != "cuda":
+        return a == b
+
+    def index(d: torch.device) -> int:
+        return d.index if d.index is not None else torch.cuda.current_device()
+
+    return index(a) == index(b)
+
+
 _PREFETCH: ThreadPoolExecutor | None = None
 
 
@@ -281,12 +293,12 @@ class LazyCapture(KVCache):
         device = torch.device(device) if device is not None else self.device
         kept = self._kept.get(index)
         if kept is not None:
-            return kept if kept.keys.device == device else kept.to(device)
+            return kept if same_device(kept.keys.device, device) else kept.to(device)
         ahead = self._ahead.pop(index, None)
         layer = ahead.result() if ahead is not None else self._read_host(index)
         self._read_ahead(index)
         layer = layer if device.type == "cpu" else layer.to(device)
-        if self.keep and device == self.device:
+        if self.keep and same_device(device, self.device):
             self._kept[index] = layer
         return layer
 
