@@ -7,7 +7,8 @@
 #   table    4 needle tasks at 1k, every kvtool family, 6 kvpress presses and the task plans in
 #            docs/benchmarks/tasks-plan-*.json at 10/15/25/50% of the float16 bytes, $SAMPLES samples
 #   ceiling  the dense model on every task at 1k..8k tokens (which task lengths it gets right), first
-# Each part is cut at what is left of BUDGET seconds; rows finished by then are summarised.
+# Each part is cut at what is left of BUDGET seconds (the table leaves TABLE_RESERVE s for what follows);
+# rows finished by then are summarised.
 # Results under $OUT: table/ and ceiling/ (tasks.json, tasks.csv, frontier.png, samples.jsonl), log.txt.
 # A rehearsal on the CPU at a tiny size:
 #   SAMPLES=1 JOBS=2 DEV=cpu LENGTHS=400 OUT=/tmp/tasks-rehearsal bash scripts/tasks_gpu.sh ceiling
@@ -19,8 +20,8 @@ START=$(date +%s)
 LOG=$OUT/log.txt
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 K="python3 -m kvtool"
-METHODS="dense,kivi,snapkv,streaming,snapkv+kivi4,snapkv+kivi2,snapkv+kivi4g128,snapkv+kivi2g128,bitmap,bitmapq,signvq"
-PRESSES="press:snapkv,press:expected_attention,press:tova,press:knorm,press:streaming_llm,press:adakv-expected_attention"
+METHODS=${METHODS:-"dense,kivi,snapkv,streaming,snapkv+kivi4,snapkv+kivi2,snapkv+kivi4g128,snapkv+kivi2g128,bitmap,bitmapq,signvq"}
+PRESSES=${PRESSES:-"press:snapkv,press:expected_attention,press:tova,press:knorm,press:streaming_llm,press:adakv-expected_attention"}
 PLANS=$(ls docs/benchmarks/tasks-plan-*.json 2>/dev/null | sed 's/^/plan:/' | paste -sd, -)
 NEEDLES="niah_single,niah_essay,niah_multikey,niah_multikey_essay"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
@@ -61,7 +62,7 @@ echo "model ready at $(($(date +%s) - START)) s" >>"$LOG"
 
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(ceiling table)
 for part in "${parts[@]}"; do case $part in
-  table) run_part table $(( $(left) - 30 )) --tasks "$NEEDLES" --lengths 1k --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 10%,15%,25%,50% ;;
+  table) run_part table $(( $(left) - ${TABLE_RESERVE:-30} )) --tasks "$NEEDLES" --lengths 1k --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 10%,15%,25%,50% ;;
   ceiling) run_part ceiling "${CEILING_S:-100}" --tasks all --lengths "$LENGTHS" --methods dense ;;
 esac; done
 echo "done at $(($(date +%s) - START)) s" >>"$LOG"

@@ -180,7 +180,7 @@ def compress_kept(cache: KVCache, kept: dict[int, list], storage: str = "dense",
     layers, tails = {}, {}
     for i in cache.layer_indices:
         full = cache.layers[i]
-        layers[i] = encode_kept_heads(full.slice_tokens(0, prefix), kept[i], storage, label)
+        layers[i] = encode_kept_heads(full.slice_tokens(0, prefix), [k.to(full.keys.device) for k in kept[i]], storage, label)
         tail = full.slice_tokens(prefix, None)
         tails[i] = LayerKV(keys=tail.keys.contiguous(), values=tail.values.contiguous())
     info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info, "selector": label}
