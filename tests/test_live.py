@@ -347,3 +347,41 @@ def test_bitmap_live_cache_is_what_the_kernel_reads():
         ref, ref_lse = live.partial(q, None)
         assert float((out - ref).norm() / ref.norm()) < 1e-2, stop
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+def _replay(live, keys, values):
+    """What replays of a captured decode step leave: each token written where the device's lengths
+    say, the lengths advanced on the device, the host's counts untouched."""
+    from kvtool.formats.bitmap import BitmapLive
+
+    for t in range(keys.shape[2]):
+        if isinstance(live, BitmapLive):
+            at = int(live.cache.lengths[1])
+            live.cache.window_keys[:, :, at] = keys[:, :, t]
+            live.cache.window_values[:, :, at] = values[:, :, t]
+            live.cache.lengths[1] += 1
+        else:
+            for i, (kind, x) in enumerate((("keys", keys), ("values", values))):
+                live.res[kind][:, :, int(live.lengths[2 + i])] = x[:, :, t]
+            live.lengths[2:4] += 1
+
+
+@pytest.mark.parametrize("spec", ["bitmap", "quant"])
+def test_eager_appends_after_replayed_steps_count_from_the_device(spec):
+    """A serving loop replays a captured step (tokens appended on the device only), then appends a
+    block eagerly: the layer counts from the device's lengths, so nothing is written past its
+    window and it holds what appending every token eagerly gives."""
+    from kvtool.formats.base import get_format
+
+    fmt = get_format(spec)
+    layer = synthetic_cache(tokens=300, head_dim=64, heads=4, kv_heads=2, queries=False).layers[0]
+    params = fmt.Params(sparsity=0.7, dense_window=16) if spec == "bitmap" else fmt.Params(bits=4, group=16, residual=16)
+    eager = fmt.live_from_dense(layer.slice_tokens(0, 150), params)
+    _feed(eager, layer.keys[:, :, 150:], layer.values[:, :, 150:])
+    live = fmt.live_from_dense(layer.slice_tokens(0, 150), params)
+    live.reserve(12)
+    _replay(live, layer.keys[:, :, 150:160], layer.values[:, :, 150:160])
+    live.append(layer.keys[:, :, 160:], layer.values[:, :, 160:])  # 140 tokens at once, eagerly
+    assert live.tokens == eager.tokens == 300
+    a, b = fmt.decode(live.encoded()), fmt.decode(eager.encoded())
+    torch.testing.assert_close(a.keys, b.keys) and torch.testing.assert_close(a.values, b.values)

@@ -404,9 +404,16 @@ class BitmapLive(LiveLayer):
         k = self.cache.keys
         return k.batch, k.kv_heads, self.tokens, k.head_dim
 
+    def _sync(self) -> None:
+        """The host's window count from the device's length (replayed steps append on the device
+        only); eager work: one host read."""
+        if not (self.cache.lengths.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.wn = int(self.cache.lengths[1])
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         done, n = 0, keys.shape[2]
         wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths
+        self._sync()
         while done < n:
             take = min(n - done, self.wcap - self.wn)
             # written where the device says the window ends, so a captured step keeps appending
@@ -455,6 +462,7 @@ class BitmapLive(LiveLayer):
 
     def reserve(self, steps: int) -> None:
         """Encode a block now if fewer than ``steps`` single-token steps fit before the next one."""
+        self._sync()
         while self.room() < steps and self.wn >= TILE:
             self.absorb()
 

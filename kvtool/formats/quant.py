@@ -518,6 +518,7 @@ class QuantLive(LiveLayer):
             self.res_n["keys"] += n
             self.res_n["values"] += n
         else:
+            self._sync()  # replayed steps may have appended on the device since the host last counted
             for i, (kind, x) in enumerate((("keys", keys), ("values", values))):
                 buf, done = self.res[kind], 0
                 while done < n:
