@@ -182,8 +182,9 @@ def test_gpu_compress_and_verify_over_two_gpus_equal_one(tmp_path):
         assert r.exit_code == 0, r.output
         reps.append(json.loads(r.stdout)["attention"])
     assert reps[1]["device"] == "cuda:0,cuda:1"
-    for i in reps[0]["layers"]:
-        assert reps[0]["layers"][i]["errors"]["rel_l2"] == pytest.approx(reps[1]["layers"][i]["errors"]["rel_l2"], rel=1e-6)
+    assert [row["layer"] for row in reps[0]["layers"]] == [row["layer"] for row in reps[1]["layers"]] == [0, 1, 2, 3]
+    for one_gpu, two_gpus in zip(reps[0]["layers"], reps[1]["layers"]):
+        assert one_gpu["errors"]["rel_l2"] == pytest.approx(two_gpus["errors"]["rel_l2"], rel=1e-6)
 
 
 @pytest.mark.gpu

@@ -372,7 +372,29 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-class QuantLive(LiveLayer):
+class _ResidualLive(LiveLayer):
+    """What the quantised live layers share: ``kt`` tokens quantised, ``res_n`` per kind in the
+    full-precision residual buffers ``res``; shape ``b`` x ``h`` x tokens x ``d``."""
+
+    kt: int
+    res_n: dict[str, int]
+    res: dict[str, torch.Tensor]
+    b: int
+    h: int
+    d: int
+
+    @property
+    def tokens(self) -> int:
+        return self.kt + self.res_n["keys"]
+
+    def reference_tensor(self) -> torch.Tensor:
+        return self.res["keys"]
+
+    def encoded_shape(self) -> tuple[int, int, int, int]:
+        return self.b, self.h, self.tokens, self.d
+
+
+class QuantLive(_ResidualLive):
     """A live KIVI layer on the kernel's cache with room to grow (:class:`~kvtool.kernels.kivi_attention.KiviCache`).
 
     Holds, on the model's device: packed key codes with a scale and zero point per channel and group
@@ -449,16 +471,6 @@ class QuantLive(LiveLayer):
                 "codes.values": c.value_codes, "scales.values": c.value_scales, "zeros.values": c.value_zeros}
 
     # -- growth
-
-    @property
-    def tokens(self) -> int:
-        return self.kt + self.res_n["keys"]
-
-    def reference_tensor(self) -> torch.Tensor:
-        return self.res["keys"]
-
-    def encoded_shape(self) -> tuple[int, int, int, int]:
-        return self.b, self.h, self.tokens, self.d
 
     def _sync(self) -> None:
         """The host's counts from the device's lengths (eager work only: one host sync)."""
@@ -610,7 +622,7 @@ class QuantLive(LiveLayer):
         return Encoded(tensors, meta)
 
 
-class SymmetricLive(LiveLayer):
+class SymmetricLive(_ResidualLive):
     """A live ``quant`` layer of scheme int8 / fp8: codes with one scale per token, and
     full-precision residual keys / values (R to R + 31 tokens). A new token joins both residuals;
     when they reach R + 32 tokens their oldest 32 are quantised and joined to the stored codes. A
@@ -646,16 +658,6 @@ class SymmetricLive(LiveLayer):
     @property
     def capacity(self) -> int:
         return self.residual + self.chunk
-
-    @property
-    def tokens(self) -> int:
-        return self.kt + self.res_n["keys"]
-
-    def reference_tensor(self) -> torch.Tensor:
-        return self.res["keys"]
-
-    def encoded_shape(self) -> tuple[int, int, int, int]:
-        return self.b, self.h, self.tokens, self.d
 
     def _absorb_full(self, kind: str) -> None:
         while self.res_n[kind] >= self.capacity:
