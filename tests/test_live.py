@@ -325,8 +325,8 @@ def test_the_shipped_decode_results_render():
     doc = read_bench_json(Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "decode.json")
     text = markdown(doc)
     assert doc["subcommand"] == "decode" and "H100" in doc["env"]["device"]
-    assert "| bitmap:sparsity=0.7 | 8 | 32768 | 15.43 | 518 | 1.26 |" in text
-    assert "| bitmap:sparsity=0.7 (budget) | 27 | 32768 | 30.02 | 900 | 2.14 |" in text
+    assert "| bitmap:sparsity=0.7 | 8 | 32768 | 15.01 | 533 | 1.29 |" in text
+    assert "| bitmap:sparsity=0.7 (budget) | 26 | 32768 | 29.13 | 893 | 2.13 |" in text
 
 
 def test_bitmap_live_cache_is_what_the_kernel_reads():
