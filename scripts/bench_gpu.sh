@@ -6,6 +6,8 @@
 set -u
 export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-230} PYTHONPATH=.:/tmp/site FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# a copied tree's .git may be older than its files: a COMMIT file written before the copy names the commit
+[ -z "${KVTOOL_COMMIT:-}" ] && [ -f COMMIT ] && export KVTOOL_COMMIT=$(cat COMMIT)
 WHL=${WHL:-../.whl}
 if ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl || echo "wheel install failed"
