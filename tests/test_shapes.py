@@ -123,9 +123,8 @@ def test_tied_embeddings_stay_together():
     assert built.lm_head.weight is built.model.embed_tokens.weight
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: auto places on the GPUs")
 def test_auto_map_without_cuda_is_the_cpu():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: auto places on the GPUs")
     assert plan_device_map(empty_model("tiny"), "auto") == {"": "cpu"}
     m = build_model("tiny", device_map="auto")
     assert m.hf_device_map == {"": "cpu"} and m.model.embed_tokens.weight.device.type == "cpu"

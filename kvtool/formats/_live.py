@@ -159,13 +159,13 @@ class LiveLayer(ABC):
     def head_dim(self) -> int:
         return int(self.encoded_shape()[3])
 
+    @abstractmethod
     def encoded_shape(self) -> tuple[int, int, int, int]:
         """``(B, Hkv, tokens, D)``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def reference_tensor(self) -> torch.Tensor:
         """A tensor of the layer in the cache dtype on its device (new tokens are converted to it)."""
-        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:
