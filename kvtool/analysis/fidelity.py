@@ -43,6 +43,7 @@ from kvtool.analysis.metrics import (
     pool_recall,
 )
 from kvtool.hf.models import facts_of, ModelSource
+from kvtool.hf.devices import layer_devices
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -323,8 +324,8 @@ def model_fidelity(model: Any, cc: CompressedCache, reference: DenseReference, g
     ``kl``, ``max_kl`` and, with ``generate``, ``generated`` tokens and ``first_divergence``."""
     if reference.prefix_tokens != cc.prefix_tokens:
         raise UsageError("the dense reference was made for a different prefix length")
-    device = next(model.parameters()).device
-    prefix = hfattn.CompressedPrefix.from_compressed(cc, backend=backend).to(device)
+    # each layer's encoded prefix sits beside the model's layer (one device, or a device map's GPUs)
+    prefix = hfattn.CompressedPrefix.from_compressed(cc, backend=backend).to(layer_devices(model))
     cont = cc.token_ids[:, cc.prefix_tokens:]
     cache = hfattn.build_cache(model, reference.prefix, prefix)
     with hfattn.compressed_attention(model, prefix):

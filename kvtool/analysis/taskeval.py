@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -40,6 +40,7 @@ from kvtool.formats.pipeline import storage_of
 from kvtool.hf import attention as hfattn
 from kvtool.hf import capture as capturing
 from kvtool.hf.interface import cache_kwargs
+from kvtool.hf.devices import layer_devices
 from kvtool.analysis.tasks import TaskSample
 
 EXTRA_TOKENS = 8
@@ -143,12 +144,14 @@ class _Decoded:
         return out, lse
 
 
-def decoded_prefix(cc: CompressedCache, device: torch.device | str = "cpu") -> hfattn.CompressedPrefix:
-    """A :class:`~kvtool.hf.attention.CompressedPrefix` of ``cc`` whose layers are resolved once."""
+def decoded_prefix(cc: CompressedCache, device: torch.device | str | Mapping[int, torch.device] = "cpu") -> hfattn.CompressedPrefix:
+    """A :class:`~kvtool.hf.attention.CompressedPrefix` of ``cc`` whose layers are resolved once,
+    on ``device`` (or layer ``i`` on ``device[i]``: a model's layer devices)."""
     fmt = cc.fmt
     layers = {}
     for i, enc in cc.layers.items():
-        moved = Encoded({n: t.to(device) for n, t in enc.tensors.items()}, enc.meta)
+        dev = device[i] if isinstance(device, Mapping) else device
+        moved = Encoded({n: t.to(dev) for n, t in enc.tensors.items()}, enc.meta)
         layers[i] = _Decoded.resolve(fmt, moved)
     return hfattn.CompressedPrefix(_Decoded(), layers, cc.prefix_tokens)  # type: ignore[arg-type]
 
@@ -202,8 +205,7 @@ def answer(model: Any, tokenizer: Any, prep: Prepared, cc: CompressedCache | Non
     all are; ``nll``: mean negative log-likelihood of the scored tokens). ``greedy``: greedy decoding
     and string match (``text`` is the output)."""
     s = prep.sample
-    device = next(model.parameters()).device
-    prefix = None if cc is None else decoded_prefix(cc, device)
+    prefix = None if cc is None else decoded_prefix(cc, layer_devices(model))
     cache = hfattn.build_cache(model, prep.dense, prefix)
     if scoring == "forced":
         ans = torch.tensor([s.answer])

@@ -80,8 +80,17 @@ def device_label(devices: Sequence[torch.device]) -> str:
     return ",".join(str(d) for d in devices)
 
 
-def _guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def device_guard(device: torch.device | None):
+    """A context with CUDA ``device`` current (Triton kernels and CUDA extensions launch on the
+    current device, whatever device their tensors are on); a no-op for the CPU, for ``None`` and
+    when ``device`` is current already (no device switch per attention call on one GPU)."""
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 
 
 def run_per_device(work: Callable[[int, torch.device], T], placement: Mapping[int, torch.device],
@@ -100,7 +109,7 @@ def run_per_device(work: Callable[[int, torch.device], T], placement: Mapping[in
     for layer in order:
         firsts.setdefault(str(placement[layer]), layer)
     for layer in firsts.values():
-        with _guard(placement[layer]):
+        with device_guard(placement[layer]):
             results[layer] = work(layer, placement[layer])
         if on_done is not None:
             on_done(layer)
@@ -110,7 +119,7 @@ def run_per_device(work: Callable[[int, torch.device], T], placement: Mapping[in
         queues.setdefault(str(placement[layer]), []).append(layer)
     if len(queues) <= 1:  # one device: no thread
         for layer in rest:
-            with _guard(placement[layer]):
+            with device_guard(placement[layer]):
                 results[layer] = work(layer, placement[layer])
             if on_done is not None:
                 on_done(layer)
@@ -123,7 +132,7 @@ def run_per_device(work: Callable[[int, torch.device], T], placement: Mapping[in
             if stop.is_set():
                 return
             try:
-                with _guard(placement[layer]):
+                with device_guard(placement[layer]):
                     out = work(layer, placement[layer])
             except BaseException as exc:  # handed to the calling thread, which raises it
                 stop.set()

@@ -32,6 +32,11 @@ Example (``cc`` a :class:`~kvtool.formats.base.CompressedCache` of ``model``)::
         logits = forward(model, cache, cc.token_ids[:, cc.prefix_tokens:])   # [B, W, V]
         tokens = greedy(model, cache, logits[:, -1], 16)                    # [B, 16]
 
+A model spread over several GPUs by a device map (accelerate) keeps layer ``i``'s cache and encoded
+prefix on layer ``i``'s device (:func:`kvtool.hf.devices.layer_devices`); the attention function
+makes that device current while a layer attends through its source (Triton kernels launch on the
+current device).
+
 Limits: equal-length batches only (no padding mask inside compressed layers), no sliding-window
 or soft-capped attention in compressed layers, no output_attentions.
 """
@@ -41,14 +46,16 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
+from kvtool.hf import devices as hfdevices
 from kvtool.hf import interface as hfinterface
 from kvtool.core.attention import attend_partial, merge_partials
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
+from kvtool.core.placement import device_guard
 from kvtool.formats.base import CompressedCache, Encoded, Format
 
 ATTN_NAME = "kvtool"
@@ -73,9 +80,11 @@ class CompressedPrefix:
         chosen = cc.layer_indices if layers is None else [i for i in layers if i in cc.layers]
         return cls(cc.fmt, {i: cc.layers[i] for i in chosen}, cc.prefix_tokens, backend)
 
-    def to(self, device: torch.device | str) -> "CompressedPrefix":
-        """A copy with every encoded tensor on ``device``."""
-        moved = {i: Encoded({n: t.to(device) for n, t in e.tensors.items()}, e.meta) for i, e in self.layers.items()}
+    def to(self, device: torch.device | str | Mapping[int, torch.device]) -> "CompressedPrefix":
+        """A copy with every encoded tensor on ``device``, or layer ``i``'s on ``device[i]`` (a
+        model's :func:`~kvtool.hf.devices.layer_devices`)."""
+        where = device if isinstance(device, Mapping) else {i: device for i in self.layers}
+        moved = {i: Encoded({n: t.to(where[i]) for n, t in e.tensors.items()}, e.meta) for i, e in self.layers.items()}
         return CompressedPrefix(self.fmt, moved, self.prefix_tokens, self.backend)
 
     def attend_layer(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -160,11 +169,13 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         result = dense(module, query, key, value, attention_mask, **kwargs)
         hook = getattr(_state, "prefill_hook", None)
         if hook is not None:
-            hook(module, query, key, value)
+            with device_guard(query.device):
+                hook(module, query, key, value)
         return result
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise UsageError(f"layer {idx}: soft-capped or sliding-window attention is not supported on a compressed prefix")
-    out = source.attend_layer(idx, query, key, value, kwargs.get("scaling"))
+    with device_guard(query.device):  # a layer on another GPU than the current one (a device map)
+        out = source.attend_layer(idx, query, key, value, kwargs.get("scaling"))
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -256,7 +267,8 @@ def build_cache(model: Any, dense: dict[int, LayerKV], prefix: CompressedPrefix 
     """A fresh ``DynamicCache`` of P tokens for every model layer: ``dense[i]`` for layers not in
     ``prefix.layers``, a zero placeholder of the same shape for layers in it. ``dense`` must cover
     every layer that is not compressed (:func:`prefill` gives all of them). Tensors are copied onto
-    the model's device, so the same ``dense`` can seed several runs."""
+    the device of the model's layer (:func:`~kvtool.hf.devices.layer_devices`: one device, or each
+    layer's GPU under a device map), so the same ``dense`` can seed several runs."""
     from transformers import DynamicCache
 
     n = int(model.config.num_hidden_layers)
@@ -265,9 +277,10 @@ def build_cache(model: Any, dense: dict[int, LayerKV], prefix: CompressedPrefix 
     if missing:
         raise UsageError(f"layer {missing[0]} has neither an encoded nor a dense prefix")
     ref = next(iter(dense.values())) if dense else None
-    device = next(model.parameters()).device  # the cache lives where the model computes
+    where = hfdevices.layer_devices(model)  # each layer's cache lives where that layer computes
     data = []
     for i in range(n):
+        device = where[i]
         if i in compressed:
             like = dense.get(i) or ref
             if like is None:

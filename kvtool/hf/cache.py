@@ -34,10 +34,11 @@ import torch
 from kvtool.hf import models, shapes
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import device_guard, resolve_device
 from kvtool.formats.files import check_all_layers, dense_of, read_kv_file
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.hf.attention import CompressedPrefix, hand_over, use_kvtool_attention
+from kvtool.hf.devices import layer_devices
 from kvtool.hf.interface import cache_kwargs
 
 
@@ -158,7 +159,7 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
     """The transformers cache for a loaded kvtool object (see :func:`to_hf_cache`). ``mode``:
     ``auto`` (a capture: dense; a compressed file: ``live``, or ``ring`` for a ring-buffer format
     without a live layer of its own), ``live`` (the format's encoded tensors
-    on the model's device, growing the format's way: :mod:`kvtool.hf.live`), ``dense`` (decoded
+    on the device of the model's layer, growing the format's way: :mod:`kvtool.hf.live`), ``dense`` (decoded
     tensors, where a dense cache can stand in for the file), ``attend`` (the compressed prefix through
     kvtool's attention function, new tokens dense) or ``ring`` (new tokens through the format's ring
     buffer).
@@ -177,8 +178,8 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
         raise UsageError(f"{path}: format {obj.format} selects tokens per query; a dense cache cannot stand in for it")
     check_model(model, obj.facts, path)
     check_all_layers(obj.layer_indices, obj.facts.num_layers, path)
-    param = next(model.parameters())
-    dtype, device = param.dtype, param.device
+    dtype = next(model.parameters()).dtype
+    where = layer_devices(model)  # layer i's cache sits on layer i's device (one, or a device map's)
     if mode == "auto":
         if isinstance(obj, KVCache):
             mode = "dense"
@@ -192,7 +193,7 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
         return live_cache_from(obj, model, hold_last)
     if mode == "dense":
         dense = dense_of(obj, path, "hf")
-        data = [(dense.layers[i].keys.to(device, dtype), dense.layers[i].values.to(device, dtype)) for i in range(obj.facts.num_layers)]
+        data = [(dense.layers[i].keys.to(where[i], dtype), dense.layers[i].values.to(where[i], dtype)) for i in range(obj.facts.num_layers)]
         cache = DynamicCache(ddp_cache_data=data, config=model.config)
         if hold_last:
             cache.crop(-1)
@@ -205,6 +206,7 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
     b = int(obj.token_ids.shape[0])
     data = []
     for i in range(f.num_layers):
+        device = where[i]
         placeholder = torch.zeros(b, f.num_kv_heads, obj.prefix_tokens, f.head_dim, dtype=dtype, device=device)
         tail = obj.tails.get(i)
         keys, values = placeholder, placeholder
@@ -213,7 +215,7 @@ def cache_from(obj: KVCache | CompressedCache, model: Any, path: Path | str = "<
             values = torch.cat([placeholder, tail.values.to(device, dtype)], dim=2)
         data.append((keys, values))
     cache = _dynamic_cache_class()(ddp_cache_data=data, config=model.config)
-    cache.kvtool_prefix = CompressedPrefix(obj.fmt, obj.layers, obj.prefix_tokens).to(device)
+    cache.kvtool_prefix = CompressedPrefix(obj.fmt, obj.layers, obj.prefix_tokens).to(where)
     if hold_last:
         cache.crop(-1)
     use_kvtool_attention(model)
@@ -225,17 +227,18 @@ def ring_cache(cc: CompressedCache, model: Any, hold_last: bool = False) -> Any:
     held-out tail already written into the ring (all but its last token with ``hold_last``)."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    where = layer_devices(model)
     append = cc.fmt.append_token
     cache = DynamicCache(config=model.config)
     ring_layer = _ring_layer_class()
     for i in range(cc.facts.num_layers):
-        enc = cc.layers[i]
+        enc, device = cc.layers[i], where[i]
         ring = RingState(cc.fmt, append, Encoded({n: t.to(device).clone() for n, t in enc.tensors.items()}, dict(enc.meta)))
         tail = cc.tails.get(i)
         if tail is not None:
             stop = tail.keys.shape[2] - (1 if hold_last else 0)
-            ring.push(tail.keys[:, :, :stop].to(device), tail.values[:, :, :stop].to(device))
+            with device_guard(device):
+                ring.push(tail.keys[:, :, :stop].to(device), tail.values[:, :, :stop].to(device))
         cache.layers[i] = ring_layer(i, ring)
     use_kvtool_attention(model)
     return cache
@@ -246,9 +249,10 @@ def to_hf_cache(path: str | Path, model: Any, mode: str = "auto", hold_last: boo
     ``model`` (a transformers causal LM whose shapes match the file's model facts).
 
     A compressed file becomes a live cache (``mode="live"``, :mod:`kvtool.hf.live`): each layer
-    holds the format's encoded tensors on the model's device, attends through the format's kernel
+    holds the format's encoded tensors on the device of the model's layer (one device, or each
+    layer's GPU when accelerate spread the model), attends through the format's kernel
     (CUDA) or torch reference, and encodes new tokens the format's way. A capture becomes a
-    ``DynamicCache`` of keys/values ``[B, Hkv, T, D]`` in the model's dtype on its device, for every
+    ``DynamicCache`` of keys/values ``[B, Hkv, T, D]`` in the model's dtype on its layers' devices, for every
     layer (a capture that lacks layers is refused). Continue with
     ``model.generate(continuation_ids(path, new_ids), cache=cache)`` (``past_key_values=`` on
     older transformers). For selection formats the model is switched to kvtool's attention

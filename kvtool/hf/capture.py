@@ -21,7 +21,7 @@ import torch
 from kvtool._version import __version__
 from kvtool.core import io
 from kvtool.core.placement import resolve_device
-from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name, format_indices, parse_indices
+from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name, parse_indices
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.streaming import StreamingWriter
 from kvtool.hf import devices, models
@@ -355,10 +355,7 @@ def _info(plan: _Plan, generate: int, hidden: bool, chunk_size: int | None) -> d
     where = _layer_devices(plan.mdl)
     if len(set(where.values())) > 1:  # spread by a device map: say where each captured layer ran
         info["device"] = ",".join(dict.fromkeys(str(d) for d in where.values()))
-        by_device: dict[str, list[int]] = {}
-        for i in plan.layers:
-            by_device.setdefault(str(where.get(i, "?")), []).append(i)
-        info["layer_devices"] = "; ".join(f"{d} {format_indices(ls)}" for d, ls in by_device.items())  # "cuda:0 0-39; cuda:1 40-79"
+        info["layer_devices"] = devices.layer_devices_text(where, plan.layers)  # "cuda:0 0-39; cuda:1 40-79"
     if plan.query_layers and plan.query_layers != plan.layers:
         info["query_layers"] = plan.query_layers
     if chunk_size is not None and chunk_size < plan.input_ids.shape[1]:

@@ -6,9 +6,11 @@ and values read back) asks :func:`layer_devices`; work with no model spreads lay
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
+
+from kvtool.core.cache import format_indices
 
 
 def decoder_layers(model: Any) -> Any:
@@ -36,8 +38,15 @@ def module_device(module: Any) -> torch.device:
 
 def layer_devices(model: Any) -> dict[int, torch.device]:
     """``{layer index: device}`` for every decoder layer of ``model`` (one device for a model on
-    one device; a model loaded with ``device_map="auto"`` over GPUs gives each layer its GPU)."""
-    return {i: module_device(layer) for i, layer in enumerate(decoder_layers(model))}
+    one device; a model loaded with ``device_map="auto"`` over GPUs gives each layer its GPU). A
+    model whose decoder layers are not found at ``model.model.layers`` is taken to run where its
+    first parameter is, for each of its ``config.num_hidden_layers`` layers."""
+    try:
+        layers = decoder_layers(model)
+    except AttributeError:
+        n = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+        return {i: module_device(model) for i in range(n)}
+    return {i: module_device(layer) for i, layer in enumerate(layers)}
 
 
 def devices_of(model: Any) -> list[torch.device]:
@@ -47,3 +56,19 @@ def devices_of(model: Any) -> list[torch.device]:
         if dev not in out:
             out.append(dev)
     return out
+
+
+def layer_devices_text(where: Mapping[int, torch.device], layers: Iterable[int] | None = None) -> str:
+    """Where ``layers`` (default: all of ``where``) run, for reports: ``"cuda:0"`` on one device,
+    ``"cuda:0 0-39; cuda:1 40-79"`` over several."""
+    by_device: dict[str, list[int]] = {}
+    for i in (sorted(where) if layers is None else layers):
+        by_device.setdefault(str(where.get(i, "?")), []).append(i)
+    if len(by_device) == 1:
+        return next(iter(by_device))
+    return "; ".join(f"{d} {format_indices(ls)}" for d, ls in by_device.items())
+
+
+def model_device_text(model: Any) -> str:
+    """:func:`layer_devices_text` of ``model``'s decoder layers."""
+    return layer_devices_text(layer_devices(model))

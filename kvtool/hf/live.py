@@ -1,7 +1,7 @@
 """Live caches in transformers: compression that is real in a running model.
 
 A *live cache* is a transformers ``DynamicCache`` whose layers are :class:`LiveCacheLayer` s: each
-holds one model layer's cache in a format's own encoded tensors on the model's device (a
+holds one model layer's cache in a format's own encoded tensors on the device of its model layer (a
 :class:`~kvtool.formats._live.LiveLayer`, built by the format's module) and grows the format's way
 while the model decodes. A layer's ``update`` hands the new tokens to kvtool's attention function
 (``kvtool``, :mod:`kvtool.hf.attention`), which calls :meth:`LiveLayer.step`: the new keys/values join
@@ -32,11 +32,13 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
+from kvtool.core.placement import device_guard
 from kvtool.formats._live import LiveLayer
 from kvtool.formats.base import CompressedCache, Format, FormatParams, get_format, make_params
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import load_plan
 from kvtool.hf import interface as hfinterface
+from kvtool.hf.devices import layer_devices
 from kvtool.hf.attention import ATTN_NAME, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
 
 _state = threading.local()
@@ -202,29 +204,31 @@ def make_live_layer(layer_idx: int, live: LiveLayer, seen: int) -> Any:
 
 def live_cache_from(cc: CompressedCache, model: Any, hold_last: bool = False) -> Any:
     """A live cache (module docstring) from a compressed kvtool object for ``model``: every layer's
-    encoded prefix made live on the model's device (``fmt.live_layer``), the file's held-out tokens
+    encoded prefix made live on the device of the model's layer ``i`` (``fmt.live_layer``; each
+    layer's GPU under a device map), the file's held-out tokens
     appended (all but the last with ``hold_last``). The model is switched to kvtool's attention."""
     from transformers import DynamicCache
 
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
+    dtype = next(model.parameters()).dtype
+    where = layer_devices(model)  # a device map's layers keep their caches beside them
     fmt = cc.fmt
     cache = DynamicCache(config=model.config)
     f = cc.facts
     b = int(cc.token_ids.shape[0])
     for i in range(f.num_layers):
-        enc = cc.layers[i]
+        enc, device = cc.layers[i], where[i]
         like = torch.empty((b, f.num_kv_heads, 0, f.head_dim), dtype=dtype, device=device)
         moved = type(enc)({n: t.to(device) for n, t in enc.tensors.items()}, dict(enc.meta))
-        live = fmt.live_layer(moved, like)
         seen = cc.prefix_tokens
         tail = cc.tails.get(i)
-        if tail is not None:
-            stop = tail.keys.shape[2] - (1 if hold_last else 0)
-            if stop > 0:
-                ld = live.dtype
-                live.append(tail.keys[:, :, :stop].to(device, ld), tail.values[:, :, :stop].to(device, ld))
-                seen += stop
+        with device_guard(device):  # the format's kernels launch on the current device
+            live = fmt.live_layer(moved, like)
+            if tail is not None:
+                stop = tail.keys.shape[2] - (1 if hold_last else 0)
+                if stop > 0:
+                    ld = live.dtype
+                    live.append(tail.keys[:, :, :stop].to(device, ld), tail.values[:, :, :stop].to(device, ld))
+                    seen += stop
         cache.layers[i] = make_live_layer(i, live, seen)
     use_kvtool_attention(model)
     return cache
@@ -248,7 +252,8 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
         t = layer.get_seq_length()
         keys, values = layer.keys, layer.values
         try:
-            live = fmt.live_from_dense(LayerKV(keys, values), params)
+            with device_guard(keys.device):
+                live = fmt.live_from_dense(LayerKV(keys, values), params)
         except UsageError as exc:
             if "queries" not in str(exc):
                 raise
