@@ -23,15 +23,17 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.hf.passes import layer_calls
 from kvtool.formats.base import CompressedCache, load_compressed
 from kvtool.hf import models
+from kvtool.hf.devices import model_device_text
 
 
 def load_model(spec: str, facts, device: Any = None) -> tuple[Any, str]:
     """Load a model for model-level fidelity and check it against the capture's facts. On a CUDA
-    ``device`` it loads there in the capture's dtype; on the CPU (the default) as it is stored."""
-    if device is not None and torch.device(device).type == "cuda":
-        model, _tok, source = models.load(spec, device=str(device), torch_dtype=facts.torch_dtype)
-    else:
-        model, _tok, source = models.load(spec)
+    ``device`` it loads there in the capture's dtype; on the CPU (the default) as it is stored.
+    ``device`` may be a list of devices (:func:`~kvtool.core.placement.resolve_devices`): a model
+    too large for the first GPU is then spread over the listed GPUs by accelerate
+    (:func:`kvtool.hf.models.load_on_devices`); the caches it runs on follow its layers."""
+    devices = list(device) if isinstance(device, (list, tuple)) else [torch.device(device) if device is not None else torch.device("cpu")]
+    model, _tok, source = models.load_on_devices(spec, devices, torch_dtype=facts.torch_dtype if devices[0].type == "cuda" else None)
     name = source.name if spec in (None, "", "embedded", "smollm2") else str(spec)
     check_model_facts(model, facts, name)
     return model, name
@@ -51,8 +53,10 @@ def verify_file(
     """Attention-level and (with a model) model-level fidelity of a compressed file; see
     :mod:`kvtool.analysis.fidelity`. The capture's layers are read one at a time onto ``device``
     (default ``auto``: every visible GPU, layers spread over them and scored at once; else the
-    CPU), where the references and the format run; the model runs on the first device. Returns
-    the report dict that ``--json`` prints."""
+    CPU), where the references and the format run. The model runs on the first device, or, when
+    its weights do not fit there, spread over the devices by accelerate, each layer's compressed
+    prefix beside it (:func:`load_model`); ``model_fidelity.device`` says where. Returns the
+    report dict that ``--json`` prints."""
     if generate < 0:
         raise UsageError(f"--generate must be 0 or more, got {generate}")
     devices = resolve_devices(device)
@@ -81,7 +85,7 @@ def verify_file(
         return report
     progress.stage("loading the model", 1)
     try:
-        mdl, name = load_model(spec, cc.facts, dev)
+        mdl, name = load_model(spec, cc.facts, devices)
     except BadDataError as exc:
         if model:
             raise
@@ -92,6 +96,7 @@ def verify_file(
     with layer_calls(mdl, progress, f"compressed pass (continuation, {generate} generated)", 1 + steps):
         report["model_fidelity"] = model_fidelity(mdl, cc, ref, generate, backend=report["attention"]["backend"])
     report["model_fidelity"]["model"] = name
+    report["model_fidelity"]["device"] = model_device_text(mdl)
     return report
 
 

@@ -111,19 +111,21 @@ def load(
     device_map: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     torch_dtype: Any = None,
+    max_memory: dict[Any, Any] | None = None,
 ) -> tuple[Any, Any, ModelSource]:
     """Load ``(model, tokenizer, source)`` offline, in eval mode.
 
     GGUF sources are dequantised by transformers on first use (about 17 s for the embedded model on
     2 CPU cores) and the result is saved as a safetensors folder under :func:`cache_root`, so later
     loads take a few seconds. A ``random:<shape>`` model is built on ``device`` (or over
-    ``device_map``) with seed 0 and has no tokenizer (``None``)."""
+    ``device_map``) with seed 0 and has no tokenizer (``None``). ``max_memory``: accelerate's
+    per-device budgets for a string ``device_map`` (``{0: bytes, 1: bytes}``: only those GPUs)."""
     _offline()
     if not device_map:
         resolve_device(device)  # a bad --device is a usage error before the load, not a RuntimeError after it
     source = resolve(spec)
     if source.kind == "random":
-        model = shapes.build_model(str(source.path), device=device, device_map=device_map, dtype=torch_dtype)
+        model = shapes.build_model(str(source.path), device=device, device_map=device_map, max_memory=max_memory, dtype=torch_dtype)
         return model, None, source
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -137,6 +139,8 @@ def load(
         kwargs["dtype"] = torch_dtype
     if device_map:
         kwargs["device_map"] = device_map
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
     elif str(device) != "cpu":
         # straight onto the device: transformers builds the model on the meta device and places
         # each weight there as it is read (no host copy of the model, no .to() afterwards)
@@ -172,6 +176,47 @@ def load(
         model.to(device)
     model.eval()
     return model, tokenizer, source
+
+
+# a model whose weights take more than this share of the first GPU's free memory is spread over
+# the GPUs given; a smaller one stays whole on the first (no hop between GPUs per layer)
+ONE_GPU_SHARE = 0.5
+
+
+def weight_bytes(spec: str | os.PathLike | None, torch_dtype: Any = None) -> int | None:
+    """The bytes a model's weights take once loaded, as far as known before loading: a
+    ``random:<shape>`` model's parameters times the dtype's size, a folder's ``*.safetensors``
+    files; None for GGUF files (small models, dequantised on the host)."""
+    import torch
+
+    source = resolve(spec)
+    if source.kind == "random":
+        shape = shapes.shape_named(str(source.path))
+        dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else getattr(torch, str(torch_dtype or shape.dtype))
+        return shape.params() * torch.empty(0, dtype=dtype).element_size()
+    if source.kind == "hf-folder":
+        return sum(f.stat().st_size for f in Path(source.path).glob("*.safetensors"))
+    return None
+
+
+def load_on_devices(spec: str | os.PathLike | None, devices: list[Any], torch_dtype: Any = None) -> tuple[Any, Any, ModelSource]:
+    """:func:`load` for work spread over ``devices`` (:func:`kvtool.core.placement.resolve_devices`):
+    on several GPUs, a model whose weights (:func:`weight_bytes`) exceed ``ONE_GPU_SHARE`` of the
+    first GPU's free memory is spread by accelerate (``balanced``) over those GPUs only, each
+    decoder layer whole on one; otherwise the model loads on the first device (on the CPU as it is
+    stored, on a GPU in ``torch_dtype``). Where its layers went: :func:`kvtool.hf.devices.layer_devices`."""
+    import torch
+
+    first = devices[0]
+    gpus = [d for d in devices if d.type == "cuda" and d.index is not None]
+    if first.type == "cuda" and len(gpus) > 1:
+        need = weight_bytes(spec, torch_dtype)
+        if need is not None and need > ONE_GPU_SHARE * torch.cuda.mem_get_info(first)[0]:
+            budget = {d.index: int(0.9 * torch.cuda.mem_get_info(d)[0]) for d in gpus}
+            return load(spec, device_map="balanced", max_memory=budget, torch_dtype=torch_dtype)
+    if first.type == "cuda":
+        return load(spec, device=str(first), torch_dtype=torch_dtype)
+    return load(spec)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
