@@ -27,11 +27,12 @@ from kvtool.core import io
 from kvtool.core.cache import parse_indices
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import to_json_text
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import device_label, layer_placement, resolve_devices
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
-from kvtool.formats.base import FORMATS, compress_cache, make_params
+from kvtool.formats.base import FORMATS, compress_cache, compress_cache_over, make_params
 from kvtool.hf import models
+from kvtool.hf.devices import model_device_text
 
 CSV_FIELDS = [
     "capture", "comparison", "label", "format", "params_text", "storage_ratio", "traffic_ratio", "rel_l2", "cosine",
@@ -63,8 +64,11 @@ def run_eval(
     texts: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a sweep; write ``eval.json``, ``eval.csv`` and the frontier plot(s) into
-    ``out_dir``; return ``{"rows", "files", "resumed"}``. Each point reads the capture's layers one at
-    a time onto ``device`` (default: CUDA when present), where formats encode and are scored.
+    ``out_dir``; return ``{"rows", "files", "resumed", "device"}``. Each point reads the capture's
+    layers one at a time onto ``device`` (default ``auto``: every visible GPU, the layers spread over
+    them in contiguous blocks and encoded and scored at once, one thread per GPU; else the CPU; or a
+    list such as ``cuda:0,cuda:1``). The model runs on the first device, or spread over the devices
+    when it does not fit there (:func:`kvtool.analysis.verify.load_model`).
     ``texts`` (file paths, or ``shipped`` for kvtool's held-out texts) adds their continuations to the
     model-level metrics: each point's row then holds ``<metric>_mean``/``_lo``/``_hi`` (95% interval)
     over the capture and the texts. ``progress`` gets a note per point. ``threads``: torch CPU threads
@@ -75,7 +79,7 @@ def run_eval(
         torch.set_num_threads(threads)
     try:
         return _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force,
-                         or_silent(progress), debug, layers, resolve_device(device), texts)
+                         or_silent(progress), debug, layers, resolve_devices(device), texts)
     finally:
         torch.set_num_threads(before)
 
@@ -89,7 +93,7 @@ def _text_list(texts: list[str] | None) -> list[tuple[str, str]]:
 
 
 def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_model, generate, metric, x_axis, force,
-              progress: Progress, debug, layers, dev, texts=None) -> dict[str, Any]:
+              progress: Progress, debug, layers, devices, texts=None) -> dict[str, Any]:
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
     if generate < 0:
@@ -118,7 +122,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
     done_count = 0
     progress.stage("eval", total)
     for cap_path in captures:
-        cache = _load_capture(cap_path, layers, dev)
+        cache = _load_capture(cap_path, layers, devices)
         if cache.num_tokens <= heldout:
             raise UsageError(f"capture {cap_path} has {cache.num_tokens} tokens, too short for --heldout {heldout} (lower --heldout or capture a longer prompt)")
         if not cache.has_queries:
@@ -144,7 +148,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
             else:
                 if spec is not None and reference is None:
                     if spec not in models_loaded:
-                        models_loaded[spec] = load_model(spec, cache.facts, dev)
+                        models_loaded[spec] = load_model(spec, cache.facts, devices)
                         if texts:
                             models_loaded[spec + ":tok"] = models.load(spec if spec != "embedded" else None)[1]
                     mdl, name = models_loaded[spec]
@@ -154,7 +158,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
                     if texts:
                         cases = text_cases(mdl, models_loaded[spec + ":tok"], _text_list(texts), cache.num_tokens, heldout, cache.layer_indices, cache.facts.dtype)
                         progress.note(f"eval: {len(cases)} held-out texts prefilled ({time.perf_counter() - started:.0f} s)")
-                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, dev, cases))
+                row.update(_run_point(cache, sha, cap_path, p, heldout, backend, models_loaded.get(spec), reference, generate, debug, devices, cases))
                 if not row.get("skipped"):
                     finished[key] = row
             rows.append(row)
@@ -176,12 +180,18 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
         name = "frontier.png" if len(captures) == 1 else f"frontier-{cap_path.stem}.png"
         plot_frontier(own, out_dir / name, metric, x_key, title=f"{cap_path.name}: {METRICS[metric][0]} vs bytes, {heldout} held-out queries")
         files[f"plot:{cap_path.name}"] = str(out_dir / name)
-    return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key}
+    where = {"device": device_label(devices)}
+    loaded = [pair[0] for key, pair in models_loaded.items() if not key.endswith(":tok")]
+    if loaded:
+        where["model_device"] = model_device_text(loaded[0])
+    return {"rows": rows, "files": files, "resumed": resumed, "metric": metric, "x": x_key, **where}
 
 
-def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
+def _load_capture(path: Path, layers: str | None, devices: list[torch.device]):
     """The capture (keys, values, queries), optionally only the ``--layers`` selection (the model
-    runs the other layers densely), read one layer at a time onto ``device`` when used."""
+    runs the other layers densely), read one layer at a time onto its device when used (the first
+    of ``devices``, or its block's device when layers are spread over several)."""
+    device = devices[0]
     parts = ("keys", "values", "queries")
     if layers is None:
         cache = open_capture(path, parts=parts, device=device)
@@ -192,15 +202,19 @@ def _load_capture(path: Path, layers: str | None, device: Any = "cpu"):
         cache = open_capture(path, layers=parse_indices(layers, facts.num_layers), parts=parts, device=device)
     # every point compresses and scores the same layers: on a GPU with room for them, each layer is
     # read and checked once for the whole sweep, not twice per point
-    cache.keep_on_device()
+    cache.keep_on_device(placement=layer_placement(cache.layer_indices, devices) if len(devices) > 1 else None)
     return cache
 
 
-def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, device=None, cases=()) -> dict[str, Any]:
+def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, devices, cases=()) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
+    device = devices if len(devices) > 1 else devices[0]
     try:
-        cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
+        if len(devices) > 1:  # each layer encoded where it is scored next
+            cc = compress_cache_over(cache, fmt, make_params(fmt, p.values), layer_placement(cache.layer_indices, devices), heldout=heldout)
+        else:
+            cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
         cc.info["source_sha256"] = sha
         cc.info["source_path"] = str(cap_path)
         att = attention_fidelity(cc, cache, heldout, backend, device=device)

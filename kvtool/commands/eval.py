@@ -14,7 +14,7 @@ from kvtool.commands._catalog import format_summaries
 from kvtool.commands._complete import complete_format
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
-    DeviceOpt,
+    DevicesOpt,
     graded,
     ModelOpt,
     NoModelOpt,
@@ -134,6 +134,8 @@ def print_results(result: dict[str, Any]) -> None:
         console.print(make_table("skipped points", ["format", "parameters", "why"], [(r["format"], r["params_text"], r["skipped"]) for r in skipped]))
     if result["resumed"]:
         show("resumed: {} finished points were read from {}, not recomputed", result["resumed"], result["files"]["json"])
+    if "," in result.get("device", "") or "," in result.get("model_device", "") or ";" in result.get("model_device", ""):
+        show("layers ran on {}" + ("; the model on {}" if result.get("model_device") else ""), result["device"], result.get("model_device"))
     show("wrote {}", ", ".join(v for v in result["files"].values()))
 
 
@@ -148,6 +150,7 @@ def print_results(result: dict[str, Any]) -> None:
         "kvtool eval sample: --no-model --out-dir sample.eval",
         "kvtool eval cap.safetensors --formats 'bitmap:sparsity=0.5,0.7,0.9' 'signvq:bits=2,4' --no-paper",
         "kvtool eval cap.safetensors --formats 'pagestat:budget=128,512,score=unique,quest' --metric recall --x traffic --json",
+        "kvtool eval cap70b.safetensors --formats 'bitmap:sparsity=0.5,0.7' --no-paper --no-model --device cuda:0,cuda:1   # layers over 2 GPUs",
     ),
     render=lambda outcome: print_results(outcome.view),
     api="evaluate",  # eval is a Python builtin
@@ -167,7 +170,7 @@ def eval_cmd(
     x: Annotated[str, typer.Option("--x", help="Frontier x axis: storage|traffic (% of dense bytes).")] = "storage",
     layers: Annotated[str | None, typer.Option("--layers", help="Compress only these layers, e.g. 0,7,15,23 (the model runs the others densely; default: all captured).")] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Recompute every point instead of resuming from eval.json.")] = False,
-    device: DeviceOpt = "auto",
+    device: DevicesOpt = "auto",
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
     texts: Annotated[list[str] | None, typer.Option("--texts", help="Also score the model on held-out texts: 'shipped' (kvtool's prose, code, dialogue) or your text files; rows gain mean and 95% interval over the capture and the texts (about 3 s more per point and text).")] = None,
     *,
@@ -192,7 +195,8 @@ def eval_cmd(
     if result["rows"] and len(skipped) == len(result["rows"]):
         first = skipped[0]
         raise BadDataError(f"no point of the sweep could run: all {len(skipped)} were skipped (first, {first.get('spec')}: {first['skipped']})")
-    data = {"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "points": result["rows"]}
+    data = {"files": result["files"], "resumed": result["resumed"], "metric": result["metric"], "x": result["x"], "device": result["device"],
+            **({"model_device": result["model_device"]} if "model_device" in result else {}), "points": result["rows"]}
     return Outcome(data, inputs=captures, output=out_dir, view=result)
 
 

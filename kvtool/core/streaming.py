@@ -278,6 +278,7 @@ class LazyCapture(KVCache):
         self.file = file if file is not None else io.KVFile(path)
         self.query_tail = query_tail
         self.keep = False
+        self.homes: dict[int, torch.device] = {}  # where a kept layer stays (default: the capture's device)
         self.prefetch = True
         self._kept: dict[int, LayerKV] = {}
         self._ahead: dict[int, Future] = {}
@@ -298,7 +299,7 @@ class LazyCapture(KVCache):
         layer = ahead.result() if ahead is not None else self._read_host(index)
         self._read_ahead(index)
         layer = layer if device.type == "cpu" else layer.to(device)
-        if self.keep and same_device(device, self.device):
+        if self.keep and same_device(device, self.homes.get(index, self.device)):
             self._kept[index] = layer
         return layer
 
@@ -343,21 +344,30 @@ class LazyCapture(KVCache):
 
     def selected_bytes(self) -> int:
         """Bytes of every tensor the selected layers and parts would read."""
-        total = 0
-        for i in self.indices:
-            for p in self.layer_parts(i):
-                begin, end = self.file.header.spans[f"layers.{i}.{p}"]
-                total += end - begin
-        return total
+        return sum(self.layer_bytes(i) for i in self.indices)
 
-    def keep_on_device(self, share: float = 0.3) -> bool:
+    def keep_on_device(self, share: float = 0.3, placement: dict[int, torch.device] | None = None) -> bool:
         """Keep layers once read when the device is a GPU whose free memory holds every selected
-        layer within ``share`` of it; returns whether it does."""
-        if self.device.type != "cuda":
+        layer within ``share`` of it; returns whether it does. With ``placement`` (``{layer:
+        device}``, layers spread over GPUs) each GPU must hold its own layers that way, and a
+        layer is kept where the placement puts it."""
+        homes = dict(placement) if placement is not None else {i: self.device for i in self.indices}
+        if any(d.type != "cuda" for d in homes.values()):
             return False
-        free, _total = torch.cuda.mem_get_info(self.device)
-        self.keep = self.selected_bytes() <= share * free
+        need: dict[str, int] = {}
+        for i in self.indices:
+            need[str(homes[i])] = need.get(str(homes[i]), 0) + self.layer_bytes(i)
+        self.homes = homes
+        self.keep = all(n <= share * torch.cuda.mem_get_info(torch.device(d))[0] for d, n in need.items())
         return self.keep
+
+    def layer_bytes(self, index: int) -> int:
+        """Bytes of the tensors layer ``index``'s selected parts would read."""
+        total = 0
+        for p in self.layer_parts(index):
+            begin, end = self.file.header.spans[f"layers.{index}.{p}"]
+            total += end - begin
+        return total
 
     def materialize(self) -> KVCache:
         """Every selected layer read into memory (on the device): an ordinary KVCache."""

@@ -360,6 +360,32 @@ def compress_cache(cache: KVCache, fmt: Format, params: FormatParams, heldout: i
     return CompressedCache(cache.facts, fmt.name, params.to_dict(), layers, tails, cache.token_ids, info)
 
 
+def compress_cache_over(cache: KVCache, fmt: Format, params: FormatParams, placement: "typing.Mapping[int, torch.device]", heldout: int = 0, progress=None) -> CompressedCache:
+    """:func:`compress_cache` with layer ``i`` read onto ``placement[i]`` and encoded there, each
+    device's layers in a thread of its own, the devices at once
+    (:func:`kvtool.core.placement.run_per_device`). The same container as :func:`compress_cache`
+    (every format encodes one layer at a time), its layers on their devices. A lazily read capture
+    (:class:`~kvtool.core.streaming.LazyCapture`) reads each layer in the thread that encodes it.
+    ``progress(layer)`` is called from the calling thread."""
+    from kvtool.core.placement import run_per_device  # deferred: threads only where several devices work
+
+    def one(i: int, dev: torch.device) -> CompressedCache:
+        read = getattr(cache, "read_layer", None)
+        layer = read(i, dev) if read is not None else cache.layers[i].to(dev)
+        part = KVCache(cache.facts, {i: layer}, cache.token_ids, cache.info, cache.attention_mask)
+        return compress_cache(part, fmt, params, heldout=heldout)  # a streamed layer is dropped once encoded
+
+    done = run_per_device(one, placement, on_done=progress)
+    parts = list(done.values())
+    cc = parts[0]
+    for part in parts[1:]:
+        cc.layers.update(part.layers)
+        cc.tails.update(part.tails)
+    cc.layers = {i: cc.layers[i] for i in placement}
+    cc.tails = {i: cc.tails[i] for i in placement if i in cc.tails}
+    return cc
+
+
 def compressed_tensors(cc: CompressedCache) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {"token_ids": cc.token_ids.to(torch.int64)}
     for i in cc.layer_indices:

@@ -12,10 +12,10 @@ import torch
 from kvtool.core import io
 from kvtool.core.cache import KVCache, LayerKV, format_indices, parse_indices
 from kvtool.core.errors import UsageError
-from kvtool.core.placement import layer_placement, resolve_devices, run_per_device
+from kvtool.core.placement import layer_placement, resolve_devices
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
-from kvtool.formats.base import CompressedCache, compress_cache, load_compressed, save_compressed
+from kvtool.formats.base import CompressedCache, compress_cache, compress_cache_over, load_compressed, save_compressed
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import compress_plan, load_plan
 
@@ -78,16 +78,7 @@ def compress_file(
             else:
                 cc = compress_cache(cache, fmt, params, heldout=heldout, progress=lambda i: progress.advance())
     else:
-        def one(i: int, dev: torch.device) -> CompressedCache:
-            # a streamed layer is dropped once encoded
-            part = KVCache(lazy.facts, {i: lazy.read_layer(i, dev)}, lazy.token_ids, lazy.info, lazy.attention_mask)
-            return compress_cache(part, fmt, params, heldout=heldout)
-
-        done = run_per_device(one, layer_placement(indices, devices), on_done=lambda i: progress.advance())
-        cc = done[indices[0]]
-        for part_cc in done.values():
-            cc.layers.update(part_cc.layers)
-            cc.tails.update(part_cc.tails)
+        cc = compress_cache_over(lazy, fmt, params, layer_placement(indices, devices), heldout=heldout, progress=lambda i: progress.advance())
     cc.info["source_sha256"] = io.source_sha256(capture)  # its header names it (or its whole content, once per version)
     cc.info["source_path"] = str(capture)
     cc.info["seconds"] = round(time.perf_counter() - start, 3)
