@@ -9,7 +9,12 @@
 #             two layers around the first GPU boundary) captured again and compared with the split run
 #   compress  bitmap 70% with --device auto (layers spread over the GPUs)
 #   verify    --no-model, --device auto
+#   eval      a 2-point sweep (bitmap 70%, KIVI 4-bit), --no-model, --device auto
+#   model     verify with the model (random weights of $SHAPE, spread over the GPUs when too large
+#             for one) scoring the continuation through the compressed layers, --generate 8
+#   recommend --budget 15% --no-model, --device auto
 #   pytest    the gpu tests of the multi-GPU code (2+ GPUs)
+# STEPS (default: all of them) picks some, e.g. STEPS="capture compress eval".
 # nvidia-smi samples every GPU's memory and utilisation once a second into smi.csv throughout.
 # A dry run on a CPU:
 #   SHAPE=tiny TOKENS=2048 CHUNK=512 DEV=cpu bash scripts/multi_gpu.sh
@@ -22,16 +27,18 @@ BUDGET=${BUDGET:-380}
 SHAPE=${SHAPE:-llama3-70b} TOKENS=${TOKENS:-32768} CHUNK=${CHUNK:-8192} DEV=${DEV:-auto} MAP=${MAP:-auto}
 START=$(date +%s)
 LOG=$OUT/log.txt
-STEPS=$OUT/steps.jsonl
+RESULTS=$OUT/steps.jsonl
 left() { echo $((BUDGET - ($(date +%s) - START))); }
+STEPS=" ${STEPS:-capture check compress verify eval model recommend pytest} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 # timed NAME LIMIT CMD...: the command's stdout is one JSON object (--json), kept with its wall
 # time, exit code and peak RSS as one line of steps.jsonl; stderr -> log
 timed() {
   local name=$1 limit=$2; shift 2
   local l; l=$(left); [ "$l" -lt "$limit" ] && limit=$l
-  if [ "$limit" -le 5 ]; then echo "{\"step\": \"$name\", \"skipped\": \"no time left\"}" >>"$STEPS"; return; fi
+  if [ "$limit" -le 5 ]; then echo "{\"step\": \"$name\", \"skipped\": \"no time left\"}" >>"$RESULTS"; return; fi
   echo "== $name (limit ${limit}s) at $(($(date +%s) - START)) s: $*" >>"$LOG"
-  python3 - "$name" "$limit" "$@" >>"$STEPS" 2>>"$LOG" <<'PY'
+  python3 - "$name" "$limit" "$@" >>"$RESULTS" 2>>"$LOG" <<'PY'
 import json, resource, subprocess, sys, time
 name, limit, cmd = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 t = time.perf_counter()
@@ -66,21 +73,24 @@ from pathlib import Path
 from kvtool.kernels.common import cuda_extension
 from kvtool.kernels import bitmap_prune_encode as pe, bitmap_sparse_attention as sa
 cuda_extension('bitmap_prune_encode', [pe._SOURCE]); sa._cuda_extension()" >>"$LOG" 2>&1
-    echo "{\"step\": \"ext\", \"rc\": $?, \"seconds\": $(($(date +%s) - t))}" >>"$STEPS" ) &
+    echo "{\"step\": \"ext\", \"rc\": $?, \"seconds\": $(($(date +%s) - t))}" >>"$RESULTS" ) &
   EXT=$!
 fi
 K="python3 -m kvtool"
 CAP=$W/cap.safetensors
 DEVMAP="--device-map $MAP"
-timed capture 200 $K capture --model "random:$SHAPE" $DEVMAP --random-tokens "$TOKENS" --chunk-size "$CHUNK" -o "$CAP" --json
+want capture && timed capture 200 $K capture --model "random:$SHAPE" $DEVMAP --random-tokens "$TOKENS" --chunk-size "$CHUNK" -o "$CAP" --json
 ls -l "$W" >>"$LOG"
 REFDEV=cuda:0; case $DEV in cpu*) REFDEV=cpu;; esac
-timed check 90 python3 scripts/multi_gpu_check.py "$CAP" --device "$REFDEV"
+want check && timed check 90 python3 scripts/multi_gpu_check.py "$CAP" --device "$REFDEV"
 [ -n "${EXT:-}" ] && { echo "waiting for the extension build at $(($(date +%s) - START)) s" >>"$LOG"; wait $EXT; }
-timed compress 120 $K compress "$CAP" --format bitmap --sparsity 0.7 --device "$DEV" -o "$W/cap.bitmap.safetensors" --json
-timed verify 120 $K verify "$W/cap.bitmap.safetensors" --no-model --device "$DEV" --json
+want compress && timed compress 120 $K compress "$CAP" --format bitmap --sparsity 0.7 --device "$DEV" -o "$W/cap.bitmap.safetensors" --json
+want verify && timed verify 120 $K verify "$W/cap.bitmap.safetensors" --no-model --device "$DEV" --json
+want eval && timed eval 200 $K eval "$CAP" --formats bitmap:sparsity=0.7 quant:bits=4 --no-paper --no-model --device "$DEV" --out-dir "$W/eval" --json
+want model && timed model 240 $K verify "$W/cap.bitmap.safetensors" --model "random:$SHAPE" --generate 8 --device "$DEV" --json
+want recommend && timed recommend 300 $K recommend "$CAP" --budget 15% --no-model --device "$DEV" -o "$W/plan.json" --json
 rm -f "$CAP" "$W/cap.bitmap.safetensors"
-if [ "$(left)" -gt 10 ]; then
+if want pytest && [ "$(left)" -gt 10 ]; then
   timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_placement.py tests/test_shapes.py >"$OUT/pytest.txt" 2>&1
   echo "pytest rc $? at $(($(date +%s) - START)) s" >>"$OUT/pytest.txt"
 fi
