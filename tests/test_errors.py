@@ -77,9 +77,11 @@ def test_bad_device_is_a_usage_error_before_the_model_loads(files, tiny_llama_di
         raise AssertionError("the model was loaded before --device was checked")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
-    for args in (["capture", "--model", str(tiny_llama_dir), "--prompt", "x", "--device", "[bold]x", "-o", str(files["folder"] / "d.safetensors")],
-                 ["generate", str(files["snap"]), "--model", str(tiny_llama_dir), "--device", "[bold]x", "-n", "1"]):
-        one_line(runner.invoke(app, ["-q", *args]), 2, "--device must be auto, cpu, cuda or cuda:N, got '[bold]x'")
+    one_line(runner.invoke(app, ["-q", "capture", "--model", str(tiny_llama_dir), "--prompt", "x", "--device", "[bold]x", "-o", str(files["folder"] / "d.safetensors")]),
+             2, "--device must be auto, cpu, cuda or cuda:N, got '[bold]x'")
+    # generate spreads a model too large for one GPU over several: its --device takes a list
+    one_line(runner.invoke(app, ["-q", "generate", str(files["snap"]), "--model", str(tiny_llama_dir), "--device", "[bold]x", "-n", "1"]),
+             2, "--device must be auto, cpu, cuda, cuda:N or a list such as cuda:0,cuda:2, got '[bold]x'")
 
 
 def test_pickled_weights_are_never_loaded(tmp_path):

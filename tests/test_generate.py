@@ -147,6 +147,25 @@ def test_generate_cli_json(tiny_cap):
     assert len(data["new_tokens"][0]) == 4 and data["prompt_tokens"] == 3 and data["mode"] == "dense"
 
 
+def test_a_model_without_a_tokenizer_continues_the_cached_tokens(tmp_path):
+    # random:<shape> models have no tokenizer: the ids are generated, the text is empty, --prompt is refused
+    cap, packed = tmp_path / "r.safetensors", tmp_path / "r.bitmap.safetensors"
+    assert runner.invoke(app, ["capture", "--model", "random:tiny", "--random-tokens", "64", "--dtype", "float32", "-o", str(cap)]).exit_code == 0
+    assert runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--sparsity", "0.5", "--heldout", "8", "-o", str(packed)]).exit_code == 0
+    runs = []
+    for dev in ("cpu", "cpu,cpu:0"):
+        res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "-n", "5", "--device", dev, "--json"])
+        assert res.exit_code == 0, res.output
+        runs.append(json.loads(res.stdout))
+    assert runs[0]["mode"] == "live" and runs[0]["text"] == [""] and len(runs[0]["new_tokens"][0]) == 5
+    assert runs[0]["model_device"] == runs[1]["model_device"] == "cpu" and runs[0]["seconds"] >= 0
+    assert runs[0]["new_tokens"] == runs[1]["new_tokens"]
+    res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "--prompt", "hi"])
+    assert res.exit_code == 2 and "has no tokenizer: --prompt needs one" in res.output
+    res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "-n", "3"])
+    assert res.exit_code == 0 and "token ids " in res.output and "3 new tokens in" in res.output
+
+
 def test_model_mismatch_is_refused(tiny_cap, tmp_path):
     from .conftest import make_byte_tokenizer, make_tiny_llama
 

@@ -10,7 +10,7 @@ import typer
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._complete import complete_model
 from kvtool.commands._common import (
-    DeviceOpt,
+    DevicesOpt,
     example_epilog,
     show,
 )
@@ -24,8 +24,12 @@ def print_generated(outcome: Outcome) -> None:
     result = outcome.data
     show("[dim]{}; {} cached tokens ({}, {} cache) + {} prompt tokens[/dim]", result["model"], result["cached_tokens"], result["format"],
          result["mode"], result["prompt_tokens"])
-    for text in result["text"]:
-        show("[bold]{}[/bold]{}", result["prompt"], text)
+    for text, ids in zip(result["text"], result["new_tokens"]):
+        if text or not ids:
+            show("[bold]{}[/bold]{}", result["prompt"], text)
+        else:  # a model without a tokenizer: the ids
+            show("token ids {}", " ".join(str(i) for i in ids))
+    show("[dim]{} new tokens in {} s on {}[/dim]", sum(len(ids) for ids in result["new_tokens"]), f"{result['seconds']:.2f}", result["model_device"])
 
 
 @declare(
@@ -36,6 +40,7 @@ def print_generated(outcome: Outcome) -> None:
     epilog=example_epilog(
         "kvtool generate cap.safetensors --prompt ' In short,' --max-new-tokens 24",
         "kvtool generate cap.pagestat.safetensors --prompt ' In short,' --json",
+        "kvtool generate cap70b.bitmap.safetensors --model random:llama3-70b --device auto   # a 70B spread over the GPUs",
     ),
     render=print_generated,
 )
@@ -45,7 +50,7 @@ def generate(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the file's).", autocompletion=complete_model)] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Tokens to generate.")] = 32,
     mode: Annotated[str, typer.Option("--mode", help="auto | live | dense | attend | ring: how a compressed file enters the model (auto: live for compressed files, dense for captures).")] = "auto",
-    device: DeviceOpt = "auto",
+    device: DevicesOpt = "auto",
     *,
     progress: Progress,
 ) -> Outcome:

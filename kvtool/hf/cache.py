@@ -25,6 +25,7 @@ builds them), as with any transformers cache.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,11 @@ import torch
 from kvtool.hf import models, shapes
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
-from kvtool.core.placement import device_guard, resolve_device
+from kvtool.core.placement import device_guard, resolve_devices
 from kvtool.formats.files import check_all_layers, dense_of, read_kv_file
 from kvtool.formats.base import CompressedCache, Encoded, Format
 from kvtool.hf.attention import CompressedPrefix, hand_over, use_kvtool_attention
-from kvtool.hf.devices import layer_devices
+from kvtool.hf.devices import layer_devices, model_device_text
 from kvtool.hf.interface import cache_kwargs
 
 
@@ -315,12 +316,16 @@ def cache_mode(cache: Any) -> str:
 def generate(path: str | Path, prompt: str = "", model: str | None = None, max_new_tokens: int = 32, device: str = "auto", loaded: tuple[Any, Any] | None = None, mode: str = "auto") -> dict[str, Any]:
     """Greedy continuation of a kvtool file: its cached tokens, then ``prompt``, then
     ``max_new_tokens`` tokens (fewer if the model stops). ``loaded`` = (model, tokenizer) skips
-    loading; ``device``: where the model runs (auto: CUDA when present). Returns text, token ids and
-    what was used."""
+    loading; ``device``: where the model runs (auto: the first GPU, or, for a model too large for
+    it, every visible GPU through accelerate's device map, each layer's cache beside its layer:
+    :func:`kvtool.hf.models.load_on_devices`; a list such as ``cuda:0,cuda:1`` picks the GPUs).
+    A model without a tokenizer (``random:<shape>``) continues the cached tokens only (no
+    ``prompt``; empty ``text``). Returns text, token ids, the generation's wall time and where
+    the model's layers ran."""
     path = Path(path)
     if max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
-    device = str(resolve_device(device))  # checked before the model loads
+    devices = resolve_devices(device)  # checked before the model loads
     obj = read_kv_file(path)
     if isinstance(obj, KVCache) and obj.attention_mask is not None and bool((obj.attention_mask == 0).any()):
         raise UsageError(f"{path} holds a left-padded batch; generate needs equal-length prompts (recapture with --align truncate)")
@@ -329,16 +334,20 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         if model is None:
             # the file chose the model: say which one is loaded, before anything of it is read
             print(f"loading model {spec or models.EMBEDDED_NAME} (named by {path})", file=sys.stderr)
-        mdl, tokenizer, source = models.load(spec, device=device)
+        mdl, tokenizer, source = models.load_on_devices(spec, devices)
         model_name = source.name
     else:
         mdl, tokenizer = loaded
         model_name = getattr(mdl.config, "_name_or_path", "") or type(mdl).__name__
     check_model(mdl, obj.facts, path)
+    if prompt and tokenizer is None:
+        raise UsageError(f"model {model_name} has no tokenizer: --prompt needs one (leave it out to continue the cached tokens)")
     new_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
     cache = cache_from(obj, mdl, path, mode, hold_last=not new_ids)
     ids = continuation_ids(obj.token_ids, new_ids)
-    dev = next(mdl.parameters()).device
+    dev = mdl.get_input_embeddings().weight.device  # where the ids enter (the first GPU of a device map)
+    pad = None if tokenizer is None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    start = time.perf_counter()
     out = mdl.generate(
         ids.to(dev),
         attention_mask=torch.ones_like(ids).to(dev),
@@ -348,8 +357,9 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         temperature=None,
         top_p=None,
         top_k=None,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        pad_token_id=pad if pad is not None else getattr(mdl.generation_config, "eos_token_id", None),
     )
+    seconds = time.perf_counter() - start
     generated = out[:, ids.shape[1] :].cpu()
     return {
         "file": str(path),
@@ -360,5 +370,7 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         "prompt": prompt,
         "prompt_tokens": len(new_ids),
         "new_tokens": generated.tolist(),
-        "text": [tokenizer.decode(row, skip_special_tokens=True) for row in generated],
+        "text": [tokenizer.decode(row, skip_special_tokens=True) if tokenizer is not None else "" for row in generated],
+        "seconds": round(seconds, 3),
+        "model_device": model_device_text(mdl),
     }
