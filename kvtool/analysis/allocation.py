@@ -24,14 +24,17 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
 from kvtool.core.attention import dense_attention
 from kvtool.core.cache import KVCache, LayerKV, REFERENCE_BYTES, dense_reference_bytes
+from kvtool.core.placement import run_per_device
 from kvtool.core.progress import Progress, or_silent
+from kvtool.core.streaming import LazyCapture
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.analysis.fidelity import HeldoutData, heldout_output
 from kvtool.formats.mixed import resolve_spec
@@ -111,6 +114,47 @@ def _layer_errors(fmt, params, head: LayerKV, data: HeldoutData, ref: torch.Tens
     return int(sum(fmt.nbytes(enc).values())), sq.reshape(hkv, -1).sum(-1).double()
 
 
+def _layer_sensitivity(full: LayerKV, resolved: list, prefix: int, calib_prefix: int, heldout: int, hkv: int,
+                       skip: Callable[[int], bool]) -> tuple[int, torch.Tensor, torch.Tensor, dict[int, str]]:
+    """One layer's (dense bytes of its prefix, stored bytes ``[Hkv, C]``, losses ``[Hkv, C]``, the
+    candidates ``{c: reason}`` that failed on it), computed where its tensors are; candidates for
+    which ``skip(c)`` is true are left out (zeros)."""
+    head = full.slice_tokens(0, prefix)
+    cal = full.slice_tokens(0, calib_prefix + heldout)
+    cal_head = cal.slice_tokens(0, calib_prefix)
+    data = HeldoutData(cal.queries[:, :, calib_prefix:], cal.keys, cal.values, cal.keys[:, :, calib_prefix:], cal.values[:, :, calib_prefix:])
+    ref = dense_attention(data.queries, data.keys, data.values, causal=True).float()
+    ref_sq = float((ref**2).sum()) or 1.0
+    dense = dense_reference_bytes(*head.keys.shape[:3], head.keys.shape[3])
+    byte_row = torch.zeros(hkv, len(resolved), dtype=torch.float64)
+    loss_row = torch.zeros(hkv, len(resolved), dtype=torch.float64)
+    failed: dict[int, str] = {}
+    for c, (_spec, fmt, params) in enumerate(resolved):
+        if skip(c):
+            continue
+        try:
+            fmt.check(cal_head, params)
+            nb, sq = _layer_errors(fmt, params, cal_head, data, ref, hkv)
+            if calib_prefix != prefix:
+                fmt.check(head, params)
+                nbytes = int(sum(fmt.nbytes(fmt.encode(head, params)).values()))
+            else:
+                nbytes = nb
+        except KvtoolError as exc:
+            failed[c] = str(exc)
+            continue
+        byte_row[:, c] = nbytes / hkv
+        loss_row[:, c] = sq / ref_sq
+    return dense, byte_row, loss_row, failed
+
+
+def _layer_devices(cache: KVCache, layers: list[int]) -> dict[int, torch.device]:
+    """Where each layer's tensors live (a capture read lazily: where it reads them)."""
+    if isinstance(cache, LazyCapture):
+        return {i: cache.device for i in layers}
+    return {i: cache.layers[i].keys.device for i in layers}
+
+
 def measure_sensitivity(
     cache: KVCache,
     specs: list[str],
@@ -118,9 +162,19 @@ def measure_sensitivity(
     per_head: bool = True,
     progress: Progress | None = None,
     calibrate: str = "prefix",
+    placement: Mapping[int, torch.device] | None = None,
 ) -> Sensitivity:
     """Encode every layer's prefix with every candidate and score queries no candidate saw (see the
-    module docstring). A candidate that fails on some layer is dropped and reported in ``errors``.
+    module docstring). A candidate that fails on some layer is dropped and reported in ``errors``
+    (``"layer i: why"``, i the lowest layer it fails on).
+
+    Each layer is scored where its tensors live (``placement``, ``{layer: device}``, says where
+    when given: the placement the layers were read with; two CPU "devices" ``cpu`` and ``cpu:0``
+    are told apart only there): a cache whose layers sit on several devices (read per
+    :func:`kvtool.core.placement.layer_placement`) is scored on them at once, one thread per
+    device (:func:`kvtool.core.placement.run_per_device`); one device runs the layers in order,
+    without threads. Either way the numbers are the same, bit for bit: every layer's math is the
+    same, and the rows are assembled in layer order.
 
     ``calibrate="prefix"`` (default) scores the last ``heldout`` queries *of the prefix* against the
     prefix before them, so the capture's own held-out continuation stays out of the choice and can
@@ -150,39 +204,38 @@ def measure_sensitivity(
             errors[s] = str(exc)
     layers = cache.layer_indices
     n_c = len(resolved)
-    byte_rows = torch.zeros(len(layers), hkv, n_c, dtype=torch.float64)
-    loss_rows = torch.zeros(len(layers), hkv, n_c, dtype=torch.float64)
-    ok = [True] * n_c
-    dense_bytes = 0
     progress = or_silent(progress)
     progress.stage(f"sensitivity of {n_c} candidates, layers", len(layers))
-    for li, i in enumerate(layers):
-        full = cache.layers[i]
-        head = full.slice_tokens(0, prefix)
-        cal = full.slice_tokens(0, calib_prefix + heldout)
-        cal_head = cal.slice_tokens(0, calib_prefix)
-        data = HeldoutData(cal.queries[:, :, calib_prefix:], cal.keys, cal.values, cal.keys[:, :, calib_prefix:], cal.values[:, :, calib_prefix:])
-        ref = dense_attention(data.queries, data.keys, data.values, causal=True).float()
-        ref_sq = float((ref**2).sum()) or 1.0
-        dense_bytes += dense_reference_bytes(*head.keys.shape[:3], head.keys.shape[3])
-        for c, (spec, fmt, params) in enumerate(resolved):
-            if not ok[c]:
-                continue
-            try:
-                fmt.check(cal_head, params)
-                nb, sq = _layer_errors(fmt, params, cal_head, data, ref, hkv)
-                if calib_prefix != prefix:
-                    fmt.check(head, params)
-                    nbytes = int(sum(fmt.nbytes(fmt.encode(head, params)).values()))
-                else:
-                    nbytes = nb
-            except KvtoolError as exc:
-                ok[c] = False
-                errors[spec] = f"layer {i}: {exc}"
-                continue
-            byte_rows[li, :, c] = nbytes / hkv
-            loss_rows[li, :, c] = sq / ref_sq
-        progress.advance()
+    # the lowest layer each candidate is known to fail on, shared by the devices' threads: a layer
+    # above it skips the candidate (it is dropped anyway); the layers below it still try it, so the
+    # lowest failing layer is always found (one device, layers in order: exactly the serial loop)
+    lowest_failure: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def one(i: int, _device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor, dict[int, str]]:
+        def skip(c: int) -> bool:
+            with lock:
+                return lowest_failure.get(c, i) < i
+
+        out = _layer_sensitivity(cache.layers[i], resolved, prefix, calib_prefix, heldout, hkv, skip)
+        with lock:
+            for c in out[3]:
+                lowest_failure[c] = min(lowest_failure.get(c, i), i)
+        return out
+
+    where = {i: placement[i] for i in layers} if placement is not None else _layer_devices(cache, layers)
+    rows = run_per_device(one, where, on_done=lambda i: progress.advance())
+    # candidate failures in the order the serial loop meets them (layer, then candidate); each
+    # candidate reported at its lowest failing layer
+    failures = sorted((i, c, why) for i in layers for c, why in rows[i][3].items())
+    ok = [True] * n_c
+    for i, c, why in failures:
+        if ok[c]:
+            ok[c] = False
+            errors[resolved[c][0]] = f"layer {i}: {why}"
+    dense_bytes = sum(rows[i][0] for i in layers)
+    byte_rows = torch.stack([rows[i][1] for i in layers]) if layers else torch.zeros(0, hkv, n_c, dtype=torch.float64)
+    loss_rows = torch.stack([rows[i][2] for i in layers]) if layers else torch.zeros(0, hkv, n_c, dtype=torch.float64)
     keep = [c for c in range(n_c) if ok[c]]
     byte_rows, loss_rows = byte_rows[..., keep], loss_rows[..., keep]
     kept_specs = [resolved[c][0] for c in keep]

@@ -7,6 +7,11 @@ settings that fit the same budget (the ``uniform_checks`` with the lowest predic
 capture's continuation; the uniform setting with the lowest NLL there is the *best uniform*. Plan
 and best uniform are then scored on every held-out text too (:mod:`kvtool.analysis.modelcheck`), giving the
 mean and a 95% interval over all cases (the capture's continuation and the texts).
+
+Where it runs: ``--device`` lists the devices (``auto``: every visible GPU). The capture's layers
+are read in one contiguous block per device and the sensitivity scores each layer where it was
+read, the devices at once; the plans' exact bytes and everything the model does then run on the
+first device, where the model loads.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from typing import Any
 
 from kvtool.core import io
-from kvtool.core.placement import resolve_device
+from kvtool.core.placement import device_label, layer_placement, resolve_devices
 from kvtool.core.streaming import open_capture
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
@@ -179,7 +184,11 @@ def recommend_capture(
     ``weights``: with the model, scale each layer's losses by what its error costs the model
     (:func:`layer_weights`). ``threads``: torch CPU threads while it runs (1 by default: the work is
     many small operations, which a second thread slows down on a shared 2-core machine). ``device``:
-    where the capture's layers are scored and the model runs (auto: CUDA when present)."""
+    where the capture's layers are read and scored: ``auto`` (every visible GPU; the CPU without
+    one), one device, or a list such as ``"cuda:0,cuda:1"``; with several, the layers are cut into
+    one contiguous block per device and the devices score their layers at once (the same numbers
+    as on one device). The model, and the plans' checks on it, run on the first device. The
+    result's ``"device"`` names the devices (``"cuda:0,cuda:1"``)."""
     import torch
 
     before = torch.get_num_threads()
@@ -187,14 +196,16 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights, resolve_device(device), servable, score_tokens)
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens)
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights, dev=None, servable=None, score_tokens=256) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256) -> dict[str, Any]:
     start = time.perf_counter()
+    devices = list(devices or [torch.device("cpu")])
+    dev = devices[0]  # where the model loads and whatever needs one device runs
     progress = or_silent(progress)
     if not budgets:
         raise UsageError("give --budget, e.g. --budget 15%")
@@ -204,8 +215,11 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError(f"--uniform-checks must be at least 1, got {uniform_checks}")
     meta, _ = io.read_header(capture)
     io.check_schema(capture, meta, io.CAPTURE_SCHEMA)
-    # every layer is scored many times: read once onto the device (checked as io.load checks)
-    cache = open_capture(capture, parts=("keys", "values", "queries"), device=dev or "cpu").materialize()
+    # every layer is scored many times: read once (checked as io.load checks) onto its device, the
+    # layers cut into one contiguous block per device; measure_sensitivity scores each where it lives
+    lazy = open_capture(capture, parts=("keys", "values", "queries"), device=dev)
+    placement = layer_placement(lazy.layer_indices, devices)
+    cache = KVCache(lazy.facts, {i: lazy.read_layer(i, d) for i, d in placement.items()}, lazy.token_ids, lazy.info, lazy.attention_mask)
     if cache.attention_mask is not None and bool((cache.attention_mask == 0).any()):
         raise UsageError(f"{capture} holds a left-padded batch; recommend needs equal-length prompts (recapture with --align truncate)")
     if cache.num_tokens <= heldout + 16:
@@ -213,10 +227,14 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     parsed = [dict(budget=b, **parse_budget(b, cache.facts, batch, context)) for b in budgets]
     families = check_servable(servable, families, per_head)
     specs = menu(cache.num_tokens - heldout, families)
-    sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate)
+    sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate, placement)
+    if len(devices) > 1:
+        # what follows (each plan's exact bytes, the model's checks) runs on one device: the layers
+        # gather on the first, which then holds them all as a single --device would
+        cache = KVCache(cache.facts, {i: l.to(dev) for i, l in cache.layers.items()}, cache.token_ids, cache.info, cache.attention_mask)
     result: dict[str, Any] = {
         "capture": str(capture), "model_facts": cache.facts.to_dict(), "heldout": heldout, "per_head": per_head,
-        "menu": sens.specs, "dropped": sens.errors, "calibrate": calibrate, "servable": servable,
+        "menu": sens.specs, "dropped": sens.errors, "calibrate": calibrate, "servable": servable, "device": device_label(devices),
         "sensitivity": {"seconds": round(sens.seconds, 1), "groups": len(sens.groups), "dense_bytes": sens.dense_bytes,
                         "prefix_tokens": sens.prefix_tokens, "uniform": uniform_options(sens)},
         "budgets": [], "cases": [], "model": None,
@@ -229,7 +247,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         return result
 
     progress.stage(f"loading the model {spec}")
-    mdl, tok, source = models.load(spec, device=str(dev or "cpu"))
+    mdl, tok, source = models.load(spec, device=str(dev))
     name = source.name if spec in ("embedded", "smollm2") else str(spec)
     try:
         check_model_facts(mdl, cache.facts, name)

@@ -12,7 +12,7 @@ from kvtool.core.sample import resolve_sample
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands.tasks import json_names
 from kvtool.commands._common import (
-    DeviceOpt,
+    DevicesOpt,
     graded,
     ModelOpt,
     NoModelOpt,
@@ -248,7 +248,7 @@ def recommend(
     check_samples: Annotated[int, typer.Option(help="--objective tasks: samples per task and length that check the plan (0: none).", min=0)] = 5,
     check_seed: Annotated[int, typer.Option(help="--objective tasks: seed of the check samples (not the calibration seed).")] = 0,
     max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
-    device: DeviceOpt = "auto",
+    device: DevicesOpt = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
     *,
     progress: Progress,
