@@ -13,6 +13,8 @@
 #   model     verify with the model (random weights of $SHAPE, spread over the GPUs when too large
 #             for one) scoring the continuation through the compressed layers, --generate 8
 #   recommend --budget 15% --no-model, --device auto
+#   generate  32 greedy tokens from the bitmap file with the model spread over the GPUs (its live
+#             cache beside each layer)
 #   pytest    the gpu tests of the multi-GPU code (2+ GPUs)
 # STEPS (default: all of them) picks some, e.g. STEPS="capture compress eval".
 # nvidia-smi samples every GPU's memory and utilisation once a second into smi.csv throughout.
@@ -22,14 +24,14 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_INTERPRET=${TRITON_INTERPRET:-0} COLUMNS=200
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 W=${W:-/tmp/mgpu}; mkdir -p "$W"
-export KVTOOL_CACHE=${KVTOOL_CACHE:-$W/cache}
+export KVTOOL_CACHE=${KVTOOL_CACHE:-/tmp/kvtool-cache}  # kept between calls on a warm machine (the extensions build once)
 BUDGET=${BUDGET:-380}
 SHAPE=${SHAPE:-llama3-70b} TOKENS=${TOKENS:-32768} CHUNK=${CHUNK:-8192} DEV=${DEV:-auto} MAP=${MAP:-auto}
 START=$(date +%s)
 LOG=$OUT/log.txt
 RESULTS=$OUT/steps.jsonl
 left() { echo $((BUDGET - ($(date +%s) - START))); }
-STEPS=" ${STEPS:-capture check compress verify eval model recommend pytest} "
+STEPS=" ${STEPS:-capture check compress verify eval model generate recommend pytest} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 # timed NAME LIMIT CMD...: the command's stdout is one JSON object (--json), kept with its wall
 # time, exit code and peak RSS as one line of steps.jsonl; stderr -> log
@@ -88,10 +90,11 @@ want compress && timed compress 120 $K compress "$CAP" --format bitmap --sparsit
 want verify && timed verify 120 $K verify "$W/cap.bitmap.safetensors" --no-model --device "$DEV" --json
 want eval && timed eval 200 $K eval "$CAP" --formats bitmap:sparsity=0.7 quant:bits=4 --no-paper --no-model --device "$DEV" --out-dir "$W/eval" --json
 want model && timed model 240 $K verify "$W/cap.bitmap.safetensors" --model "random:$SHAPE" --generate 8 --device "$DEV" --json
+want generate && timed generate 200 $K generate "$W/cap.bitmap.safetensors" --model "random:$SHAPE" --max-new-tokens 32 --device "$DEV" --json
 want recommend && timed recommend 300 $K recommend "$CAP" --budget 15% --no-model --device "$DEV" -o "$W/plan.json" --json
 rm -f "$CAP" "$W/cap.bitmap.safetensors"
 if want pytest && [ "$(left)" -gt 10 ]; then
-  timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_placement.py tests/test_shapes.py >"$OUT/pytest.txt" 2>&1
+  timeout "$(left)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_placement.py tests/test_placement_recommend.py tests/test_shapes.py >"$OUT/pytest.txt" 2>&1
   echo "pytest rc $? at $(($(date +%s) - START)) s" >>"$OUT/pytest.txt"
 fi
 [ -n "$SMI" ] && kill "$SMI"
