@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 from kvtool.hf import attention as hfattn
 from kvtool.cli import app
+from kvtool.core.errors import BadDataError
 from kvtool.formats.base import Encoded, get_format, make_params
 from kvtool.analysis.metrics import nll
 
@@ -233,3 +235,27 @@ def test_verify_selection_formats_inside_attention(spec, tiny_capture, tiny_llam
     recall = rep["attention"]["recall"]["recall"]
     assert 0 < recall <= 1 and rep["attention"]["traffic_ratio"] < 1
     assert rep["attention"]["overall"]["rel_l2"] > 0 and rep["model_fidelity"]["kl"] > 0
+
+
+def test_the_key_check_allows_drift_in_deep_layers_only(monkeypatch):
+    # chunked prefill drifts from one pass with depth: the first layers are held to 5%, deeper ones to 50%
+    from kvtool.analysis import fidelity
+    from kvtool.core.cache import KVCache, LayerKV
+    from kvtool.hf import attention as hfattn
+    from kvtool.hf.shapes import build_model
+
+    model = build_model("tiny")
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(0))
+    keys = {i: layer.keys.clone() for i, layer in hfattn.prefill(model, ids[:, :32]).items()}
+
+    def source(noisy_layer, scale):
+        layers = {i: LayerKV(keys=k + (scale * k.norm() / k.numel() ** 0.5) * torch.randn(k.shape, generator=torch.Generator().manual_seed(i)) if i == noisy_layer else k,
+                             values=k) for i, k in keys.items()}
+        return KVCache(fidelity.facts_of(model, fidelity.ModelSource("random", Path("tiny"), "tiny")), layers, ids)
+
+    monkeypatch.setattr(fidelity, "KEY_CHECK_EXACT_LAYERS", 1)
+    fidelity.dense_reference(model, ids, 32, source=source(3, 0.2))  # 20% off in a deep layer: passes
+    with pytest.raises(BadDataError, match=r"layer 0: relative error 0\.[0-9]+, above 5%"):
+        fidelity.dense_reference(model, ids, 32, source=source(0, 0.2))
+    with pytest.raises(BadDataError, match=r"layer 3: relative error 0\.[5-9][0-9], above 50%"):
+        fidelity.dense_reference(model, ids, 32, source=source(3, 1.0))

@@ -291,11 +291,18 @@ class DenseReference:
     prefix_tokens: int
 
 
+# a random-weight 70B in bf16, captured in chunks of 8,192 tokens, differs from one 32k-token pass
+# by 5% in its keys at layer 45: deep layers are held to a looser bound than the first ones
+KEY_CHECK_EXACT_LAYERS = 4
+
+
 def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, generate: int = 0, source: KVCache | None = None, model_name: str = "the model") -> DenseReference:
     """Prefill ``token_ids[:, :P]`` densely, run the continuation and greedy generation.
 
-    With ``source`` the prefill keys of the captured layers must reproduce the capture's keys
-    (relative L2 below 5%), otherwise the model is not the one the capture came from."""
+    With ``source`` the prefill keys of the captured layers must reproduce the capture's keys,
+    otherwise the model is not the one the capture came from: relative L2 below 5% in the first
+    ``KEY_CHECK_EXACT_LAYERS`` captured layers, below 50% in deeper ones (a capture prefilled in
+    chunks drifts from one pass with depth in bf16; other weights give errors near 1 everywhere)."""
     if token_ids.shape[1] - prefix_tokens < 1:
         raise UsageError("no continuation tokens after the prefix: the file needs held-out tokens (compress with --heldout 64)")
     vocab = getattr(model.config, "vocab_size", None)
@@ -303,14 +310,13 @@ def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, gen
         raise BadDataError(f"model {model_name} does not match the capture: token id {int(token_ids.max())} is outside its vocabulary of {vocab}")
     prefix = hfattn.prefill(model, token_ids[:, :prefix_tokens])
     if source is not None:
-        for i, layer in source.layers.items():
-            if i not in prefix:
-                continue
+        for n, i in enumerate(i for i in sorted(source.layer_indices) if i in prefix):
             got = prefix[i].keys.float().cpu()
-            want = layer.keys[:, :, :prefix_tokens].float().cpu()
+            want = source.layers[i].keys[:, :, :prefix_tokens].float().cpu()
             rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
-            if rel > 0.05:
-                raise BadDataError(f"model {model_name} does not reproduce the capture's keys (layer {i}: relative error {rel:.2f}); pass the model the capture came from with --model")
+            limit = 0.05 if n < KEY_CHECK_EXACT_LAYERS else 0.5
+            if rel > limit:
+                raise BadDataError(f"model {model_name} does not reproduce the capture's keys (layer {i}: relative error {rel:.2f}, above {limit:.0%}); pass the model the capture came from with --model")
     cache = hfattn.build_cache(model, prefix, None)
     with hfattn.compressed_attention(model, None):
         logits = hfattn.forward(model, cache, token_ids[:, prefix_tokens:])
