@@ -86,6 +86,15 @@ def sample_capture() -> Path:
     return SAMPLE
 
 
+def gpu_capture_file(path, tokens=4096):
+    """A synthetic bf16 capture of Llama-3-8B's attention shape (32 / 8 heads, head_dim 128), layers
+    0-3, saved at ``path``: what the multi-GPU tests spread over two GPUs."""
+    from kvtool.core import io
+
+    io.save(synthetic_cache(heads=32, kv_heads=8, head_dim=128, tokens=tokens, layers=(0, 1, 2, 3), dtype=torch.bfloat16), path)
+    return path
+
+
 def synthetic_cache(batch=1, heads=4, kv_heads=2, tokens=80, head_dim=16, layers=(0, 1), dtype=torch.float16, seed=0, queries=True):
     """A random KVCache with planted outlier key channel 3 (x8)."""
     from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dtype_name

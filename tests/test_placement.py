@@ -18,7 +18,7 @@ from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import device_label, layer_placement, resolve_devices, run_per_device
 
-from .conftest import synthetic_cache
+from .conftest import gpu_capture_file, synthetic_cache
 
 runner = CliRunner()
 CPU2 = "cpu,cpu:0"
@@ -250,9 +250,7 @@ def test_a_model_too_large_for_the_first_gpu_is_spread_over_the_gpus_given(monke
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_compress_and_verify_over_two_gpus_equal_one(tmp_path):
-    cache = synthetic_cache(heads=32, kv_heads=8, head_dim=128, tokens=4096, layers=(0, 1, 2, 3), dtype=torch.bfloat16)
-    cap = tmp_path / "cap.safetensors"
-    io.save(cache, cap)
+    cap = gpu_capture_file(tmp_path / "cap.safetensors")
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     for out, dev in ((one, "cuda:0"), (two, "auto")):
         r = runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--sparsity", "0.7", "--device", dev, "-o", str(out)])
@@ -291,9 +289,7 @@ TWO_GPU_MAP = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0":
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_eval_over_two_gpus_equals_one(tmp_path):
-    cache = synthetic_cache(heads=32, kv_heads=8, head_dim=128, tokens=4096, layers=(0, 1, 2, 3), dtype=torch.bfloat16)
-    cap = tmp_path / "cap.safetensors"
-    io.save(cache, cap)
+    cap = gpu_capture_file(tmp_path / "cap.safetensors")
     sweep = ["--formats", "bitmap:sparsity=0.5,0.7", "quant:bits=2,4", "--no-paper", "--no-model", "--backend", "triton", "--force"]
     one = _eval_json([str(cap), *sweep, "--device", "cuda:0", "--out-dir", str(tmp_path / "one")])
     two = _eval_json([str(cap), *sweep, "--device", "cuda:0,cuda:1", "--out-dir", str(tmp_path / "two")])

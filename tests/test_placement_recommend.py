@@ -21,7 +21,7 @@ from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import layer_placement, resolve_devices
 
-from .conftest import synthetic_cache
+from .conftest import gpu_capture_file, synthetic_cache
 
 runner = CliRunner()
 CPU2 = "cpu,cpu:0"
@@ -159,9 +159,7 @@ def test_recommend_cli_over_two_devices_equals_one(sample_capture, tmp_path, mon
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_recommend_over_two_gpus_equals_one(tmp_path):
-    cache = synthetic_cache(heads=32, kv_heads=8, head_dim=128, tokens=2048, layers=(0, 1, 2, 3), dtype=torch.bfloat16)
-    cap = tmp_path / "cap.safetensors"
-    io.save(cache, cap)
+    cap = gpu_capture_file(tmp_path / "cap.safetensors", tokens=2048)
     outs = []
     for dev in ("cuda:0", "cuda:0,cuda:1"):
         r = runner.invoke(app, ["recommend", str(cap), "--budget", "25%", "--no-model", "--device", dev, "--json",
