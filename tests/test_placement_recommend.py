@@ -21,7 +21,7 @@ from kvtool.core import io
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import layer_placement, resolve_devices
 
-from .conftest import gpu_capture_file, synthetic_cache
+from .conftest import gpu_capture_file
 
 runner = CliRunner()
 CPU2 = "cpu,cpu:0"
