@@ -163,16 +163,6 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     return path
 
 
-def check_tensor_checksum(path: Path, name: str, checksums: dict[str, str] | None, crc: int) -> None:
-    if checksums is None:
-        return
-    want = checksums.get(name)
-    if want is None:
-        raise BadDataError(f"{path}: tensor {name!r} has no checksum in {CHECKSUM_KEY} (the header is corrupted)")
-    if want != f"{crc:08x}":
-        raise BadDataError(f"{path}: tensor {name!r} fails its checksum (its bytes are corrupted); --no-verify-checksums skips the check")
-
-
 # ----------------------------------------------------------------------------- reading
 
 
