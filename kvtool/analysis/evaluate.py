@@ -30,7 +30,7 @@ from kvtool.core.jsonio import to_json_text
 from kvtool.core.placement import device_label, layer_placement, resolve_devices
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
-from kvtool.formats.base import FORMATS, compress_cache, compress_cache_over, make_params
+from kvtool.formats.base import FORMATS, compress_cache_over, make_params
 from kvtool.hf import models
 from kvtool.hf.devices import model_device_text
 
@@ -209,15 +209,12 @@ def _load_capture(path: Path, layers: str | None, devices: list[torch.device]):
 def _run_point(cache, sha, cap_path, p: Point, heldout, backend, model_pair, reference, generate, debug, devices, cases=()) -> dict[str, Any]:
     start = time.perf_counter()
     fmt = FORMATS[p.format]
-    device = devices if len(devices) > 1 else devices[0]
     try:
-        if len(devices) > 1:  # each layer encoded where it is scored next
-            cc = compress_cache_over(cache, fmt, make_params(fmt, p.values), layer_placement(cache.layer_indices, devices), heldout=heldout)
-        else:
-            cc = compress_cache(cache, fmt, make_params(fmt, p.values), heldout=heldout)
+        # each layer encoded on the device that scores it next (one device: the layers in order, no threads)
+        cc = compress_cache_over(cache, fmt, make_params(fmt, p.values), layer_placement(cache.layer_indices, devices), heldout=heldout)
         cc.info["source_sha256"] = sha
         cc.info["source_path"] = str(cap_path)
-        att = attention_fidelity(cc, cache, heldout, backend, device=device)
+        att = attention_fidelity(cc, cache, heldout, backend, device=devices)
         mod = None
         if model_pair is not None and reference is not None:
             mod = model_fidelity(model_pair[0], cc, reference, generate, backend=att["backend"])

@@ -352,7 +352,7 @@ def _info(plan: _Plan, generate: int, hidden: bool, chunk_size: int | None) -> d
             "created": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
         }
     )
-    where = _layer_devices(plan.mdl)
+    where = devices.layer_devices(plan.mdl)
     if len(set(where.values())) > 1:  # spread by a device map: say where each captured layer ran
         info["device"] = ",".join(dict.fromkeys(str(d) for d in where.values()))
         info["layer_devices"] = devices.layer_devices_text(where, plan.layers)  # "cuda:0 0-39; cuda:1 40-79"
@@ -361,14 +361,6 @@ def _info(plan: _Plan, generate: int, hidden: bool, chunk_size: int | None) -> d
     if chunk_size is not None and chunk_size < plan.input_ids.shape[1]:
         info["chunk_size"] = int(chunk_size)
     return info
-
-
-def _layer_devices(mdl: Any) -> dict[int, torch.device]:
-    """Each decoder layer's device, or ``{}`` for a model without the usual ``model.layers``."""
-    try:
-        return devices.layer_devices(mdl)
-    except AttributeError:
-        return {}
 
 
 def _full_mask(plan: _Plan, generate: int) -> torch.Tensor | None:
