@@ -484,11 +484,24 @@ def capture(
     (e.g. ``input_ids``) go to :func:`kvtool.hf.capture.capture`.
     """
     from kvtool.core import io  # deferred: start-up time (torch)
+
+    with outputs.command_inputs():  # as the CLI: the output is never one of the model's files
+        if isinstance(model, (str, Path)):
+            outputs.note_input(model, folder=True)
+        if output is not None:
+            io.check_output(Path(output), force)
+        return _capture(prompt, model, output, random_tokens, layers, queries, query_layers, hidden, generate, chat, max_tokens, truncate,
+                        align, chunk_size, dtype, device, device_map, cache_dir, force, progress, kwargs)
+
+
+def _capture(prompt: Any, model: Any, output: Any, random_tokens: Any, layers: Any, queries: bool, query_layers: Any, hidden: bool,
+             generate: int, chat: bool, max_tokens: Any, truncate: bool, align: str, chunk_size: Any, dtype: Any, device: str,
+             device_map: Any, cache_dir: Any, force: bool, progress: Any, kwargs: dict[str, Any]) -> "KVCache":
+    """The body of :func:`capture` (inside its inputs scope)."""
+    from kvtool.core import io  # deferred: start-up time (torch)
     from kvtool.hf.capture import capture as run_capture  # deferred: transformers loads only when a capture is asked for
     from kvtool.hf.prompts import DEFAULT_PROMPT  # deferred: start-up time
 
-    if output is not None:
-        io.check_output(Path(output), force)
     sink = make_sink(progress, "capture")
     try:
         cache = run_capture(

@@ -233,6 +233,8 @@ def kvtool_command(fn: Callable) -> Callable:
 # the parameters (in every command) that name files or folders the command writes; every other path
 # argument is an input, which no output may be (tests/test_outputs.py checks every command's options)
 OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "plot_output", "router_out", "router_out_old"})
+# the parameters naming a folder every file of which is an input (a model folder: its weights, config, tokenizer)
+FOLDER_INPUTS = frozenset({"model"})
 
 
 def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -248,7 +250,7 @@ def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
             continue
         items = [resolve_sample(x) for x in items]
         for item in items:
-            outputs.note_input(item)
+            outputs.note_input(item, folder=key in FOLDER_INPUTS)
         resolved[key] = items if isinstance(value, list) else items[0]
     for key in OUTPUT_PARAMS & kwargs.keys():
         if kwargs[key] is not None:
