@@ -62,3 +62,80 @@ def test_d6_a_model_folder_without_its_weights_is_refused(tiny_llama_dir, tmp_pa
     assert res.exit_code == 1, res.output
     assert "no weights for" in res.output
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def tasks_args(model: Path, out: Path, *extra: str) -> list[str]:
+    return ["tasks", "--model", str(model), "--tasks", "niah_single", "--lengths", "400", "--methods", "dense",
+            "--out-dir", str(out), *extra]
+
+
+def cells(res) -> dict[str, int]:
+    """{setting: n} of a run's summary (its tasks.json; notes went to stderr)."""
+    assert res.exit_code == 0, res.output
+    out = Path(res.out_dir)
+    return {c["setting"]: c["n"] for c in json.loads((out / "tasks.json").read_text())["cells"]}
+
+
+def invoke(args: list[str]):
+    res = runner.invoke(app, args)
+    res.out_dir = args[args.index("--out-dir") + 1]
+    return res
+
+
+def test_d2_a_cut_row_is_recovered_never_swallowed(tiny_llama_dir, tmp_path):
+    out = tmp_path / "t"
+    assert cells(invoke(tasks_args(tiny_llama_dir, out, "--samples", "2"))) == {"dense": 2}
+    rows = out / "samples.jsonl"
+    lines = rows.read_bytes().splitlines(keepends=True)
+    rows.write_bytes(b"".join(lines[:-1]) + lines[-1][:25])  # the last write cut (killed, full disk)
+    res = invoke(tasks_args(tiny_llama_dir, out, "--samples", "3"))
+    assert cells(res) == {"dense": 3}
+    assert "cut by an interrupted write" in res.stderr
+    assert [json.loads(x)["sample"] for x in rows.read_text().splitlines()] == [json.loads(x)["sample"] for x in lines] + [
+        json.loads(rows.read_text().splitlines()[-1])["sample"]]
+    # a file an earlier kvtool damaged: a row appended after a cut line; the row is kept
+    good = rows.read_text().splitlines()
+    rows.write_text("\n".join(good[:-1]) + "\n" + good[-1][:30] + good[-1] + "\n")
+    assert cells(invoke(tasks_args(tiny_llama_dir, out, "--samples", "3"))) == {"dense": 3}
+    assert len(rows.read_text().splitlines()) == 3
+    # --force starts over but keeps the old rows, said so
+    res = invoke(tasks_args(tiny_llama_dir, out, "--samples", "1", "--force"))
+    assert cells(res) == {"dense": 1}
+    kept = list(out.glob("samples.*.jsonl"))
+    assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 3
+    assert str(kept[0]) in res.stderr
+
+
+def test_d2_a_full_disk_is_the_documented_message(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from kvtool.analysis import taskfiles
+
+    rows = tmp_path / "samples.jsonl"
+    taskfiles.append_rows(rows, [{"sample": "a", "setting": "dense", "method": "dense", "task": "t", "length": 1}])
+    before = rows.read_bytes()
+    real = os.write
+
+    def full(fd, data):
+        real(fd, bytes(data[:7]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(BadDataError, match=r"cannot write .*samples.jsonl: No space left on device"):
+        taskfiles.append_rows(rows, [{"sample": "b", "setting": "dense", "method": "dense", "task": "t", "length": 1}])
+    monkeypatch.undo()
+    assert rows.read_bytes() == before  # the cut batch was taken back
+
+
+def test_d8_the_summary_counts_only_this_runs_rows(tiny_llama_dir, tmp_path):
+    out = tmp_path / "t"
+    assert cells(invoke(tasks_args(tiny_llama_dir, out, "--samples", "2"))) == {"dense": 2}
+    res = invoke(tasks_args(tiny_llama_dir, out, "--samples", "2", "--seed", "5"))
+    assert cells(res) == {"dense": 2}
+    assert "rows of other samples or settings" in res.stderr
+    args = ["tasks", "--model", str(tiny_llama_dir), "--tasks", "niah_single", "--lengths", "400", "--out-dir", str(out),
+            "--samples", "1", "--methods", "dense,streaming", "--budgets", "50%"]
+    assert set(cells(invoke(args))) == {"dense", "streaming @ 50%"}
+    args[args.index("dense,streaming")] = "dense"
+    assert set(cells(invoke(args))) == {"dense"}

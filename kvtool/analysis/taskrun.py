@@ -20,7 +20,7 @@ of the dense accuracy kept, and the bytes stored.
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +35,7 @@ from kvtool.core.jsonio import to_json_text
 from kvtool.formats.base import compress_cache
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, compress_kept, compress_plan, load_plan
-from kvtool.analysis import fill
+from kvtool.analysis import fill, taskfiles
 from kvtool.analysis.taskeval import SCORING, answer, prepare, wilson
 from kvtool.analysis.tasks import TaskSample, Tokens, generate_sample
 from kvtool.hf import presses as hfpress
@@ -83,7 +83,9 @@ def parse_method(text: str) -> Method:
         return Method("press", name, PRESS_STORAGE[store])
     if t.startswith("plan:"):
         path = Path(t[len("plan:"):])
-        return Method("plan", path.name, plan=load_plan(path))
+        plan = load_plan(path)
+        plan_budget(plan, str(path))  # checked now, before any work
+        return Method("plan", path.name, plan=plan)
     if t.startswith("spec:"):
         spec = t[len("spec:"):]
         resolve_spec(spec)
@@ -91,9 +93,16 @@ def parse_method(text: str) -> Method:
     raise UsageError(f"unknown method {t!r}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME, plan:FILE or spec:SPEC")
 
 
-def plan_budget(plan: Plan) -> float | None:
+def plan_budget(plan: Plan, name: str = "the plan") -> float | None:
+    """The budget a plan says it was made for (its ``budget.fraction``, informational: a share of
+    the float16 bytes), or None; BadDataError unless it is a finite number in (0, 1]."""
     b = plan.extra.get("budget")
-    return float(b["fraction"]) if isinstance(b, dict) and "fraction" in b else None
+    if not isinstance(b, dict) or "fraction" not in b:
+        return None
+    f = b["fraction"]
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f <= 1:
+        raise BadDataError(f"plan {name}: budget.fraction must be a number in (0, 1] (a share of the float16 bytes), got {str(f)[:40]!r}")
+    return float(f)
 
 
 @dataclass
@@ -200,28 +209,9 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
 # ----------------------------------------------------------------------------- the run
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of ``samples.jsonl``, the first of each (sample, setting) (two processes working on
-    one folder may both have scored a sample)."""
-    rows = []
-    seen: set[tuple[str, str]] = set()
-    if not path.exists():
-        return rows
-    lines = path.read_text(encoding="utf-8").splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):
-                break  # a line cut by an interrupted write: recomputed
-            raise BadDataError(f"{path}: line {n} is not JSON; move the file away or pass --force") from None
-        key = (row.get("sample"), row.get("setting"))
-        if key not in seen:
-            seen.add(key)
-            rows.append(row)
-    return rows
+def read_rows(path: Path, note: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """The rows of ``samples.jsonl`` (:func:`kvtool.analysis.taskfiles.read_rows`)."""
+    return taskfiles.read_rows(path, note)
 
 
 def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], lengths: list[int], samples: int, seed: int,
@@ -235,20 +225,21 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
         raise UsageError(f"--scoring must be one of {', '.join(SCORING)}, got {scoring!r}")
     if samples < 1:
         raise UsageError(f"--samples must be at least 1, got {samples}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    run_path = out_dir / "run.json"
+    taskfiles.check_folder(out_dir)
+    run_path = out_dir / taskfiles.RUN
     identity = {"model": model_name, "scoring": scoring, "question_aware": question_aware}
-    rows_path = out_dir / "samples.jsonl"
+    rows_path = out_dir / taskfiles.ROWS
     if force:
-        for p in (rows_path, run_path):
-            if p.exists():
-                p.unlink()
-    if run_path.exists():
-        old = json.loads(run_path.read_text(encoding="utf-8"))
-        if old != identity:
+        moved = taskfiles.move_aside(rows_path)
+        if moved is not None:
+            progress.note(f"tasks: --force: the earlier rows of {rows_path} were moved to {moved}")
+    else:
+        old = taskfiles.read_run(run_path)
+        if old is not None and old != identity:
             raise UsageError(f"{out_dir} holds a run with {old}; this one is {identity}: use another --out-dir or --force")
-    run_path.write_text(json.dumps(identity) + "\n", encoding="utf-8")
-    done = {(r["sample"], r["setting"]) for r in read_rows(rows_path)}
+    taskfiles.write_run(run_path, identity)
+    taskfiles.repair(rows_path, progress.note)
+    done = {(r["sample"], r["setting"]) for r in read_rows(rows_path, progress.note)}
     todo_settings = settings_of(methods, budgets)
     tok = Tokens(tokenizer)
     # budgets are filled for one nominal length per task and length, sample 0's, whatever --start a
@@ -261,6 +252,7 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
     started = time.perf_counter()
     total = len(tasks) * len(lengths) * samples
     n = 0
+    grid: set[tuple[str, str]] = set()  # this run's (sample, setting) pairs: what its summary counts
     progress.note(f"tasks: {len(tasks)} tasks x {len(lengths)} lengths x {samples} samples, {len(todo_settings)} settings each; results go to {rows_path}")
     progress.stage("tasks", total)
     # index outermost: a run stopped early holds about as many samples of every task and length
@@ -269,19 +261,24 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
             for length in lengths:
                 n += 1
                 sample = generate_sample(tokenizer, task, length, seed, i, tok)
+                grid.update((sample.key(), s.label) for s in todo_settings)
                 todo = [s for s in todo_settings if (sample.key(), s.label) not in done]
                 if not todo:
                     progress.advance()
                     continue
                 t0 = time.perf_counter()
                 rows = run_sample(model, tokenizer, sample, todo, question_aware, scoring, nominal)
-                with open(rows_path, "a", encoding="utf-8") as fh:
-                    fh.write("".join(json.dumps(r) + "\n" for r in rows))  # one write: processes sharing the file never interleave lines
+                taskfiles.append_rows(rows_path, rows, progress.note)  # whole lines under a lock: processes sharing the file never interleave
                 ok = sum(1 for r in rows if r.get("correct"))
                 progress.note(f"tasks: {task} {length} #{i} ({n}/{total}): {ok}/{len(rows)} settings right, {time.perf_counter() - t0:.0f} s "
                               f"({time.perf_counter() - started:.0f} s in all)")
                 progress.advance()
-    return summarize(read_rows(rows_path), identity)
+    rows = read_rows(rows_path)
+    mine = [r for r in rows if (r["sample"], r["setting"]) in grid]
+    if len(mine) < len(rows):
+        progress.note(f"tasks: {rows_path} also holds {len(rows) - len(mine)} rows of other samples or settings (another --seed, "
+                      "--start, --samples, --methods or --budgets); the summary counts only this run's")
+    return summarize(mine, identity)
 
 
 def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None) -> dict[str, Any]:

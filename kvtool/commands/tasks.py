@@ -128,8 +128,9 @@ def tasks_cmd(
     length_list = parse_lengths(lengths)
     budget_list = parse_budgets(budgets)
     method_list = [taskrun.parse_method(m) for m in split_methods(methods)]
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out-dir {out_dir} is a file, not a folder")
+    from kvtool.analysis import taskfiles  # deferred: start-up time
+
+    taskfiles.check_folder(out_dir)  # before the model loads: no output is an input (a plan), no FIFO, a writable folder
     progress.stage("load model", 1)
     from kvtool.core.placement import resolve_device  # deferred: needs torch
 
