@@ -139,3 +139,16 @@ def test_d8_the_summary_counts_only_this_runs_rows(tiny_llama_dir, tmp_path):
     assert set(cells(invoke(args))) == {"dense", "streaming @ 50%"}
     args[args.index("dense,streaming")] = "dense"
     assert set(cells(invoke(args))) == {"dense"}
+
+
+def test_d7_generate_refuses_a_same_shaped_model_with_other_weights(tiny_llama_dir, tiny_capture, tmp_path):
+    from tests.conftest import make_byte_tokenizer, make_tiny_llama
+
+    other = tmp_path / "other"
+    make_tiny_llama(seed=1).save_pretrained(other)
+    make_byte_tokenizer().save_pretrained(other)
+    res = runner.invoke(app, ["generate", str(tiny_capture), "--model", str(other), "-n", "2"])
+    assert res.exit_code == 1, res.output
+    assert "does not reproduce the capture's keys" in res.output
+    res = runner.invoke(app, ["generate", str(tiny_capture), "--model", str(tiny_llama_dir), "-n", "2"])
+    assert res.exit_code == 0, res.output
