@@ -152,3 +152,76 @@ def test_d7_generate_refuses_a_same_shaped_model_with_other_weights(tiny_llama_d
     assert "does not reproduce the capture's keys" in res.output
     res = runner.invoke(app, ["generate", str(tiny_capture), "--model", str(tiny_llama_dir), "-n", "2"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("layers", ['{"0": "dense", "00": "quant:bits=4"}', '{"0": "dense", "0": "quant:bits=4"}',
+                                    '{"+1": "dense"}', '{" 1": "dense"}', '{"-1": "dense"}', '{"1e3": "dense"}'])
+def test_d22_plan_layer_keys_are_canonical_and_unique(tmp_path, layers):
+    from kvtool.core.errors import KvtoolError
+    from kvtool.formats.plan import load_plan
+
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"schema": "kvtool.plan", "version": 1, "default": "dense", "layers": ' + layers + "}")
+    with pytest.raises(KvtoolError, match="layer key|appears twice"):
+        load_plan(plan)
+
+
+def write_plan(path: Path, **extra) -> Path:
+    path.write_text(json.dumps({"schema": "kvtool.plan", "version": 1, "default": "dense", "layers": {"0": "quant:bits=4"}, **extra}))
+    return path
+
+
+@pytest.mark.parametrize("fraction", [1e300, -5, 0, 1.5, "abc", None, [0.1], True])
+def test_d10_a_plans_budget_fraction_is_checked(tmp_path, fraction):
+    from kvtool.analysis import taskrun
+
+    plan = write_plan(tmp_path / "plan.json", budget={"fraction": fraction})
+    with pytest.raises(BadDataError, match="budget.fraction"):
+        taskrun.parse_method(f"plan:{plan}")
+    ok = write_plan(tmp_path / "ok.json", budget={"fraction": 0.25})
+    assert taskrun.settings_of([taskrun.parse_method(f"plan:{ok}")], [])[0].budget == 0.25
+
+
+def test_d23_a_plan_that_is_a_tasks_output_is_refused_up_front(tiny_llama_dir, tmp_path):
+    out = tmp_path / "t"
+    out.mkdir()
+    plan = write_plan(out / "tasks.json")
+    res = runner.invoke(app, ["tasks", "--model", "/nonexistent-model", "--methods", f"plan:{plan}", "--out-dir", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "is the input" in res.output  # refused before the model (which does not exist) was looked at
+
+
+@pytest.mark.parametrize("name", ["run.json", "samples.jsonl"])
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_d13_d16_a_fifo_or_folder_in_a_tasks_folder_is_refused(tmp_path, name, kind):
+    import os
+
+    out = tmp_path / "t"
+    out.mkdir()
+    if kind == "fifo":
+        os.mkfifo(out / name)
+    else:
+        (out / name).mkdir()
+    res = runner.invoke(app, ["tasks", "--model", "/nonexistent-model", "--out-dir", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "not a regular file" in res.output and "InternalError" not in res.output
+
+
+@pytest.mark.parametrize("content", [b'[1, 2]\n', b'{"a": 1}\n', b'"text"\n', b'\xff\xfe{}\n', b'not json\n',
+                                     b'{"sample": "x", "setting": "dense", "method": "dense", "task": "t", "length": "9"}\n'])
+def test_d16_bad_rows_are_bad_data_with_one_line(tmp_path, content):
+    from kvtool.analysis import taskfiles
+
+    rows = tmp_path / "samples.jsonl"
+    rows.write_bytes(content)
+    with pytest.raises(BadDataError, match="line 1"):
+        taskfiles.read_rows(rows)
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1]", b"\xff\xfe"])
+def test_d16_a_corrupt_run_json_is_bad_data(tmp_path, content):
+    from kvtool.analysis import taskfiles
+
+    (tmp_path / "run.json").write_bytes(content)
+    with pytest.raises(BadDataError):
+        taskfiles.read_run(tmp_path / "run.json")

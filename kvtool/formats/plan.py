@@ -22,6 +22,7 @@ checked against the capture. Other keys (``budget``, ``predicted``, ...) are inf
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ class Plan:
                 raise UsageError(f"plan spec {spec!r}: {exc}") from None
 
 
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
 def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
     """Parse a plan dict (see the module docstring); UsageError naming what is wrong."""
     if not isinstance(data, dict) or data.get("schema") != PLAN_SCHEMA:
@@ -95,10 +99,10 @@ def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
         raise UsageError(f"{where}: \"layers\" must map layer indices to specs")
     layers: dict[int, list[str]] = {}
     for key, value in raw.items():
-        try:
-            i = int(key)
-        except ValueError:
-            raise UsageError(f"{where}: layer key {key!r} is not an integer") from None
+        # one spelling per layer: "0" and "00" (or " 0", "+0") would both be layer 0, and one would silently win
+        if not (isinstance(key, str) and _LAYER_KEY.fullmatch(key)):
+            raise UsageError(f"{where}: layer key {str(key)[:24]!r} is not a layer index written plainly (0, 1, 12: digits, no sign, spaces or leading zeros)")
+        i = int(key)
         specs = [value] if isinstance(value, str) else value
         if not isinstance(specs, list) or not specs or not all(isinstance(s, str) and s.strip() for s in specs):
             raise UsageError(f"{where}: layer {i} must be a spec or a list of specs, got {value!r}")
