@@ -225,3 +225,57 @@ def test_d16_a_corrupt_run_json_is_bad_data(tmp_path, content):
     (tmp_path / "run.json").write_bytes(content)
     with pytest.raises(BadDataError):
         taskfiles.read_run(tmp_path / "run.json")
+
+
+# ----------------------------------------------------------------------------- unbounded work
+
+
+def test_d12_a_huge_layer_range_is_refused_before_it_is_built():
+    import time
+
+    from kvtool.core.cache import parse_indices
+
+    for text in ("0-150000000", "0-99999999999999", "0-" + "9" * 5000, "3-99999999999999999999"):
+        start = time.perf_counter()
+        with pytest.raises(UsageError, match="out of range"):
+            parse_indices(text, 30)
+        assert time.perf_counter() - start < 0.1
+    assert parse_indices("0,5,10-12, 3 - 4", 30) == [0, 3, 4, 5, 10, 11, 12]
+    for text in ("5-3", "1-2-3", "0x1", "\u0663"):
+        with pytest.raises(UsageError):
+            parse_indices(text, 30)
+
+
+def test_d14_parse_spec_is_linear():
+    import time
+
+    from kvtool.core.spec import parse_spec
+
+    spec = "quant:" + ",".join(f"p{i}=1" for i in range(100_000))
+    start = time.perf_counter()
+    assert len(parse_spec(spec)[1]) == 100_000
+    assert time.perf_counter() - start < 2.0  # 12,000 parameters took 18 s when each looked at all before it
+    with pytest.raises(UsageError, match="given twice") as err:
+        parse_spec(spec + ",p5=2")
+    assert len(str(err.value)) < 400  # the message quotes the spec cut short
+
+
+@pytest.mark.parametrize("args", [["tasks", "--samples", "100000000000000000000000"], ["tasks", "--threads", "99999999999"],
+                                  ["tasks", "--lengths", "infk"], ["tasks", "--lengths", "nan"], ["tasks", "--lengths", "1e30"],
+                                  ["capture", "--generate", "100000000000000000000"],
+                                  ["recommend", "--objective", "tasks", "--budget", "15%", "--calib-samples", "100000000000000000000"]])
+def test_d15_d17_integers_beyond_the_size_rule_are_usage_errors(tmp_path, args):
+    res = runner.invoke(app, [*args, "--model", "/nonexistent-model", "-o" if args[0] != "tasks" else "--out-dir", str(tmp_path / "x"), "--json"])
+    assert res.exit_code == 2, res.output
+    err = json.loads(res.stdout)["error"]
+    assert err["type"] == "UsageError" and "Overflow" not in err["message"]
+
+
+def test_d15_d24_positions_beyond_the_model_are_refused(tiny_llama_dir, tmp_path):
+    res = runner.invoke(app, ["capture", "--model", str(tiny_llama_dir), "--random-tokens", "25000", "-o", str(tmp_path / "c.safetensors")])
+    assert res.exit_code == 2 and "reads at most 2048 positions" in res.output, res.output
+    res = runner.invoke(app, ["capture", "--model", str(tiny_llama_dir), "--random-tokens", "2000", "--generate", "100", "-o", str(tmp_path / "c.safetensors")])
+    assert res.exit_code == 2 and "reads at most 2048 positions" in res.output, res.output
+    res = runner.invoke(app, ["recommend", "--objective", "tasks", "--model", str(tiny_llama_dir), "--lengths", "64k", "--budget", "15%",
+                              "-o", str(tmp_path / "p.json")])
+    assert res.exit_code == 2 and "reads at most 2048 positions" in res.output, res.output

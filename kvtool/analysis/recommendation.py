@@ -410,6 +410,7 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
         raise UsageError(f"--check-seed {check_seed} equals --calib-seed: the plan would be checked on the samples it was calibrated on")
     mdl, tok, source = models.load(model)
     name = source.name
+    models.check_positions(mdl, max(lengths), name, f"--lengths {max(lengths)}")  # before any sample is generated
     facts = models.facts_of(mdl, source, "float16")
     parsed = [dict(budget=b, **parse_budget(b, facts)) for b in budgets]
     families = check_servable(servable, families, per_head)

@@ -37,12 +37,14 @@ which is exactly "greedy decoding produces the answer" for a single answer.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtool import texts
 from kvtool.core.errors import UsageError
+from kvtool.core.limits import MAX_TOKENS
 
 TASKS = ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa")
 
@@ -404,9 +406,14 @@ def parse_lengths(text: str | list[str] | None, max_tokens: int | None = None) -
             if not p:
                 continue
             try:
-                n = int(float(p[:-1]) * 1024) if p.endswith("k") else int(p)
+                number = float(p[:-1]) * 1024 if p.endswith("k") else float(p)
             except ValueError:
-                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part!r}") from None
+                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part[:40]!r}") from None
+            if not math.isfinite(number):
+                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part[:40]!r}")
+            if number > MAX_TOKENS:
+                raise UsageError(f"--lengths {part[:40]}: at most {MAX_TOKENS} tokens")
+            n = int(number)
             if n < 128:
                 raise UsageError(f"--lengths {part}: a task needs at least 128 tokens")
             if max_tokens is not None and n > max_tokens:

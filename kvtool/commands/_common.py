@@ -35,6 +35,7 @@ from kvtool.commands._complete import complete_model
 from kvtool.core import outputs, settings
 from kvtool.commands._complete import complete_device
 from kvtool.core.errors import KvtoolError
+from kvtool.core.limits import MAX_TOKENS, bounded_int
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
 from kvtool.core.progress import Progress as LibraryProgress
@@ -237,11 +238,30 @@ OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_
 FOLDER_INPUTS = frozenset({"model"})
 
 
+# integer options bounded tighter than the one rule (docs/cli.md: at most 2^24 in size); seeds are any 64-bit integer
+INT_LIMITS = {"threads": (1, 1 << 10)}
+SEED_LIMIT = (-(1 << 63), (1 << 63) - 1)
+
+
+def check_integers(kwargs: dict[str, Any]) -> None:
+    """Every integer argument (and every integer in a list argument) within the one size rule: at
+    most :data:`kvtool.core.limits.MAX_TOKENS` in size (``--threads`` 1 to 1024, a seed any 64-bit
+    integer), a UsageError naming the option otherwise, before any work (no OverflowError from
+    torch, no run that takes forever)."""
+    for key, value in kwargs.items():
+        low, high = INT_LIMITS.get(key, SEED_LIMIT if key.endswith("seed") else (-MAX_TOKENS, MAX_TOKENS))
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                bounded_int("--" + key.replace("_", "-"), item, low, high)
+
+
 def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The command's arguments with ``sample:`` resolved, after recording every path argument that is
     not an output as an input of the command (:func:`kvtool.core.outputs.note_input`) and checking
     that no output is ``sample:`` or one of those inputs: the one output check then knows every input
-    before any work starts, and refuses the same again when the file is written."""
+    before any work starts, and refuses the same again when the file is written. Integer arguments
+    are bounded first (:func:`check_integers`): the CLI and the Python API both pass through here."""
+    check_integers(kwargs)
     resolved = {}
     for key, value in kwargs.items():
         items = value if isinstance(value, list) else [value]

@@ -136,10 +136,7 @@ def tasks_cmd(
 
     mdl, tok, source = models.load(None if model in (None, "embedded") else model, device=str(resolve_device(device)))
     progress.advance()
-    limit = int(getattr(mdl.config, "max_position_embeddings", 0) or 0)
-    too_long = [n for n in length_list if limit and n > limit]
-    if too_long:
-        raise UsageError(f"--lengths {too_long[0]}: {source.name} reads at most {limit} tokens")
+    models.check_positions(mdl, max(length_list), source.name, f"--lengths {max(length_list)}")
     summary = taskrun.with_threads(threads, lambda: taskrun.run_tasks(
         mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
         question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress))

@@ -389,6 +389,23 @@ def facts_of(model: Any, source: ModelSource, dtype: str | None = None) -> Model
     )
 
 
+def max_positions(model: Any) -> int | None:
+    """The most positions ``model`` reads (its config's ``max_position_embeddings``), or None when
+    the config does not say."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model: Any, tokens: int, name: str, what: str | None = None) -> None:
+    """UsageError, before any work, when ``tokens`` positions exceed what ``model`` reads: past its
+    position limit a model's keys are extrapolated, not what it was made for (capture, tasks and
+    recommend --objective tasks share this check)."""
+    limit = max_positions(model)
+    if limit is not None and tokens > limit:
+        raise UsageError(f"{what or f'{tokens} tokens'}: model {name} reads at most {limit} positions "
+                         "(shorten the prompt, --max-tokens N --truncate, or fewer --lengths / --generate)")
+
+
 def check_dtype(name: str | None) -> None:
     if name is not None and name not in ("float32", "float16", "bfloat16"):
         raise UsageError(f"--dtype must be float16, bfloat16 or float32, got {name!r}")
