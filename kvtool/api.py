@@ -541,9 +541,10 @@ def load_model(model: str | PathLike | None = None, *, device: str = "cpu", dtyp
     ``dtype``: float16/fp16, bfloat16/bf16, float32/fp32 (default: the checkpoint's)."""
     import torch  # deferred: start-up time
 
-    from kvtool.hf.models import load  # deferred: transformers loads only when asked for
+    from kvtool.hf.models import check_dtype, load  # deferred: transformers loads only when asked for
 
     name = canonical_dtype(dtype)
+    check_dtype(name)  # a name torch does not have is a UsageError naming dtype=, not an AttributeError
     mdl, tok, _ = load(None if model is None else str(model), device=device, device_map=device_map, torch_dtype=getattr(torch, name) if name else None)
     return mdl, tok
 

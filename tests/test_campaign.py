@@ -279,3 +279,65 @@ def test_d15_d24_positions_beyond_the_model_are_refused(tiny_llama_dir, tmp_path
     res = runner.invoke(app, ["recommend", "--objective", "tasks", "--model", str(tiny_llama_dir), "--lengths", "64k", "--budget", "15%",
                               "-o", str(tmp_path / "p.json")])
     assert res.exit_code == 2 and "reads at most 2048 positions" in res.output, res.output
+
+
+# ----------------------------------------------------------------------------- error classes
+
+
+def test_d18_outputs_on_a_read_only_or_pseudo_file_system_are_refused_up_front(tmp_path, monkeypatch):
+    import errno
+    import os
+    import sys
+
+    if sys.platform == "linux":
+        res = runner.invoke(app, ["compress", "sample:", "--format", "quant:bits=4", "-o", "/proc/version", "--force", "--json"])
+        assert res.exit_code == 2 and "cannot hold new files" in json.loads(res.stdout)["error"]["message"], res.output
+        res = runner.invoke(app, ["eval", "sample:", "--formats", "quant:bits=4", "--no-model", "--out-dir", "/proc/kvtool-x", "--json"])
+        assert res.exit_code == 2 and "cannot make the folder" in res.output, res.output
+    # a read-only mount: the folder cannot be made, or holds no new file
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    for args in (["eval", "sample:", "--formats", "quant:bits=4", "--no-model", "--out-dir", str(tmp_path / "ro" / "e")],
+                 ["tasks", "--model", "/nonexistent-model", "--out-dir", str(tmp_path / "ro" / "t")]):
+        res = runner.invoke(app, [*args, "--json"])
+        assert res.exit_code == 2, res.output
+        err = json.loads(res.stdout)["error"]
+        assert err["type"] == "UsageError" and "Read-only file system" in err["message"]
+
+
+def tasks_summary(**change) -> dict:
+    cell = {"setting": "dense", "method": "dense", "budget": None, "task": "niah_single", "length": 1024, "accuracy": 1.0, "lo": 0.5,
+            "hi": 1.0, "n": 2, "correct": 2, "stored_ratio": 1.0}
+    by = {"setting": "dense", "method": "dense", "budget": None, "accuracy": 1.0, "lo": 0.5, "hi": 1.0, "n": 2, "stored_ratio": 1.0}
+    data = {"run": {}, "cells": [cell], "by_setting": [by], "tasks": [{"task": "niah_single", "length": 1024}], "settings": ["dense"]}
+    for key, value in change.items():
+        part, field = key.split("__")
+        data[part][0][field] = value
+    return data
+
+
+@pytest.mark.parametrize("change", [{"by_setting__accuracy": "high"}, {"by_setting__stored_ratio": "x"}, {"cells__lo": [1]},
+                                    {"cells__n": "2"}, {"tasks__length": "1k"}, {"by_setting__n": None}])
+def test_d19_report_tasks_with_bad_cells_is_bad_data(tiny_capture, tmp_path, change):
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "tasks.json").write_text(json.dumps(tasks_summary(**change)))
+    res = runner.invoke(app, ["report", str(tiny_capture), "--no-model", "--tasks", str(folder), "-o", str(tmp_path / "r.html"), "--json"])
+    assert res.exit_code == 1, res.output
+    err = json.loads(res.stdout)["error"]
+    assert err["type"] == "BadDataError" and "tasks.json" in err["message"]
+
+
+def test_d20_d21_load_model_names_its_parameter():
+    with pytest.raises(UsageError, match=r"^dtype must be float16, bfloat16 or float32, got 'float7'"):
+        kvtool.load_model(dtype="float7")
+    with pytest.raises(UsageError, match=r"^samples must be at most"):
+        kvtool.tasks(samples=10**30)
+    with pytest.raises(UsageError, match=r"^lengths must be token counts"):
+        kvtool.tasks(lengths="infk")

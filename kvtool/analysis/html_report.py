@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.documents import check_eval_points, read_bench_document
-from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
 from kvtool.analysis.palette import format_color, spec_format
 from kvtool.analysis.bands import grade
@@ -279,10 +279,9 @@ def read_tasks(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "tasks.json"
     if not path.is_file():
         raise UsageError(f"--tasks {folder}: no tasks.json there (run kvtool tasks --out-dir {folder} first)")
-    data = read_json_input(path, f"--tasks {path}")
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("by_setting"), list):
-        raise BadDataError(f"--tasks {path}: not a kvtool tasks summary")
-    return data
+    from kvtool.analysis.taskfiles import check_summary  # every field the section computes with, checked
+
+    return check_summary(read_json_input(path, f"--tasks {path}"), f"--tasks {path}")
 
 
 def reading_tasks(summary: dict[str, Any]) -> str:

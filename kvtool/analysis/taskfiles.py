@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import stat
 import time
@@ -31,7 +32,7 @@ from typing import Any, Callable, Iterator
 
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import parse_json_text, read_text_input
-from kvtool.core.outputs import atomic_write_text, refuse_input
+from kvtool.core.outputs import atomic_write_text, output_folder, refuse_input
 
 ROWS = "samples.jsonl"
 RUN = "run.json"
@@ -55,12 +56,7 @@ def check_folder(out_dir: Path, inputs: tuple | list = ()) -> None:
             mode = os.lstat(path).st_mode
             if not stat.S_ISREG(mode):
                 raise BadDataError(f"{path} is not a regular file (a folder, FIFO, device or link); move it away or choose another --out-dir")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out-dir {out_dir}: cannot make the folder ({exc.strerror or exc})") from None
-    if not os.access(out_dir, os.W_OK):
-        raise UsageError(f"--out-dir {out_dir}: the folder is not writable")
+    output_folder(out_dir)
 
 
 def read_run(path: Path) -> dict[str, Any] | None:
@@ -233,3 +229,43 @@ def move_aside(path: Path) -> Path | None:
         os.unlink(path)
         return target
     raise BadDataError(f"{path}: cannot move the earlier rows aside (1000 names taken); move the file away")
+
+
+# the fields of a tasks.json summary that readers (kvtool report --tasks) compute with, and their kinds
+_NUMBER, _OPT_NUMBER, _INT, _STR, _OPT_STR = "number", "number or null", "integer", "text", "text or null"
+SUMMARY_FIELDS = {
+    "by_setting": {"setting": _STR, "method": _STR, "budget": _OPT_NUMBER, "accuracy": _OPT_NUMBER, "lo": _OPT_NUMBER, "hi": _OPT_NUMBER,
+                   "n": _INT, "stored_ratio": _OPT_NUMBER},
+    "cells": {"setting": _STR, "task": _STR, "length": _INT, "n": _INT, "accuracy": _OPT_NUMBER, "lo": _OPT_NUMBER, "hi": _OPT_NUMBER},
+    "tasks": {"task": _STR, "length": _INT},
+}
+
+
+def _kind_ok(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null")
+    if isinstance(value, bool):
+        return False
+    if kind.startswith("number"):
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    if kind == _INT:
+        return isinstance(value, int)
+    return isinstance(value, str)
+
+
+def check_summary(data: Any, where: str) -> dict[str, Any]:
+    """``data`` (a parsed ``tasks.json``) if every field a reader computes with has its kind;
+    BadDataError naming the first one that does not (a hand-edited or foreign file)."""
+    if not isinstance(data, dict):
+        raise BadDataError(f"{where}: not a kvtool tasks summary (a JSON object)")
+    for part, fields in SUMMARY_FIELDS.items():
+        items = data.get(part, [] if part == "tasks" else None)
+        if not isinstance(items, list):
+            raise BadDataError(f"{where}: not a kvtool tasks summary (\"{part}\" must be a list)")
+        for n, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise BadDataError(f"{where}: {part}[{n}] is not an object")
+            for key, kind in fields.items():
+                if not _kind_ok(item.get(key), kind):
+                    raise BadDataError(f"{where}: {part}[{n}].{key} must be {kind}, got {json.dumps(item.get(key))[:40]}")
+    return data

@@ -172,8 +172,37 @@ def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None,
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise UsageError(f"the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"the folder {parent} is not writable")
+    check_can_create(parent)
+    return path
+
+
+def check_can_create(folder: Path) -> None:
+    """UsageError unless files can be created in ``folder``: its permissions, a read-only mount and
+    pseudo file systems (``/proc``, where ``os.access`` says yes) are all tried by creating and
+    removing one empty temp file, so no command finds out only when it writes its results."""
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"the folder {folder} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvtool-probe.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise UsageError(f"the folder {folder} cannot hold new files ({exc.strerror or exc})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
+def output_folder(path: str | Path, what: str = "--out-dir") -> Path:
+    """Make the output folder ``path`` if missing and check files can be created in it: UsageError
+    naming ``what`` for a file in its place, a folder that cannot be made (a read-only mount) or
+    cannot hold files. Every command that writes a folder of results goes through here."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot make the folder ({exc.strerror or exc})") from None
+    check_can_create(path)
     return path
 
 
