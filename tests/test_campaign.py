@@ -341,3 +341,33 @@ def test_d20_d21_load_model_names_its_parameter():
         kvtool.tasks(samples=10**30)
     with pytest.raises(UsageError, match=r"^lengths must be token counts"):
         kvtool.tasks(lengths="infk")
+
+
+@pytest.mark.parametrize("spec", [dict(name="quant", bits=4, group=1 << 24, residual=16), dict(name="quant", bits=4, group=32, residual=1 << 24),
+                                  dict(name="quant", scheme="int8", residual=1 << 24), dict(name="bitmap", sparsity=0.7, dense_window=1 << 24)])
+def test_d11_live_layers_allocate_for_their_tokens_not_their_parameters(spec):
+    """A token-measured parameter of 2^24 (in bounds) compresses, and its live layer allocates for
+    the tokens it holds plus a headroom (it asked for 6-13 GB per layer), grows as tokens come, and
+    attends as the file decodes."""
+    from kvtool.core.attention import attend_partial
+    from kvtool.core.limits import LIVE_HEADROOM
+    from tests.conftest import synthetic_cache
+
+    from kvtool.formats.base import get_format
+
+    spec = dict(spec)
+    fmt = get_format(spec.pop("name"))
+    layer = synthetic_cache(tokens=600, head_dim=32, heads=4, kv_heads=2, queries=False).layers[0]
+    live = fmt.live_from_dense(layer.slice_tokens(0, 100), fmt.Params(**spec))
+    dense_bytes = 2 * layer.keys[:, :, :100].numel() * 2
+    limit = 8 * (2 * 2 * (100 + 2 * LIVE_HEADROOM) * 32 * 2)  # a few copies of the tokens + headroom in float16
+    assert live.stored_bytes() < limit, (live.stored_bytes(), dense_bytes)
+    for start in range(100, 600, 100):  # eager appends past the first allocation
+        live.append(layer.keys[:, :, start:start + 100], layer.values[:, :, start:start + 100])
+    for _ in range(3):  # single-token steps, with room made first as a decode loop does
+        live.reserve(1)
+    assert live.tokens == 600
+    dense = fmt.decode(live.encoded())
+    q = torch.randn(1, 4, 2, 32, dtype=torch.float16)
+    torch.testing.assert_close(live.partial(q, None)[0], attend_partial(q, dense.keys, dense.values)[0])
+    assert live.stored_bytes() < limit

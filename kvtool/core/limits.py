@@ -41,6 +41,10 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_TEXT_BYTES = 64 << 20
 # nesting of any JSON kvtool reads from a file (plans, eval, bench)
 MAX_JSON_DEPTH = 64
+# tokens a live cache layer allocates beyond those it holds where a parameter measured in tokens
+# (quant group or residual, bitmap dense_window; up to MAX_TOKENS) would ask for more: its buffers
+# follow the tokens held and grow as tokens come, never a parameter's worth ahead
+LIVE_HEADROOM = 4096
 
 
 def bounded_int(name: str, value: Any, low: int, high: int) -> int:

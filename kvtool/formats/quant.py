@@ -39,6 +39,7 @@ import torch
 
 from kvtool.core.cache import DTYPES, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import LIVE_HEADROOM
 from kvtool.core.attention import attend_partial
 from kvtool.methods.quantize import (
     check_bits,
@@ -356,9 +357,10 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
         out = codes.float().unflatten(-1, (length // group, group))
         out.mul_(scale.float()[..., None]).add_(zero.float()[..., None])
         out = out.flatten(-2)
-    else:
-        s = scale.float().repeat_interleave(group, dim=-1)[..., :length]
-        z = zero.float().repeat_interleave(group, dim=-1)[..., :length]
+    else:  # a group longer than the row is one group: repeated ``length`` times, never ``group`` times
+        reps = min(group, length)
+        s = scale.float().repeat_interleave(reps, dim=-1)[..., :length]
+        z = zero.float().repeat_interleave(reps, dim=-1)[..., :length]
         out = codes.float() * s + z
     return out.to(dtype)
 
@@ -392,6 +394,29 @@ class _ResidualLive(LiveLayer):
 
     def encoded_shape(self) -> tuple[int, int, int, int]:
         return self.b, self.h, self.tokens, self.d
+
+    def _residual_slots(self, have: int, limit: int) -> int:
+        """Residual buffer slots for ``have`` tokens held and at most ``limit`` ever held at once:
+        ``limit`` when that is within :data:`LIVE_HEADROOM` of ``have`` (the usual R + group), else
+        ``have`` + the headroom (a residual or group of 2^24 tokens allocates for the tokens there
+        are, not for the parameter; :meth:`_grow_residual` adds slots as tokens come)."""
+        return max(min(limit, have + LIVE_HEADROOM), have)
+
+    def _grow_residual(self, need: int, limit: int, slack: int = 0) -> None:
+        """Residual buffers of at least ``need`` slots (+ ``slack``), doubling up to ``limit`` (eager
+        work only: a re-allocation invalidates CUDA graphs captured before)."""
+        size = self.res["keys"].shape[2]
+        if need + slack <= size:
+            return
+        slots = max(need, min(2 * (size - slack), limit)) + slack
+        for kind in ("keys", "values"):
+            old = self.res[kind]
+            self.res[kind] = old.new_zeros((self.b, self.h, slots, self.d))
+            self.res[kind][:, :, :self.res_n[kind]] = old[:, :, :self.res_n[kind]]
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            cache.residual_keys, cache.residual_values = self.res["keys"], self.res["values"]
+
 
 
 class QuantLive(_ResidualLive):
@@ -427,7 +452,7 @@ class QuantLive(_ResidualLive):
         rk, rv = ts["residual.keys"], ts["residual.values"]
         self.res_n = {"keys": int(rk.shape[2]), "values": int(rv.shape[2])}
         self.threshold = self.residual + self.chunk
-        rcap = max(self.threshold, rk.shape[2], rv.shape[2]) + RESIDUAL_SLACK
+        rcap = self._residual_slots(max(rk.shape[2], rv.shape[2]), self.threshold) + RESIDUAL_SLACK
         self.res = {"keys": rk.new_zeros((b, h, rcap, d)), "values": rv.new_zeros((b, h, rcap, d))}
         self.res["keys"][:, :, :rk.shape[2]] = rk
         self.res["values"][:, :, :rv.shape[2]] = rv
@@ -441,7 +466,13 @@ class QuantLive(_ResidualLive):
     # -- storage
 
     def _capacity_for(self, tokens: int) -> int:
-        return _round_up(tokens + max(2 * self.group, tokens // 32), self.group)
+        """Quantised-token slots for ``tokens``: whole groups, at least two ahead (1/32 for long
+        caches); for a group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead),
+        the tokens plus the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
+        whole = _round_up(tokens + max(2 * self.group, tokens // 32), self.group)
+        if whole <= tokens + LIVE_HEADROOM + self.group:
+            return whole
+        return _round_up(tokens + max(LIVE_HEADROOM, tokens // 32), 64)
 
     def _allocate(self, capacity: int, sdt: torch.dtype, old: dict[str, torch.Tensor]) -> None:
         """Buffers for ``capacity`` quantised tokens, holding the tokens in use of ``old`` (tensors
@@ -451,7 +482,7 @@ class QuantLive(_ResidualLive):
         ngv = math.ceil(d / g)
         kb, kg = self.kt * bits // 8, self.kt // g
         kc = torch.zeros((b, h, d, capacity * bits // 8), dtype=torch.uint8, device=dev)
-        ks = torch.zeros((b, h, d, capacity // g), dtype=sdt, device=dev)
+        ks = torch.zeros((b, h, d, -(-capacity // g)), dtype=sdt, device=dev)
         kz = torch.zeros_like(ks)
         vc = torch.zeros((b, h, capacity, packed_length(d, bits)), dtype=torch.uint8, device=dev)
         vs = torch.zeros((b, h, capacity, ngv), dtype=sdt, device=dev)
@@ -516,6 +547,9 @@ class QuantLive(_ResidualLive):
         n = keys.shape[2]
         rk, rv = self.res["keys"], self.res["values"]
         deferred = capturing(rk)
+        if not deferred:  # slots for the new tokens (up to R + group): buffers follow the tokens held
+            self._grow_residual(min(max(self.res_n.values()) + n, self.threshold), self.threshold, RESIDUAL_SLACK)
+            rk, rv = self.res["keys"], self.res["values"]
         if deferred or (n == 1 and max(self.res_n.values()) < self.threshold):
             # both written where the device says the residuals end (a replayed step keeps appending)
             at = self.lengths[2:4].long()
@@ -562,12 +596,7 @@ class QuantLive(_ResidualLive):
             while self.res_n[kind] >= self.threshold:
                 self._absorb(kind)
         if self.room() < steps:
-            need = max(self.res_n.values()) + steps + 1
-            for kind in ("keys", "values"):
-                old = self.res[kind]
-                self.res[kind] = old.new_zeros((self.b, self.h, need, self.d))
-                self.res[kind][:, :, :self.res_n[kind]] = old[:, :, :self.res_n[kind]]
-            self.cache.residual_keys, self.cache.residual_values = self.res["keys"], self.res["values"]
+            self._grow_residual(max(self.res_n.values()) + steps + 1, max(self.res_n.values()) + steps + 1)
 
     # -- attention
 
@@ -642,7 +671,7 @@ class SymmetricLive(_ResidualLive):
         self.chunk = LIVE_CHUNK_SYMMETRIC
         self.codes = {kind: ts[f"codes.{kind}"] for kind in ("keys", "values")}
         self.scales = {kind: ts[f"scales.{kind}"] for kind in ("keys", "values")}
-        cap = self.residual + self.chunk
+        cap = self._residual_slots(max(ts["residual.keys"].shape[2], ts["residual.values"].shape[2]), self.residual + self.chunk)
         self.res: dict[str, torch.Tensor] = {}
         self.res_n: dict[str, int] = {}
         for kind in ("keys", "values"):
@@ -687,13 +716,18 @@ class SymmetricLive(_ResidualLive):
             while done < x.shape[2]:
                 take = min(x.shape[2] - done, self.capacity - self.res_n[kind])
                 n = self.res_n[kind]
+                self._grow_residual(n + take, self.capacity)
                 self.res[kind][:, :, n:n + take] = x[:, :, done:done + take]
                 self.res_n[kind] = n + take
                 done += take
                 self._absorb_full(kind)
 
     def room(self) -> int:
-        return self.capacity - max(self.res_n.values()) - 1
+        return min(self.capacity, self.res["keys"].shape[2]) - max(self.res_n.values()) - 1
+
+    def reserve(self, steps: int) -> None:
+        """Residual slots for ``steps`` single-token steps (up to R + 32, where the next quantises)."""
+        self._grow_residual(min(max(self.res_n.values()) + steps + 1, self.capacity), self.capacity)
 
     # -- attention
 
