@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.documents import check_eval_points, read_bench_document
+from kvtool.analysis.taskfiles import check_summary
 from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
 from kvtool.analysis.palette import format_color, spec_format
@@ -279,8 +280,6 @@ def read_tasks(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "tasks.json"
     if not path.is_file():
         raise UsageError(f"--tasks {folder}: no tasks.json there (run kvtool tasks --out-dir {folder} first)")
-    from kvtool.analysis.taskfiles import check_summary  # every field the section computes with, checked
-
     return check_summary(read_json_input(path, f"--tasks {path}"), f"--tasks {path}")
 
 

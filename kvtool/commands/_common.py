@@ -35,7 +35,7 @@ from kvtool.commands._complete import complete_model
 from kvtool.core import outputs, settings
 from kvtool.commands._complete import complete_device
 from kvtool.core.errors import KvtoolError
-from kvtool.core.limits import MAX_TOKENS, bounded_int
+from kvtool.core.limits import MAX_PAGE_SIZE, MAX_TOKENS, bounded_int
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
 from kvtool.core.progress import Progress as LibraryProgress
@@ -239,13 +239,13 @@ FOLDER_INPUTS = frozenset({"model"})
 
 
 # integer options bounded tighter than the one rule (docs/cli.md: at most 2^24 in size); seeds are any 64-bit integer
-INT_LIMITS = {"threads": (1, 1 << 10)}
+INT_LIMITS = {"threads": (1, 1 << 10), "page_size": (1, MAX_PAGE_SIZE)}
 SEED_LIMIT = (-(1 << 63), (1 << 63) - 1)
 
 
 def check_integers(kwargs: dict[str, Any]) -> None:
     """Every integer argument (and every integer in a list argument) within the one size rule: at
-    most :data:`kvtool.core.limits.MAX_TOKENS` in size (``--threads`` 1 to 1024, a seed any 64-bit
+    most :data:`kvtool.core.limits.MAX_TOKENS` in size (``--threads`` 1 to 1024, ``--page-size`` 1 to 4096, a seed any 64-bit
     integer), a UsageError naming the option otherwise, before any work (no OverflowError from
     torch, no run that takes forever)."""
     for key, value in kwargs.items():
