@@ -549,6 +549,7 @@ def load_model(model: str | PathLike | None = None, *, device: str = "cpu", dtyp
     return mdl, tok
 
 
+@_python_errors
 def press(spec: str | PathLike, model: Any = None):
     """A context manager that compresses prompts' caches in place as a model fills them, then decodes
     through the live cache (kvpress-style)::
@@ -560,9 +561,10 @@ def press(spec: str | PathLike, model: Any = None):
     ``spec``: a format spec (chains included) or a plan file (``plan.json``); ``model``: also switch
     that model's attention implementation to kvtool's explicitly (needed only for models that do not
     dispatch attention by name). See :func:`kvtool.hf.live.press`."""
-    from kvtool.hf.live import press as _press  # deferred: transformers loads only when asked for
+    from kvtool.hf.live import press as _press, resolve_layer_specs  # deferred: transformers loads only when asked for
 
     spec = _path(spec) if str(spec).endswith(".json") else spec
+    resolve_layer_specs(spec)  # a bad spec or plan is refused here, naming this API's parameters, not when the block is entered
     return _press(spec, model)
 
 

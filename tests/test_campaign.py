@@ -371,3 +371,10 @@ def test_d11_live_layers_allocate_for_their_tokens_not_their_parameters(spec):
     q = torch.randn(1, 4, 2, 32, dtype=torch.float16)
     torch.testing.assert_close(live.partial(q, None)[0], attend_partial(q, dense.keys, dense.values)[0])
     assert live.stored_bytes() < limit
+
+
+def test_d21_press_refuses_a_bad_spec_when_called_naming_python_parameters():
+    with pytest.raises(UsageError, match=r"^bits must be one of 2, 4, 8"):
+        kvtool.press("quant:bits=3")  # before any block is entered
+    with pytest.raises(UsageError, match=r"^dense_window must be at least 0"):
+        kvtool.press("bitmap:dense-window=-1")

@@ -311,7 +311,7 @@ def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, gen
         raise BadDataError(f"model {model_name} does not match the capture: token id {int(token_ids.max())} is outside its vocabulary of {vocab}")
     prefix = hfattn.prefill(model, token_ids[:, :prefix_tokens])
     if source is not None:
-        compare_keys(prefix, source, prefix_tokens, model_name)
+        compare_keys(prefix, source, prefix_tokens, model_name, exact_layers=KEY_CHECK_EXACT_LAYERS)
     cache = hfattn.build_cache(model, prefix, None)
     with hfattn.compressed_attention(model, None):
         logits = hfattn.forward(model, cache, token_ids[:, prefix_tokens:])
