@@ -343,13 +343,220 @@ def _kivi_kernel(
     store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, DP)
 
 
-def plan_splits(cache: KiviCache, rows: int, device: torch.device) -> int:
+# ----------------------------------------------------------------------------- the packed-codes kernel
+#
+# Codes become float16 with integer and half2 instructions only (no int->float or float->half
+# conversions, which run at a quarter of the ALU rate): a code c placed in the mantissa of 1024.0
+# (bits 0x6400 | c) reads as 1024 + c; a code shifted up by k bits reads as 1024 + 2^k c, and one
+# fused multiply-add by 2^-k and -1024 * 2^-k gives c exactly. A second fma.rn.f16x2 gives
+# c * scale + zero with one rounding, which equals the format's float32 maths rounded to float16
+# (the product is exact in float32), so the tiles are the reference's to the bit.
+
+def _dequant_asm(bits: int) -> tuple[str, str]:
+    """(PTX, constraints) of one inline-asm call over 4 packed bytes: outputs, per code j of a byte,
+    two f16x2 words (bytes 0-1 and 2-3); inputs the 4 bytes as one word, the scale and the zero
+    point as f16x2 words holding the value twice (one per call: the 4 bytes share their group), and
+    the per-code constants (mask, multiplier, addend) as operands, so that they stay in registers
+    across calls instead of being moved in each."""
+    per = 8 // bits
+    inp = 2 * per
+    sc, ze, k0 = inp + 1, inp + 5, inp + 9  # an int32 operand takes one register per packed element
+    lines = ["{", ".reg .b32 t<2>, x;", f"prmt.b32 t0, ${inp}, 0, 0x4140;", f"prmt.b32 t1, ${inp}, 0, 0x4342;"]
+    for j in range(per):
+        mask, mul, add = k0 + 3 * 4 * j, k0 + (3 * j + 1) * 4, k0 + (3 * j + 2) * 4
+        for half in range(2):
+            lines += [f"lop3.b32 x, t{half}, ${mask}, 0x64006400, 0xEA;",  # (t & mask) | 0x6400: 1024 + code << k
+                      f"fma.rn.f16x2 x, x, ${mul}, ${add};",  # the code, exactly
+                      f"fma.rn.f16x2 ${2 * j + half}, x, ${sc}, ${ze};"]  # code * scale + zero, one rounding
+    lines.append("}")
+    constraints = ",".join(["=r"] * (2 * per) + ["r"] * (1 + 8 + 12 * per))
+    return "\n".join(lines), constraints
+
+
+# bits -> per code j of a byte: (lop3 mask, multiplier, addend) as f16x2 bit patterns: the code
+# shifted up by k bits reads 1024 + 2^k c after the lop3, times 2^-k plus -1024 * 2^-k gives c
+_MAGIC = {
+    8: ((0x00FF00FF, 0x3C003C00, 0xE400E400),),
+    4: ((0x000F000F, 0x3C003C00, 0xE400E400), (0x00F000F0, 0x2C002C00, 0xD400D400)),
+    2: ((0x00030003, 0x3C003C00, 0xE400E400), (0x000C000C, 0x34003400, 0xDC00DC00), (0x00300030, 0x2C002C00, 0xD400D400),
+        (0x00C000C0, 0x24002400, 0xCC00CC00)),
+}
+_ASM = {bits: _dequant_asm(bits) for bits in _MAGIC}
+
+
+@triton.jit
+def _f16x2(x):
+    """float16 ``x`` -> int32 holding its bits twice (an f16x2 word of (x, x))."""
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+@triton.jit
+def _codes_f16(byte, s, z, BITS: tl.constexpr, ASM: tl.constexpr):
+    """uint8 ``[A, NG, NB]`` packed codes with float16 scales / zero points ``[A, NG, 1]`` ->
+    float16 ``[A, NG * NB * 8 // BITS]``, code j of byte n at column ``n * (8 // BITS) + j`` of its
+    group (the order of ``pack_codes``), each ``round_f16(code * scale + zero)``. ASM: the PTX of
+    :func:`_dequant_asm` (CUDA); else float32 maths rounded once (the interpreter), the same numbers."""
+    A: tl.constexpr = byte.shape[0]
+    NG: tl.constexpr = byte.shape[1]
+    NB: tl.constexpr = byte.shape[2]
+    PER: tl.constexpr = 8 // BITS
+    if ASM:
+        shape: tl.constexpr = (A, NG, NB)
+        sb = tl.broadcast_to(_f16x2(s), shape)
+        zb = tl.broadcast_to(_f16x2(z), shape)
+        if BITS == 8:
+            out = tl.inline_asm_elementwise(_ASM8, _CON8, [byte, sb, zb, tl.full(shape, 0x00FF00FF, tl.int32),
+                                            tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32)],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+        elif BITS == 4:
+            c0, c1 = tl.inline_asm_elementwise(
+                _ASM4, _CON4, [byte, sb, zb,
+                               tl.full(shape, 0x000F000F, tl.int32), tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00F000F0, tl.int32), tl.full(shape, 0x2C002C00, tl.int32), tl.full(shape, 0xD400D400 - (1 << 32), tl.int32)],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            out = tl.reshape(tl.join(c0, c1), (A, NG * NB * 2))
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _ASM2, _CON2, [byte, sb, zb,
+                               tl.full(shape, 0x00030003, tl.int32), tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x000C000C, tl.int32), tl.full(shape, 0x34003400, tl.int32), tl.full(shape, 0xDC00DC00 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00300030, tl.int32), tl.full(shape, 0x2C002C00, tl.int32), tl.full(shape, 0xD400D400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00C000C0, tl.int32), tl.full(shape, 0x24002400, tl.int32), tl.full(shape, 0xCC00CC00 - (1 << 32), tl.int32)],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (A, NG * NB * 4))
+    else:
+        x = byte.to(tl.int32)
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        MASK: tl.constexpr = (1 << BITS) - 1
+        if BITS == 8:
+            out = tl.reshape((x.to(tl.float32) * sf + zf).to(tl.float16), (A, NG * NB))
+        elif BITS == 4:
+            c0 = ((x & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c1 = (((x >> 4) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            out = tl.reshape(tl.join(c0, c1), (A, NG * NB * 2))
+        else:
+            c0 = ((x & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c1 = (((x >> 2) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c2 = (((x >> 4) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c3 = (((x >> 6) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (A, NG * NB * 4))
+    return out
+_ASM8, _CON8 = (tl.constexpr(x) for x in _ASM[8])
+_ASM4, _CON4 = (tl.constexpr(x) for x in _ASM[4])
+_ASM2, _CON2 = (tl.constexpr(x) for x in _ASM[2])
+
+
+@triton.jit
+def _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c,
+                     BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Keys of the all-quantised tokens t0 .. t0 + BT - 1 transposed, float16 ``[D, BT]``: the
+    block's bytes as ``[D, groups in the block, bytes per group]`` with one scale and zero point
+    per channel and group."""
+    NGK: tl.constexpr = BT // GROUP if GROUP < BT else 1
+    KB: tl.constexpr = (GROUP if GROUP < BT else BT) * BITS // 8
+    g = tl.arange(0, NGK)
+    j = tl.arange(0, KB)
+    byte = tl.load(kc_ptr + bh * kc_bh + c[:, None, None] * kc_c + (t0 * BITS) // 8 + g[None, :, None] * KB + j[None, None, :])
+    sp = ks_bh * bh + c[:, None] * ks_c + t0 // GROUP + g[None, :]
+    s = tl.load(ks_ptr + sp)[:, :, None]
+    z = tl.load(kz_ptr + sp)[:, :, None]
+    return _codes_f16(byte, s, z, BITS, ASM)
+
+
+@triton.jit
+def _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t,
+                       BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Values of the all-quantised tokens t0 .. t0 + BT - 1, float16 ``[BT, D]``: each token's
+    bytes as ``[groups of channels, bytes per group]`` with one scale and zero point per group."""
+    NGV: tl.constexpr = D // GROUP if GROUP < D else 1
+    VB: tl.constexpr = (GROUP if GROUP < D else D) * BITS // 8
+    t = t0 + tl.arange(0, BT)
+    g = tl.arange(0, NGV)
+    j = tl.arange(0, VB)
+    byte = tl.load(vc_ptr + vc_bh * bh + t[:, None, None] * vc_t + g[None, :, None] * VB + j[None, None, :])
+    sp = vs_bh * bh + t[:, None] * vs_t + g[None, :]
+    s = tl.load(vs_ptr + sp)[:, :, None]
+    z = tl.load(vz_ptr + sp)[:, :, None]
+    return _codes_f16(byte, s, z, BITS, ASM)
+
+
+@triton.jit
+def _kivi_packed_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, S, HKV, TQ, R, NBYTES,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    G: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, NGV: tl.constexpr, DOT_PREC: tl.constexpr, ASM: tl.constexpr,
+):
+    """:func:`_kivi_kernel` for float16 caches whose group is a power of two and head_dim one too:
+    blocks of BT all-quantised tokens go through :func:`_packed_key_tile` / :func:`_packed_value_tile`
+    (no masks, no gathers, no float32 per element); the blocks that mix codes and residual tokens
+    through the generic tiles. Same grid, partials and slots."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pid_r = tl.program_id(2)
+    b = bh // HKV
+    kh = bh % HKV
+    c = tl.arange(0, D)
+    cmask = c < D
+    rows = pid_r * RB + tl.arange(0, RB)
+    rmask = rows < R
+    qh = kh * G + rows // TQ
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + (rows % TQ)[:, None] * sq_t + c[None, :], mask=rmask[:, None], other=0.0)
+    tk = tl.load(len_ptr)
+    tv = tl.load(len_ptr + 1)
+    nk = tl.load(len_ptr + 2)
+    T = tk + nk
+    blocks = tl.cdiv(T, BT)
+    per = tl.cdiv(blocks, S)
+    start = pid_s * per * BT
+    end = tl.minimum(start + per * BT, T)
+    qend = tl.minimum(end, tl.minimum(tk, tv) // BT * BT)  # blocks whose keys and values are all codes
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, D], tl.float32)
+    every = tl.full([1, BT], 1, tl.int1)
+    for t0 in range(start, qend, BT):
+        kt = _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, BT, D, BITS, GROUP, ASM)
+        v = _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t, BT, D, BITS, GROUP, ASM)
+        m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, False)
+    BLOCK_SCALES: tl.constexpr = GROUP % BT == 0
+    for t0 in range(tl.maximum(start, qend), end, BT):
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+                       BT, D, BITS, GROUP, BLOCK_SCALES, True, False, False)
+        v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
+                        BT, BITS, GROUP, NGV, D, True, False, False)
+        live = (t0 + tl.arange(0, BT)) < T
+        m_i, l_i, acc = attend_block(q, kt, v, live[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, False)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
+
+
+def packed_path(q: torch.Tensor, cache: KiviCache) -> bool:
+    """Whether :func:`_kivi_packed_kernel` serves this call: float16 queries and cache, float16
+    scales, head_dim a power of two from 16, and a group that is a power of two whose codes fill
+    whole 4-byte words (group x bits >= 32)."""
+    _, _, d = cache.shape
+    g = cache.group
+    return (q.dtype == torch.float16 and cache.dtype == torch.float16 and cache.key_scales.dtype == torch.float16
+            and cache.value_scales.dtype == torch.float16 and d >= 16 and d & (d - 1) == 0 and g & (g - 1) == 0
+            and min(g, d) * cache.bits >= 32)
+
+
+def packed_block_tokens(cache: KiviCache) -> int:
+    """Tokens per block of the packed kernel: 128 for 2-bit codes (32 bytes of a channel per block),
+    else 64."""
+    return 128 if cache.bits == 2 else 64
+
+
+def plan_splits(cache: KiviCache, rows: int, device: torch.device, block: int | None = None) -> int:
     """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq):
-    about 4 programs per SM on CUDA over the cache's capacity (at least 4 blocks of tokens each),
-    1 on the interpreter. Host arithmetic only."""
+    about 4 programs per SM on CUDA over the cache's capacity (at least 4 blocks of ``block``
+    tokens each; default the generic kernel's block), 1 on the interpreter. Host arithmetic only."""
     b, hkv, _ = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
-    bt, _ = block_tokens(cache.group)
+    bt = block or block_tokens(cache.group)[0]
     return num_splits(b * hkv * (rp // min(rp, 64)), -(-cache.capacity // bt), device, per_split_min=4)
 
 
@@ -363,12 +570,16 @@ def workspace_bytes(cache: KiviCache, rows: int, splits: int) -> int:
 
 
 def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
-                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int | None = None, *, block: int | None = None, num_stages: int | None = None,
+                   packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) of q over every token the
-    cache holds (module docstring). ``splits``: programs per KV head and row block (default
-    :func:`plan_splits`); ``num_warps``: a tuning knob (default 8 from head_dim 128, where a block's
-    dequantised key and value tiles are 8,192 float32 numbers each, else 4). No host syncs:
-    capturable in a CUDA graph."""
+    cache holds (module docstring). Float16 caches of power-of-two groups and head_dim go through
+    the packed-codes kernel (:func:`packed_path`), others through the generic one. Tuning knobs:
+    ``splits`` programs per KV head and row block (default :func:`plan_splits`); ``num_warps``
+    (default 4 on the packed kernel, else 8 from head_dim 128); ``block`` tokens per block of the
+    packed kernel (default :func:`packed_block_tokens`; a power of two from 16); ``num_stages``
+    (Triton's software pipelining, default Triton's); ``packed`` False forces the generic kernel.
+    No host syncs: capturable in a CUDA graph."""
     check_cache(q, cache)
     b, hkv, d = cache.shape
     h, tq = q.shape[1], q.shape[2]
@@ -379,11 +590,20 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out, lse
+    use_packed = packed_path(q, cache) if packed is None else (packed and packed_path(q, cache))
+    if packed and not use_packed:
+        raise UsageError("packed=True needs float16 queries, cache and scales, a power-of-two head_dim and group, and group x bits >= 32")
     rp = max(16, triton.next_power_of_2(rows))
     rb = min(rp, 64)
     dp = max(16, triton.next_power_of_2(d))
-    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device)
-    bt, block_scales = block_tokens(cache.group)
+    if use_packed:
+        bt = int(block or packed_block_tokens(cache))
+        if bt < 16 or bt & (bt - 1) or bt * cache.bits < 32:
+            raise UsageError(f"block must be a power of two from 16 holding whole 4-byte words of codes, got {block}")
+        block_scales = True
+    else:
+        bt, block_scales = block_tokens(cache.group)
+    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt)
     acc = torch.empty(b * hkv, s, rp, dp, dtype=torch.float32, device=device)
     m = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
     l = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
@@ -391,15 +611,21 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     prec, upcast = dot_flags(q.dtype, device)
     kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
     ngv = -(-d // cache.group)
-    num_warps = num_warps or (8 if dp * bt >= 8192 else 4)
-    _kivi_kernel[(s, b * hkv, rp // rb)](
-        q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
-        float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
-        vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2),
-        G=g, D=d, DP=dp, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=block_scales, NGV=ngv,
-        DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
-    )
+    args = (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
+            float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
+            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
+            vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
+    tune = {} if num_stages is None else {"num_stages": int(num_stages)}
+    if use_packed:
+        _kivi_packed_kernel[(s, b * hkv, rp // rb)](
+            *args, G=g, D=d, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec,
+            ASM=device.type == "cuda", num_warps=num_warps or 4, **tune,
+        )
+    else:
+        _kivi_kernel[(s, b * hkv, rp // rb)](
+            *args, G=g, D=d, DP=dp, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=block_scales, NGV=ngv,
+            DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps or (8 if dp * bt >= 8192 else 4), **tune,
+        )
     merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
     return out, lse
 
