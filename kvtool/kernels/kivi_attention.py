@@ -297,11 +297,14 @@ def _kivi_kernel(
     sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr, NGV: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FROM_BT: tl.constexpr = 0, SLOTS: tl.constexpr = 0,
 ):
     """One program: split ``program_id(0)`` of the tokens in use, KV head ``program_id(1)`` (batch x
     Hkv), query rows ``program_id(2) * RB ..`` (row r = query head g * TQ + query token). Writes
-    its unnormalised partial (acc, base-2 max, sum) at slot ``bh * S + split``."""
+    its unnormalised partial (acc, base-2 max, sum) at slot ``bh * S + split``. FROM_BT > 0: the
+    tail kernel of :func:`_kivi_packed_kernel`: only the tokens from min(Tk, Tv) rounded down to
+    FROM_BT on (the blocks the packed kernel leaves), split S ways, written at slot
+    ``bh * SLOTS + SLOTS - S + split``."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pid_r = tl.program_id(2)
@@ -318,9 +321,12 @@ def _kivi_kernel(
     tv = tl.load(len_ptr + 1)
     nk = tl.load(len_ptr + 2)
     T = tk + nk
-    blocks = tl.cdiv(T, BT)
+    first = 0
+    if FROM_BT > 0:
+        first = tl.minimum(tk, tv) // FROM_BT * FROM_BT
+    blocks = tl.cdiv(T - first, BT)
     per = tl.cdiv(blocks, S)
-    start = pid_s * per * BT
+    start = first + pid_s * per * BT
     end = tl.minimum(start + per * BT, T)
     qend = tl.minimum(end, tl.minimum(tk, tv) // BT * BT)  # blocks whose keys and values are all codes
     m_i = tl.full([RB], float("-inf"), tl.float32)
@@ -340,7 +346,10 @@ def _kivi_kernel(
                         BT, BITS, GROUP, NGV, DP, EVEN_D, False, UPCAST)
         live = (t0 + tl.arange(0, BT)) < T
         m_i, l_i, acc = attend_block(q, kt, v, live[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
-    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, DP)
+    slot = bh * S + pid_s
+    if SLOTS > 0:
+        slot = bh * SLOTS + SLOTS - S + pid_s
+    store_split_partial(acc_ptr, m_ptr, l_ptr, slot, rows, rmask, c, acc, m_i, l_i, RP, DP)
 
 
 # ----------------------------------------------------------------------------- the packed-codes kernel
@@ -354,41 +363,26 @@ def _kivi_kernel(
 
 def _dequant_asm(bits: int) -> tuple[str, str]:
     """(PTX, constraints) of one inline-asm call over 4 packed bytes: outputs, per code j of a byte,
-    two f16x2 words (bytes 0-1 and 2-3); inputs the 4 bytes as one word, the scale and the zero
-    point as f16x2 words holding the value twice (one per call: the 4 bytes share their group), and
-    the per-code constants (mask, multiplier, addend) as operands, so that they stay in registers
-    across calls instead of being moved in each."""
+    two f16x2 words (bytes 0-1 and 2-3); inputs the 4 bytes as one word, the 4 scales and the 4
+    zero points as two f16x2 words each (the 4 bytes may lie in different groups: Triton packs the
+    elements a thread holds, whatever their positions), and the per-code constants (mask,
+    multiplier, addend) as int32 operands, so that they stay in registers across calls."""
     per = 8 // bits
     inp = 2 * per
-    sc, ze, k0 = inp + 1, inp + 5, inp + 9  # an int32 operand takes one register per packed element
+    sc, ze, k0 = inp + 1, inp + 3, inp + 5  # an int32 operand takes one register per packed element
     lines = ["{", ".reg .b32 t<2>, x;", f"prmt.b32 t0, ${inp}, 0, 0x4140;", f"prmt.b32 t1, ${inp}, 0, 0x4342;"]
     for j in range(per):
         mask, mul, add = k0 + 3 * 4 * j, k0 + (3 * j + 1) * 4, k0 + (3 * j + 2) * 4
         for half in range(2):
             lines += [f"lop3.b32 x, t{half}, ${mask}, 0x64006400, 0xEA;",  # (t & mask) | 0x6400: 1024 + code << k
                       f"fma.rn.f16x2 x, x, ${mul}, ${add};",  # the code, exactly
-                      f"fma.rn.f16x2 ${2 * j + half}, x, ${sc}, ${ze};"]  # code * scale + zero, one rounding
+                      f"fma.rn.f16x2 ${2 * j + half}, x, ${sc + half}, ${ze + half};"]  # code * scale + zero, one rounding
     lines.append("}")
-    constraints = ",".join(["=r"] * (2 * per) + ["r"] * (1 + 8 + 12 * per))
+    constraints = ",".join(["=r"] * (2 * per) + ["r"] * (1 + 4 + 12 * per))
     return "\n".join(lines), constraints
 
 
-# bits -> per code j of a byte: (lop3 mask, multiplier, addend) as f16x2 bit patterns: the code
-# shifted up by k bits reads 1024 + 2^k c after the lop3, times 2^-k plus -1024 * 2^-k gives c
-_MAGIC = {
-    8: ((0x00FF00FF, 0x3C003C00, 0xE400E400),),
-    4: ((0x000F000F, 0x3C003C00, 0xE400E400), (0x00F000F0, 0x2C002C00, 0xD400D400)),
-    2: ((0x00030003, 0x3C003C00, 0xE400E400), (0x000C000C, 0x34003400, 0xDC00DC00), (0x00300030, 0x2C002C00, 0xD400D400),
-        (0x00C000C0, 0x24002400, 0xCC00CC00)),
-}
-_ASM = {bits: _dequant_asm(bits) for bits in _MAGIC}
-
-
-@triton.jit
-def _f16x2(x):
-    """float16 ``x`` -> int32 holding its bits twice (an f16x2 word of (x, x))."""
-    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return bits | (bits << 16)
+_ASM = {bits: _dequant_asm(bits) for bits in (2, 4, 8)}
 
 
 @triton.jit
@@ -403,8 +397,8 @@ def _codes_f16(byte, s, z, BITS: tl.constexpr, ASM: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     if ASM:
         shape: tl.constexpr = (A, NG, NB)
-        sb = tl.broadcast_to(_f16x2(s), shape)
-        zb = tl.broadcast_to(_f16x2(z), shape)
+        sb = tl.broadcast_to(s, shape)
+        zb = tl.broadcast_to(z, shape)
         if BITS == 8:
             out = tl.inline_asm_elementwise(_ASM8, _CON8, [byte, sb, zb, tl.full(shape, 0x00FF00FF, tl.int32),
                                             tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32)],
@@ -490,17 +484,18 @@ def _kivi_packed_kernel(
     G: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NGV: tl.constexpr, DOT_PREC: tl.constexpr, ASM: tl.constexpr,
 ):
-    """:func:`_kivi_kernel` for float16 caches whose group is a power of two and head_dim one too:
-    blocks of BT all-quantised tokens go through :func:`_packed_key_tile` / :func:`_packed_value_tile`
-    (no masks, no gathers, no float32 per element); the blocks that mix codes and residual tokens
-    through the generic tiles. Same grid, partials and slots."""
+    """:func:`_kivi_kernel` for float16 caches whose group and head_dim are powers of two, over the
+    blocks of BT tokens whose keys and values are all codes (below min(Tk, Tv), split S ways):
+    :func:`_packed_key_tile` / :func:`_packed_value_tile` (no masks, no gathers, no float32 per
+    element). Partial at slot ``bh * (S + 1) + split``; slot S of each KV head is the tail's (the
+    tokens from the last full block on, :func:`_kivi_kernel` with FROM_BT = BT), kept in a
+    separate launch so that its generic tiles do not raise this kernel's register count."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pid_r = tl.program_id(2)
     b = bh // HKV
     kh = bh % HKV
     c = tl.arange(0, D)
-    cmask = c < D
     rows = pid_r * RB + tl.arange(0, RB)
     rmask = rows < R
     qh = kh * G + rows // TQ
@@ -508,29 +503,19 @@ def _kivi_packed_kernel(
     tk = tl.load(len_ptr)
     tv = tl.load(len_ptr + 1)
     nk = tl.load(len_ptr + 2)
-    T = tk + nk
-    blocks = tl.cdiv(T, BT)
-    per = tl.cdiv(blocks, S)
+    full = tl.minimum(tk, tv) // BT  # blocks whose keys and values are all codes: the rest is the tail kernel's
+    per = tl.cdiv(full, S)
     start = pid_s * per * BT
-    end = tl.minimum(start + per * BT, T)
-    qend = tl.minimum(end, tl.minimum(tk, tv) // BT * BT)  # blocks whose keys and values are all codes
+    end = tl.minimum(start + per * BT, full * BT)
     m_i = tl.full([RB], float("-inf"), tl.float32)
     l_i = tl.zeros([RB], tl.float32)
     acc = tl.zeros([RB, D], tl.float32)
     every = tl.full([1, BT], 1, tl.int1)
-    for t0 in range(start, qend, BT):
+    for t0 in range(start, end, BT):
         kt = _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, BT, D, BITS, GROUP, ASM)
         v = _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t, BT, D, BITS, GROUP, ASM)
         m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, False)
-    BLOCK_SCALES: tl.constexpr = GROUP % BT == 0
-    for t0 in range(tl.maximum(start, qend), end, BT):
-        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
-                       BT, D, BITS, GROUP, BLOCK_SCALES, True, False, False)
-        v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
-                        BT, BITS, GROUP, NGV, D, True, False, False)
-        live = (t0 + tl.arange(0, BT)) < T
-        m_i, l_i, acc = attend_block(q, kt, v, live[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, False)
-    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
 
 
 def packed_path(q: torch.Tensor, cache: KiviCache) -> bool:
@@ -604,27 +589,33 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     else:
         bt, block_scales = block_tokens(cache.group)
     s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt)
-    acc = torch.empty(b * hkv, s, rp, dp, dtype=torch.float32, device=device)
-    m = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
-    l = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
+    slots = s + 1 if use_packed else s  # the packed kernel's tail goes in one more slot
+    acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    l = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
     kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
     ngv = -(-d // cache.group)
-    args = (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
+    args = lambda s: (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,  # noqa: E731
             float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
             q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
             vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
     tune = {} if num_stages is None else {"num_stages": int(num_stages)}
+    generic = dict(G=g, D=d, DP=dp, RB=rb, RP=rp, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec, UPCAST=upcast)
     if use_packed:
         _kivi_packed_kernel[(s, b * hkv, rp // rb)](
-            *args, G=g, D=d, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec,
+            *args(s), G=g, D=d, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec,
             ASM=device.type == "cuda", num_warps=num_warps or 4, **tune,
+        )
+        tail_bt, tail_scales = block_tokens(cache.group)
+        _kivi_kernel[(1, b * hkv, rp // rb)](
+            *args(1), BT=tail_bt, BLOCK_SCALES=tail_scales and bt % tail_bt == 0, FROM_BT=bt, SLOTS=slots,
+            num_warps=8 if dp * tail_bt >= 8192 else 4, **generic,
         )
     else:
         _kivi_kernel[(s, b * hkv, rp // rb)](
-            *args, G=g, D=d, DP=dp, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=block_scales, NGV=ngv,
-            DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps or (8 if dp * bt >= 8192 else 4), **tune,
+            *args(s), BT=bt, BLOCK_SCALES=block_scales, num_warps=num_warps or (8 if dp * bt >= 8192 else 4), **tune, **generic,
         )
     merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
     return out, lse
