@@ -54,7 +54,7 @@ from kvtool.methods.quantize import (
 )
 from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
-from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, plan_splits, workspace_bytes as kivi_workspace_bytes
+from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -603,7 +603,7 @@ class QuantLive(_ResidualLive):
     def workspace_bytes(self, query_rows: int) -> int:
         """A step on the GPU: the kernel's split partials, output and lse (no dequantised copy)."""
         rows = max(1, query_rows // (self.b * self.h))
-        return kivi_workspace_bytes(self.cache, rows, plan_splits(self.cache, rows, self.res["keys"].device))
+        return kivi_workspace_bytes(self.cache, rows, self.res["keys"].device)
 
     def encoded(self) -> Encoded:
         c, g = self.cache, self.group

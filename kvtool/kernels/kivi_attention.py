@@ -518,40 +518,53 @@ def _kivi_packed_kernel(
     store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
 
 
-def packed_path(q: torch.Tensor, cache: KiviCache) -> bool:
-    """Whether :func:`_kivi_packed_kernel` serves this call: float16 queries and cache, float16
-    scales, head_dim a power of two from 16, and a group that is a power of two whose codes fill
-    whole 4-byte words (group x bits >= 32)."""
+def packed_path(q: torch.Tensor | None, cache: KiviCache) -> bool:
+    """Whether :func:`_kivi_packed_kernel` serves this call (q None: a query in the cache dtype):
+    float16 queries and cache, float16 scales, head_dim a power of two from 16, and a group that
+    is a power of two whose codes fill whole 4-byte words (group x bits >= 32)."""
     _, _, d = cache.shape
     g = cache.group
-    return (q.dtype == torch.float16 and cache.dtype == torch.float16 and cache.key_scales.dtype == torch.float16
+    return ((q is None or q.dtype == torch.float16) and cache.dtype == torch.float16 and cache.key_scales.dtype == torch.float16
             and cache.value_scales.dtype == torch.float16 and d >= 16 and d & (d - 1) == 0 and g & (g - 1) == 0
             and min(g, d) * cache.bits >= 32)
 
 
 def packed_block_tokens(cache: KiviCache) -> int:
-    """Tokens per block of the packed kernel: 128 for 2-bit codes (32 bytes of a channel per block),
-    else 64."""
-    return 128 if cache.bits == 2 else 64
+    """Tokens per block of the packed kernel, the fastest of a sweep on an H100 (batch 8 x 32k,
+    Llama-3-8B shape, docs/benchmarks.md): 64 for 2-bit codes, 128 for 4-bit codes in groups of
+    128 or more, else 32."""
+    if cache.bits == 2:
+        return 64
+    return 128 if cache.group >= 128 else 32
 
 
-def plan_splits(cache: KiviCache, rows: int, device: torch.device, block: int | None = None) -> int:
-    """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq):
-    about 4 programs per SM on CUDA over the cache's capacity (at least 4 blocks of ``block``
-    tokens each; default the generic kernel's block), 1 on the interpreter. Host arithmetic only."""
+def plan_splits(cache: KiviCache, rows: int, device: torch.device, block: int | None = None, packed: bool = False) -> int:
+    """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq),
+    1 on the interpreter. The generic kernel: about 4 programs per SM over the cache's capacity (at
+    least 4 blocks of ``block`` tokens each, default its block). The packed kernel: about 16
+    programs per SM (several waves, so that the last one is short) with at least 512 tokens each.
+    Host arithmetic only."""
     b, hkv, _ = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
+    groups = b * hkv * (rp // min(rp, 64))
     bt = block or block_tokens(cache.group)[0]
-    return num_splits(b * hkv * (rp // min(rp, 64)), -(-cache.capacity // bt), device, per_split_min=4)
+    items = -(-cache.capacity // bt)
+    if not packed or device.type != "cuda":
+        return num_splits(groups, items, device, per_split_min=4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-16 * sms // groups), -(-items // max(4, 512 // bt))))
 
 
-def workspace_bytes(cache: KiviCache, rows: int, splits: int) -> int:
-    """Bytes one call allocates for ``rows`` query rows per KV head: the split partials (float32
-    accumulator, maximum and sum per padded row) and the output and lse."""
+def workspace_bytes(cache: KiviCache, rows: int, device: torch.device) -> int:
+    """Bytes one call with the default knobs allocates for ``rows`` query rows per KV head (a query
+    in the cache dtype): the split partials (float32 accumulator, maximum and sum per padded row;
+    one slot more for the packed kernel's tail) and the output and lse."""
     b, hkv, d = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
     dp = max(16, triton.next_power_of_2(d))
-    return 4 * b * hkv * splits * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
+    packed = packed_path(None, cache)
+    slots = plan_splits(cache, rows, device, packed_block_tokens(cache) if packed else None, packed) + packed
+    return 4 * b * hkv * slots * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
 
 
 def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
@@ -588,7 +601,7 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         block_scales = True
     else:
         bt, block_scales = block_tokens(cache.group)
-    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt)
+    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt, use_packed)
     slots = s + 1 if use_packed else s  # the packed kernel's tail goes in one more slot
     acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
     m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
@@ -606,7 +619,7 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     if use_packed:
         _kivi_packed_kernel[(s, b * hkv, rp // rb)](
             *args(s), G=g, D=d, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec,
-            ASM=device.type == "cuda", num_warps=num_warps or 4, **tune,
+            ASM=device.type == "cuda", num_warps=num_warps or 4, num_stages=int(num_stages or 3),
         )
         tail_bt, tail_scales = block_tokens(cache.group)
         _kivi_kernel[(1, b * hkv, rp // rb)](
