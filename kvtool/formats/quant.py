@@ -451,8 +451,9 @@ class QuantLive(_ResidualLive):
         ngv = math.ceil(d / g)
         kb, kg = self.kt * bits // 8, self.kt // g
         kc = torch.zeros((b, h, d, capacity * bits // 8), dtype=torch.uint8, device=dev)
-        ks = torch.zeros((b, h, d, capacity // g), dtype=sdt, device=dev)
-        kz = torch.zeros_like(ks)
+        # key scales group-major (the kernel reads one group of every channel per block: one run of bytes)
+        ks = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
+        kz = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
         vc = torch.zeros((b, h, capacity, packed_length(d, bits)), dtype=torch.uint8, device=dev)
         vs = torch.zeros((b, h, capacity, ngv), dtype=sdt, device=dev)
         vz = torch.zeros_like(vs)

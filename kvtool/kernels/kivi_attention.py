@@ -65,12 +65,14 @@ BITS = (2, 4, 8)
 @dataclass
 class KiviCache:
     """One layer's KIVI tensors (module docstring). ``key_codes`` uint8 ``[B, Hkv, D, >= Tk * bits / 8]``;
-    ``key_scales`` / ``key_zeros`` ``[B, Hkv, D, >= Tk / group]``; ``value_codes`` uint8
+    ``key_scales`` / ``key_zeros`` ``[B, Hkv, D, >= Tk / group]`` (either axis of the last two
+    contiguous; :func:`cache_from_encoded` and the live layer hold them group-major, see
+    :func:`group_major`); ``value_codes`` uint8
     ``[B, Hkv, >= Tv, ceil(D * bits / 8)]``; ``value_scales`` / ``value_zeros``
     ``[B, Hkv, >= Tv, ceil(D / group)]`` (float16 or float32); ``residual_keys`` / ``residual_values``
     ``[B, Hkv, >= nk / nv, D]`` in the cache dtype; ``lengths`` int32 ``[4]`` (Tk, Tv, nk, nv) on the
     same device. Each tensor contiguous in its last axis, batch and head axes packed (``stride(0) ==
-    Hkv * stride(1)``)."""
+    Hkv * stride(1)``), but the key scales and zero points, which may be group-major."""
 
     key_codes: torch.Tensor
     key_scales: torch.Tensor
@@ -117,8 +119,17 @@ def cache_from_encoded(enc: EncodedLike) -> KiviCache:
     dev = t["residual.keys"].device
     lengths = torch.tensor([tk, tv, total - tk, total - tv], dtype=torch.int32, device=dev)
     c = {n: x.contiguous() for n, x in t.items()}
+    for n in ("scales.keys", "zeros.keys"):  # group-major: a block reads one group's scales of every channel in a row
+        c[n] = group_major(c[n])
     return KiviCache(c["codes.keys"], c["scales.keys"], c["zeros.keys"], c["codes.values"], c["scales.values"], c["zeros.values"],
                      c["residual.keys"], c["residual.values"], lengths, int(m["bits"]), int(m["group"]))
+
+
+def group_major(x: torch.Tensor) -> torch.Tensor:
+    """Key scales or zero points ``[B, Hkv, D, groups]`` laid out group by group (channels
+    contiguous, the same shape): what a block of tokens reads of them, one group for every
+    channel, is then one run of 2 x D bytes instead of D scattered ones."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def block_tokens(group: int) -> tuple[int, bool]:
@@ -153,11 +164,14 @@ def check_cache(q: torch.Tensor, cache: KiviCache) -> None:
         ok = x.ndim == 4 and all(s is None or x.shape[i] == s for i, s in enumerate(shape)) and (dt is None or x.dtype == dt)
         if dt is None:
             ok = ok and x.dtype in (torch.float16, torch.float32)
-        if not ok or x.stride(3) != 1 or x.stride(0) != h * x.stride(1):
+        inner = x.stride(3) == 1 or (name in ("key_scales", "key_zeros") and x.stride(2) == 1)  # key scales: either axis
+        if not ok or not inner or x.stride(0) != h * x.stride(1):
             raise UsageError(f"{name} is {x.dtype} {list(x.shape)} (strides {list(x.stride())}); expected {list(shape)} "
                              f"with the last axis contiguous")
     if cache.key_scales.shape != cache.key_zeros.shape or cache.value_scales.shape != cache.value_zeros.shape:
         raise UsageError("scales and zero points must have one shape")
+    if cache.key_scales.stride() != cache.key_zeros.stride():
+        raise UsageError("key scales and zero points must have one layout")
     if cache.key_codes.shape[3] * 8 < cache.key_scales.shape[3] * cache.group * cache.bits:
         raise UsageError(f"key_codes hold {cache.key_codes.shape[3]} bytes per channel, fewer than the {cache.key_scales.shape[3]} groups need")
     if cache.value_scales.shape[2] < cache.value_codes.shape[2]:
@@ -205,7 +219,7 @@ def _rounded(x, like, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, like,
+def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, like,
               BT: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr,
               EVEN_D: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr):
     """Keys of tokens t0 .. t0 + BT - 1 transposed, ``[DP, BT]`` in q's dtype (float32 under UPCAST).
@@ -224,7 +238,7 @@ def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc
         byte = tl.load(kb, mask=cmask[:, None] & ((t0 + j * (8 // BITS)) < Tk)[None, :], other=0)
     codes = _unpack(byte, DP, NB, BITS)
     if BLOCK_SCALES:  # the block lies inside one group: one scale and zero point per channel
-        sp = ks_bh * bh + c * ks_c + t0 // GROUP
+        sp = ks_bh * bh + c * ks_c + (t0 // GROUP) * ks_g
         if FULL:
             if EVEN_D:
                 s = tl.load(ks_ptr + sp).to(tl.float32)
@@ -238,7 +252,7 @@ def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc
             z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
         k = codes * s[:, None] + z[:, None]
     else:
-        sp = ks_bh * bh + c[:, None] * ks_c + (t // GROUP)[None, :]
+        sp = ks_bh * bh + c[:, None] * ks_c + (t // GROUP)[None, :] * ks_g
         smask = cmask[:, None] & quant[None, :]
         s = tl.load(ks_ptr + sp, mask=smask, other=0.0).to(tl.float32)
         z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
@@ -294,7 +308,7 @@ def _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, Tv, T, vc_bh, 
 def _kivi_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, S, HKV, TQ, R, NBYTES,
-    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, ks_g, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr, NGV: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FROM_BT: tl.constexpr = 0, SLOTS: tl.constexpr = 0,
@@ -334,13 +348,13 @@ def _kivi_kernel(
     acc = tl.zeros([RB, DP], tl.float32)
     every = tl.full([1, BT], 1, tl.int1)
     for t0 in range(start, qend, BT):
-        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, q,
                        BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, True, UPCAST)
         v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
                         BT, BITS, GROUP, NGV, DP, EVEN_D, True, UPCAST)
         m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     for t0 in range(tl.maximum(start, qend), end, BT):
-        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, q,
                        BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, False, UPCAST)
         v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
                         BT, BITS, GROUP, NGV, DP, EVEN_D, False, UPCAST)
@@ -443,7 +457,7 @@ _ASM2, _CON2 = (tl.constexpr(x) for x in _ASM[2])
 
 
 @triton.jit
-def _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c,
+def _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, ks_g,
                      BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
     """Keys of the all-quantised tokens t0 .. t0 + BT - 1 transposed, float16 ``[D, BT]``: the
     block's bytes as ``[D, groups in the block, bytes per group]`` with one scale and zero point
@@ -453,7 +467,7 @@ def _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c
     g = tl.arange(0, NGK)
     j = tl.arange(0, KB)
     byte = tl.load(kc_ptr + bh * kc_bh + c[:, None, None] * kc_c + (t0 * BITS) // 8 + g[None, :, None] * KB + j[None, None, :])
-    sp = ks_bh * bh + c[:, None] * ks_c + t0 // GROUP + g[None, :]
+    sp = ks_bh * bh + c[:, None] * ks_c + (t0 // GROUP + g[None, :]) * ks_g
     s = tl.load(ks_ptr + sp)[:, :, None]
     z = tl.load(kz_ptr + sp)[:, :, None]
     return _codes_f16(byte, s, z, BITS, ASM)
@@ -480,7 +494,7 @@ def _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t,
 def _kivi_packed_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, S, HKV, TQ, R, NBYTES,
-    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, ks_g, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
     G: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, NGV: tl.constexpr, DOT_PREC: tl.constexpr, ASM: tl.constexpr,
 ):
@@ -512,7 +526,7 @@ def _kivi_packed_kernel(
     acc = tl.zeros([RB, D], tl.float32)
     every = tl.full([1, BT], 1, tl.int1)
     for t0 in range(start, end, BT):
-        kt = _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, BT, D, BITS, GROUP, ASM)
+        kt = _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, ks_g, BT, D, BITS, GROUP, ASM)
         v = _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t, BT, D, BITS, GROUP, ASM)
         m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, False)
     store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
@@ -612,7 +626,7 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     ngv = -(-d // cache.group)
     args = lambda s: (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,  # noqa: E731
             float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
-            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
+            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
             vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
     tune = {} if num_stages is None else {"num_stages": int(num_stages)}
     generic = dict(G=g, D=d, DP=dp, RB=rb, RP=rp, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec, UPCAST=upcast)
