@@ -50,8 +50,9 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.analysis.recommendation import recommend_capture
 from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
 from kvtool.analysis.frontier import plot_frontier
+from kvtool.analysis import answer as answering
 
-SECTIONS = ("model", "cut", "frontier", "recommend", "tasks", "kernels")
+SECTIONS = ("answer", "model", "cut", "frontier", "recommend", "tasks", "kernels")
 DEFAULT_BUDGETS = ("10%", "15%", "25%", "40%")
 
 
@@ -123,10 +124,10 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
 
 
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
-    """NLL increase (nats/token) vs % of dense bytes of every setting checked on the model: the
-    capture's continuation as the marker, the 95% interval of the mean over all cases as the bar
-    (settings checked on the capture alone have no bar). Symmetric-log y axis, linear within +-0.01
-    nats (the noise band, shaded)."""
+    """NLL increase (nats/token) vs % of dense bytes (on the capture) of every setting checked on the
+    model: the marker is the mean over all cases and the bar its 95% interval, both from the same
+    numbers (settings checked on the capture alone: its value, no bar). Symmetric-log y axis, linear
+    within +-0.01 nats (the noise band, shaded)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, NullLocator
 
@@ -141,14 +142,14 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
                 continue
             seen.add(key)
             c0 = sc["cases"][0]
-            x, y = 100 * c0["stored_ratio"], c0["nll_increase"]
             iv = sc["nll_increase"]
+            x, y = 100 * answering.field(c0, "storage_ratio"), iv["mean"]
             fmt = "mixed" if is_plan else spec_format(label)
             fmts.add(fmt)
             colour = format_color(fmt)
             ys.append(y)
             if iv["n"] > 1:
-                ax.errorbar([x], [iv["mean"]], yerr=[[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]],
+                ax.errorbar([x], [y], yerr=[[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]],
                             fmt="none", ecolor=colour, alpha=0.5, capsize=3, zorder=2)
                 ys += [iv["lo"], iv["hi"]]
             ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
@@ -156,7 +157,8 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
             pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("% of dense bytes (stored)")
-    ax.set_ylabel("NLL increase over dense (nats/token)\n(marker: capture; bar: 95% of the mean over texts)")
+    n_cases = max((len(sc["cases"]) for b in budgets for sc in (b.get("check") or {}).values()), default=1)
+    ax.set_ylabel("NLL increase over dense (nats/token)\n" + (f"(marker: mean of {n_cases} cases; bar: its 95% interval)" if n_cases > 1 else "(the capture's continuation)"))
     ax.set_yscale("symlog", linthresh=0.01)
     if ys:
         lo, hi = min(ys + [0.0]), max(ys + [0.0])
@@ -265,6 +267,27 @@ def cut_summary(cache: Any, max_queries: int = 32) -> dict[str, Any]:
     return {"layers": per_layer, "ratios": ratios, "attention": atts, "factor": settings.outlier_factor}
 
 
+def read_eval_of(folder: Path, capture: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The points of ``FOLDER/eval.json`` made on ``capture`` (the same file, or one of the same
+    name), and the names of the other captures whose points were left out."""
+    rows = read_eval(folder)
+    mine = [r for r in rows if _same_capture(r.get("capture"), capture)]
+    others = sorted({Path(str(r.get("capture", "?"))).name for r in rows if r not in mine})
+    return mine, others
+
+
+def _same_capture(path: Any, capture: Path) -> bool:
+    if not path:
+        return False
+    p = Path(str(path))
+    try:
+        if p.exists() and capture.exists():
+            return p.resolve() == capture.resolve() or p.samefile(capture)
+    except OSError:
+        pass
+    return p.name == capture.name
+
+
 def read_eval(folder: Path) -> list[dict[str, Any]]:
     """The points of ``FOLDER/eval.json`` that were run (checked: :mod:`kvtool.core.documents`)."""
     path = Path(folder) / "eval.json"
@@ -365,12 +388,17 @@ def reading_frontier(rec: dict[str, Any]) -> str:
     uni = [r for r in rec["sensitivity"]["uniform"] if r["loss"] > 0]
     n = len(rec["menu"])
     text = [f"{n} candidate settings were scored on every layer's held-out queries."]
+    by_spec = {r["spec"]: r for r in uni}
     for b in rec["budgets"]:
-        fit = [r for r in uni if r["ratio"] <= b["fraction"]]
-        if fit:
-            best = min(fit, key=lambda r: r["loss"])
-            ratio = best["loss"] / b["predicted"]["loss"] if b["predicted"]["loss"] > 0 else math.inf
-            text.append(f"At {b['budget']}, the plan's predicted attention loss is {ratio:.1f}x lower than the best single setting that fits ({best['spec']}).")
+        best = answering.best_uniform(b)
+        if best is None:
+            continue
+        row = by_spec.get(best["spec"])
+        if row is not None and b["predicted"]["loss"] > 0:
+            text.append(f"At {b['budget']}, the plan's predicted attention loss is {row['loss'] / b['predicted']['loss']:.1f}x lower than "
+                        f"the best uniform setting ({best['spec']}, {pct(best['ratio'])} stored).")
+        else:
+            text.append(f"At {b['budget']}, the best uniform setting is {best['spec']} ({pct(best['ratio'])} stored; {best['how']}).")
     return " ".join(text)
 
 
@@ -418,8 +446,14 @@ def reading_bench(docs: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- HTML
 
 
-CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
-       "h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}"
+CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1320px;margin:.8em auto;padding:0 1em;color:#222}"
+       "h1{font-size:1.35em;margin:.2em 0}h1 .muted{font-weight:normal;font-size:.6em;margin-left:.6em}"
+       "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}"
+       "#answer h2{margin-top:.4em;font-size:1.2em}table.answer{font-size:.82em;width:100%}table.answer td{vertical-align:top}"
+       "table.answer th,table.answer td.words,table.answer td.fid{text-align:left}table.answer td.cmd{text-align:left;overflow-wrap:anywhere;width:30%}"
+       "table.answer td.cmd code{font-size:.88em;background:none}"
+       "table.answer tr.uniform td{color:#555;font-size:.95em;background:#fafafa}table.answer tr.plan td{border-top:2px solid #bbb}"
+       "ol.sentences{font-size:.86em;margin:.3em 0;padding-left:1.4em}.small{font-size:.78em}"
        "table{border-collapse:collapse;margin:.6em 0;font-size:.88em}td,th{border:1px solid #ddd;padding:.25em .5em;text-align:right}"
        "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}"
        "p.reading{background:#f6f8fa;border-left:4px solid #0072B2;padding:.5em .8em}"
@@ -487,12 +521,18 @@ def build_report(
     command: str | None = None,
     device: str | None = "auto",
     tasks_dir: Path | None = None,
+    batch: int = answering.DEFAULT_BATCH,
+    context: int = answering.DEFAULT_CONTEXT,
 ) -> tuple[str, dict[str, Any]]:
     """The report's HTML text and a summary dict (sections, figure count, per-budget numbers).
     ``command``: the command line that made the report, shown with the ones that reproduce its plans.
     ``device``: where the recommendation scores candidates and runs the model (auto: CUDA when present).
-    ``tasks_dir``: a ``kvtool tasks`` folder whose accuracy table and frontier become a section."""
-    eval_rows = read_eval(eval_dir) if eval_dir else None
+    ``tasks_dir``: a ``kvtool tasks`` folder whose accuracy table and frontier become a section.
+    ``batch``, ``context``: the batch and context (tokens) at which the first screen gives each
+    plan's GiB."""
+    if batch < 1 or context < 1:
+        raise UsageError(f"--batch and --context must be at least 1, got {batch} and {context}")
+    eval_rows, eval_other = read_eval_of(eval_dir, capture) if eval_dir else (None, [])
     task_summary = read_tasks(tasks_dir) if tasks_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
@@ -500,7 +540,7 @@ def build_report(
     progress = or_silent(progress)
     progress.stage("cache statistics")
     cut = cut_summary(cache)
-    rec = recommend_capture(capture, list(budgets), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
+    rec = recommend_capture(capture, list(budgets), batch=batch, context=str(context), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
                             uniform_checks=uniform_checks, progress=progress, device=device)
     progress.stage("figures")
     figures = 0
@@ -510,7 +550,8 @@ def build_report(
     facts_rows = [["model", facts.name], ["architecture", facts.architecture], ["layers", facts.num_layers],
                   ["query heads / KV heads", f"{facts.num_heads} / {facts.num_kv_heads}"], ["head dim", facts.head_dim],
                   ["dtype (capture)", facts.dtype], ["tokens captured", cache.num_tokens], ["layers captured", len(cache.layers)],
-                  ["dense KV bytes per token", f"{per_token:,}"], ["dense KV at batch 16 x 32k tokens", f"{per_token * 16 * 32768 / 1024**3:.2f} GiB"]]
+                  ["dense KV bytes per token", f"{per_token:,}"],
+                  [f"dense KV at batch {batch} x {context:,} tokens", f"{per_token * batch * context / 1024**3:.2f} GiB"]]
     sections.append(_section("model", "Model and capture",
                              f"{facts.name}: {facts.num_layers} layers with {facts.num_kv_heads} KV heads of {facts.head_dim} dims "
                              f"({facts.num_heads // max(1, facts.num_kv_heads)} query heads per KV head), so each token costs {per_token:,} bytes of "
@@ -531,6 +572,9 @@ def build_report(
             (", each layer weighted by its measured cost on the model." if rec.get("layer_weights") else ".") + " Dense (no error) is not drawn on the log axis.</p>"
     if any(b.get("check") for b in rec["budgets"]):
         body += _img(fig_png(model_cost_figure(rec["budgets"])), "model-level cost"); figures += 1
+    if eval_other:
+        body += (f'<p class="muted">--eval {html.escape(str(eval_dir))}: its points are of {html.escape(", ".join(eval_other))}, not of '
+                 f"{html.escape(capture.name)}; left out (run kvtool eval {html.escape(capture.name)} -o DIR).</p>")
     if eval_rows:
         fig, ax = _figure(8.5, 5.2)
         metric = "agreement" if any(r.get("agreement") is not None for r in eval_rows) else "rel_l2"
@@ -590,14 +634,22 @@ def build_report(
         sections.append(_section("kernels", "Kernel timings", reading_bench(bench_docs), body))
     else:
         sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench attention --json att.json on a GPU and pass --bench att.json.", ""))
+    links = {}
+    for b in rec["budgets"]:
+        name = f"plan-{b['budget'].rstrip('%')}.json"
+        links[b["budget"]] = name
+        links["_data:" + b["budget"]] = "data:application/json;base64," + base64.b64encode(json.dumps(b["plan"].to_dict(), indent=1).encode()).decode()
+    answers, first = answering.first_screen(rec, facts, capture, batch, context, bench_docs, task_summary, len(cache.layers), links)
+    sections.insert(0, f'<section id="answer"><h2>What to use at each budget</h2>{first}</section>')
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     nav = "".join(f'<a href="#{s}">{s}</a>' for s in SECTIONS)
     doc = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>kvtool report: {html.escape(capture.name)}</title>"
-           f"<style>{CSS}</style></head><body><h1>KV-cache report: {html.escape(capture.name)}</h1>"
-           f"<p class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s.</p><nav>{nav}</nav>"
+           f"<style>{CSS}</style></head><body><h1>KV-cache report: {html.escape(capture.name)} "
+           f"<span class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s</span></h1><nav>{nav}</nav>"
            + "".join(sections) + "</body></html>\n")
     summary = {"sections": list(SECTIONS), "figures": figures, "seconds": rec["seconds"], "cases": rec["cases"],
-               "budgets": [{"budget": b["budget"], "stored_ratio": b["predicted"]["exact_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)]}
+               "budgets": [{"budget": b["budget"], "stored_ratio": b["predicted"]["exact_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)],
+               "answers": answers}
     return doc, summary
 
 
