@@ -98,10 +98,23 @@ def cut_map_figure(per_layer: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[str, Any]], n_layers: int) -> Any:
+def region_points(uniform: list[dict[str, Any]], region: float | None) -> list[dict[str, Any]]:
+    """The uniform settings drawn in the decision region (stored share at most ``region``), numbered
+    1.. by stored share then error: the numbers the frontier figure writes beside their dots and its
+    table lists. Settings with no error (dense) are not drawn, so not numbered."""
+    if region is None:
+        return []
+    rows = sorted((r for r in uniform if r["loss"] > 1e-10 and r["ratio"] <= region), key=lambda r: (r["ratio"], r["loss"]))
+    return [{**r, "number": n + 1} for n, r in enumerate(rows)]
+
+
+def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[str, Any]], n_layers: int, region: float | None = None) -> Any:
     """x: % of dense bytes; y: RMS over layers of the attention-output relative error (weighted by the
     layers' model cost when weights were measured), log scale; every candidate as a uniform setting
-    (one colour per format), the plans as red stars. Settings with no error (dense) are left out."""
+    (one colour per format), the plans as red stars. Settings with no error (dense) are left out.
+    ``region``: the decision region (stored shares up to the largest budget, shaded): every dot there
+    is labelled with its number from :func:`region_points` (a leader line where it cannot sit beside
+    its dot), the dots beyond it with their spec where that fits."""
     fig, ax = _figure(8.5, 5.0)
     rows = [r for r in uniform if r["loss"] > 1e-10]
     for fmt in sorted({spec_format(r["spec"]) for r in rows}):
@@ -110,6 +123,8 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     if plans:
         ax.scatter([100 * p["ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
                    color=format_color("mixed"), edgecolors="black", linewidths=0.6, label="recommended plan", zorder=4)
+    if region is not None:
+        ax.axvspan(0, 100 * region, color="#0072B2", alpha=0.05, zorder=1, label="decision region (numbered)")
     ax.set_yscale("log")
     readable_log_axis(ax)
     ax.set_xlabel("% of dense bytes (stored)")
@@ -117,10 +132,28 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.canvas.draw()  # final layout first: labels are placed in pixels
-    labels = [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows]
-    labels += [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
-    place_labels(ax, labels)
+    numbered = region_points(uniform, region)
+    plan_labels = [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
+    place_labels(ax, plan_labels + [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), str(r["number"])) for r in numbered], fontsize=7, leader=True)
+    ids = {id(r) for r in rows if region is not None and r["ratio"] <= region}
+    place_labels(ax, [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows if id(r) not in ids])
     return fig
+
+
+def region_table(numbered: list[dict[str, Any]], rec: dict[str, Any], n_layers: int) -> str:
+    """The numbered dots of the frontier's decision region: number, setting, stored share, error,
+    and the budgets whose best uniform setting it is."""
+    if not numbered:
+        return ""
+    best: dict[str, list[str]] = {}
+    for b in rec["budgets"]:
+        u = answering.best_uniform(b)
+        if u:
+            best.setdefault(u["spec"], []).append(b["budget"])
+    rows = [[r["number"], r["spec"], pct(r["ratio"]), f"{math.sqrt(r['loss'] / n_layers):.3g}",
+             ", ".join(best.get(r["spec"], [])) or ""] for r in numbered]
+    return ('<details open><summary class="muted">The numbered dots (decision region)</summary>'
+            + _table(["#", "uniform setting", "stored", "attention error", "best uniform at"], rows) + "</details>")
 
 
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
@@ -566,7 +599,9 @@ def build_report(
     sections.append(_section("cut", "Where the cache can be cut", reading_cut(cut), body))
     n_layers = len(cache.layers)
     plans_pts = [{"ratio": b["predicted"]["exact_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
-    body = _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers)), "attention-level frontier"); figures += 1
+    region = max((b["fraction"] for b in rec["budgets"]), default=None)
+    body = _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers, region)), "attention-level frontier"); figures += 1
+    body += region_table(region_points(rec["sensitivity"]["uniform"], region), rec, n_layers)
     body += '<p class="muted">Every candidate applied to every layer (dots, one colour per format) and the recommended plans (stars). ' \
             "Error: RMS over layers of the held-out queries' attention-output relative error" + \
             (", each layer weighted by its measured cost on the model." if rec.get("layer_weights") else ".") + " Dense (no error) is not drawn on the log axis.</p>"
