@@ -314,7 +314,7 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
         if uni:
             ufid = fidelity(b, uni["spec"], tasks, family, plan=False)
             uspeed = decode_speed(records, b["fraction"], uni["spec"]) if records else None
-            sentence += f"; the best uniform setting, {uniform_words(uni['spec'])}, gets {ufid['short']}."
+            sentence += f"; the best uniform setting gets {ufid['short']}."
             uni_row = {"spec": uni["spec"], "words": uniform_words(uni["spec"]), "family": family, "storage_ratio": uni["ratio"], "fidelity": ufid,
                        "speed": uspeed, "how": uni["how"],
                        "command": f"kvtool compress {cap} --format {uni['spec']} -o {stem}-uniform-{tag}.safetensors"}
@@ -337,14 +337,14 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
         rows.append(row(f"<b>{esc(b['budget'])}</b>", words, "the plan, from its per-head settings", ratio, speed, fid, command, plan_file, "plan"))
         if uni_row:
             rows.append(row("uniform", uni_row["words"], uni_row["spec"], uni_row["storage_ratio"], uni_row["speed"], uni_row["fidelity"],
-                            uni_row["command"], None, "uniform"))
+                            f"--format {uni_row['spec']}", None, "uniform"))
     card = next((a["speed"] for a in answers if a["speed"]), None)
-    speed_head = (f"decode tok/s (x dense), {card['device']}, {card['shape']} shape, batch {card['batch']} x {_ctx(card['seq'])}"
-                  if card else "decode tok/s (x dense)")
+    speed_sub = f"{card['device']}, {card['shape']}, batch {card['batch']} x {_ctx(card['seq'])}" if card else "no bench decode JSON"
     sources = sorted({a["fidelity"]["source"] for a in answers} | {a["best_uniform"]["fidelity"]["source"] for a in answers if a["best_uniform"]})
     fid_head = "fidelity" + (f" ({sources[0]})" if len(sources) == 1 else " (hover a cell for its source)")
-    head = ("<tr><th>budget</th><th>what it keeps (plan from its per-head settings; uniform: the best single setting)</th><th>stored</th>"
-            f"<th>KV GiB at batch {batch} x {_ctx(context)}</th><th>{esc(speed_head)}</th><th>{esc(fid_head)}</th><th>apply it</th></tr>")
+    head = ("<tr><th>budget</th><th>what it keeps (the plan, from its per-head settings; below it the best uniform setting)</th><th>stored</th>"
+            f"<th>KV GiB at batch {batch} x {_ctx(context)}</th><th>decode tok/s (x dense)<br><span class=\"sub\">{esc(speed_sub)}</span></th>"
+            f"<th>{esc(fid_head)}</th><th>apply it (uniform: the same with --format)</th></tr>")
     note = [f"GiB: the stored share of the float16 keys and values of all {facts.num_layers} layers of {facts.name} at batch {batch} x {context:,} "
             f"tokens (dense: {_gib(dense_gib)}; set with --batch and --context, default {DEFAULT_BATCH} x {_ctx(DEFAULT_CONTEXT)})."]
     if layers_captured < facts.num_layers:
@@ -358,7 +358,33 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
         note.append("Speed: no kvtool bench decode JSON was given (run kvtool bench decode --plan PLAN -o decode.json on a GPU, then report --bench decode.json).")
     if any(a["fidelity"]["metric"] == "nll_increase" for a in answers):
         note.append("NLL: increase over dense in nats/token; top-1: agreement with dense's next token.")
-    body = (f'<table class="answer">{head}{"".join(rows)}</table>'
+    body = (f'<p class="reading">{esc(reading(answers))}</p><table class="answer">{head}{"".join(rows)}</table>'
             + "<ol class=\"sentences\">" + "".join(f"<li>{esc(a['sentence'])}</li>" for a in answers) + "</ol>"
             + f'<p class="muted small">{esc(" ".join(note))}</p>')
     return answers, body
+
+
+def _better(plan: dict[str, Any], uni: dict[str, Any]) -> bool | None:
+    """Whether the plan's fidelity beats the uniform's (None when they are not the same measure)."""
+    if plan["metric"] != uni["metric"] or plan["value"] is None or uni["value"] is None:
+        return None
+    return plan["value"] > uni["value"] if plan["metric"] == "accuracy" else plan["value"] < uni["value"]
+
+
+def reading(answers: list[dict[str, Any]]) -> str:
+    """One line over the budgets: where the plan beats the best uniform setting on the same measure."""
+    if not answers:
+        return "No budgets."
+    verdicts = [(a["budget"], _better(a["fidelity"], a["best_uniform"]["fidelity"]) if a["best_uniform"] else None) for a in answers]
+    wins = [b for b, v in verdicts if v]
+    losses = [b for b, v in verdicts if v is False]
+    measure = {"accuracy": "task accuracy", "nll_increase": "NLL increase"}.get(answers[0]["fidelity"]["metric"] or "", "")
+    if not wins and not losses:
+        return (f"The plan per budget below ({', '.join(a['budget'] for a in answers)}), stored in "
+                + ", ".join(f"{a['gib']:.2f} GiB" for a in answers) + f" at batch {answers[0]['batch']} x {_ctx(answers[0]['context_tokens'])}"
+                + "; it was not checked on the model, so no measured comparison with the best uniform setting.")
+    text = (f"At the same bytes the recommended plan has the better mean {measure} than the best uniform setting at {', '.join(wins)}" if wins
+            else f"At the same bytes the best uniform setting has a mean {measure} as good as the plan's at every budget")
+    if wins and losses:
+        text += f", not at {', '.join(losses)}"
+    return text + "; the 95% intervals in the table tell whether a difference is beyond noise."
