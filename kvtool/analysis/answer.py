@@ -124,8 +124,7 @@ def plan_words(plan: Any, num_kv_heads: int) -> str:
     n_keep, n_ev = sum(keep.values()), sum(evict.values())
     parts = []
     if n_keep:
-        whole = f"every KV head whole in {_mix(keep)}" if n_keep == total else f"keep {n_keep} of {total} KV heads whole ({_mix(keep)})"
-        parts.append(whole if n_keep < total else whole.replace("every", f"all {total}"))
+        parts.append(f"all {_heads(total)} whole in {_mix(keep)}" if n_keep == total else f"keep {n_keep} of {total} KV heads whole ({_mix(keep)})")
     if n_ev:
         share = f"evict {_share(1 - kept_tokens / known)} of the tokens" if known else "evict to a fixed number of tokens"
         where = f"in the other {n_ev}" if n_keep else f"in all {_heads(n_ev)}"
