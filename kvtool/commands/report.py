@@ -86,6 +86,7 @@ def report(
                                  command=shlex.join(line), tasks_dir=tasks_dir, batch=batch, context=tokens)
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())
+    summary.pop("answers", None)  # the first screen's per-budget answers stay in the Python result (no --json keys for them yet)
     names = {"budget": "budget_spec", "stored_ratio": "storage_ratio"}
     summary["budgets"] = [{names.get(k, k): v for k, v in b.items()} for b in summary.get("budgets", [])]
     return Outcome(summary, input=capture, output=output)
