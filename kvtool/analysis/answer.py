@@ -8,11 +8,14 @@ through :func:`field`, so a renamed key is adapted in :data:`KEYS` alone.
 
 from __future__ import annotations
 
+import html
+import json
 import math
 import re
 from pathlib import Path
 from typing import Any
 
+from kvtool.analysis.bands import grade
 from kvtool.analysis.palette import spec_format
 
 # one quantity -> the keys it has been written under, newest first
@@ -188,12 +191,11 @@ def decode_records(docs: list[dict[str, Any]], facts: Any = None) -> list[dict[s
 
 def _plan_budget(provider: str) -> float | None:
     """The budget fraction a plan file says it was made for (None when unreadable)."""
-    import json
+    from kvtool.core.limits import read_json_input  # deferred: only with a bench decode file
 
     try:
-        data = json.loads(Path(provider).read_text())
-        return float(data["budget"]["fraction"])
-    except Exception:  # noqa: BLE001 - a bench record names a file that may not be here
+        return float(read_json_input(Path(provider), provider)["budget"]["fraction"])
+    except Exception:  # noqa: BLE001 - a bench record names a file that may be elsewhere, or not a plan
         m = re.search(r"(\d+(?:\.\d+)?)(?:%|\.json$)", Path(provider).name)
         return float(m.group(1)) / 100 if m else None
 
@@ -285,11 +287,7 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
     row per budget (and its best uniform setting beneath, muted), then one sentence per budget.
     ``plan_links``: budget -> the plan file the command applies, ``"_data:" + budget`` -> its
     ``data:`` URI (a download link beside the command)."""
-    import html
-
     esc = html.escape
-    from kvtool.analysis.bands import grade
-
     records = decode_records(bench_docs, facts)
     dense_gib = kv_gib(facts, 1.0, batch, context)
     cap = str(capture)
