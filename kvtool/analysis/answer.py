@@ -263,7 +263,8 @@ def fidelity(b: dict[str, Any], label: str | None, tasks: dict[str, Any] | None,
     row = task_rows(tasks, b["fraction"], None if plan else family) if tasks else None
     if row is not None:
         acc = f"{100 * row['accuracy']:.0f}% [{100 * row['lo']:.0f}, {100 * row['hi']:.0f}]"
-        return {"text": f"task accuracy {acc}", "short": f"task accuracy {100 * row['accuracy']:.0f}%", "metric": "accuracy", "value": row["accuracy"],
+        name = str(row.get("method", "")).removeprefix("plan:")
+        return {"text": f"task accuracy {acc} ({name}, n={row.get('n')})", "short": f"task accuracy {100 * row['accuracy']:.0f}%", "metric": "accuracy", "value": row["accuracy"],
                 "source": f"tasks run, {row.get('setting', '')}, n={row.get('n')}"}
     check = (b.get("check") or {}).get(label) if label else None
     if check:
@@ -305,7 +306,8 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
         family = next((f for f, sp in fills.items() if uni and sp == uni["spec"]), None) if uni else None
         plan_file = plan_links.get(b["budget"], f"plan-{tag}.json")
         command = f"kvtool compress {cap} --plan {plan_file} -o {stem}-{tag}.safetensors"
-        speed_text = f", decodes at {speed['tokens_per_s']:.0f} tokens/s ({speed['speedup']:.2f}x dense) on {speed['device']}" if speed else ""
+        speed_text = (f", decodes at {speed['tokens_per_s']:.0f} tokens/s ({speed['speedup']:.2f}x dense) on {speed['device']}"
+                      + ("" if speed["same_shape"] else f" ({speed['shape']} shape)") if speed else "")
         sentence = (f"At {b['budget']}: {words}; {_gib(gib)} at batch {batch} x {_ctx(context)}{speed_text}, {fid['short']}")
         uni_row = None
         if uni:
@@ -369,19 +371,24 @@ def _better(plan: dict[str, Any], uni: dict[str, Any]) -> bool | None:
 
 
 def reading(answers: list[dict[str, Any]]) -> str:
-    """One line over the budgets: where the plan beats the best uniform setting on the same measure."""
+    """One line over the budgets: where the plan's fidelity beats the best uniform setting's on the
+    same measure (task accuracy or NLL increase)."""
     if not answers:
         return "No budgets."
-    verdicts = [(a["budget"], _better(a["fidelity"], a["best_uniform"]["fidelity"]) if a["best_uniform"] else None) for a in answers]
-    wins = [b for b, v in verdicts if v]
-    losses = [b for b, v in verdicts if v is False]
-    measure = {"accuracy": "task accuracy", "nll_increase": "NLL increase"}.get(answers[0]["fidelity"]["metric"] or "", "")
+    names = {"accuracy": "task accuracy", "nll_increase": "NLL increase"}
+    wins: dict[str, list[str]] = {}
+    losses: dict[str, list[str]] = {}
+    for a in answers:
+        verdict = _better(a["fidelity"], a["best_uniform"]["fidelity"]) if a["best_uniform"] else None
+        if verdict is not None:
+            (wins if verdict else losses).setdefault(names[a["fidelity"]["metric"]], []).append(a["budget"])
     if not wins and not losses:
         return (f"The plan per budget below ({', '.join(a['budget'] for a in answers)}), stored in "
                 + ", ".join(f"{a['gib']:.2f} GiB" for a in answers) + f" at batch {answers[0]['batch']} x {_ctx(answers[0]['context_tokens'])}"
                 + "; it was not checked on the model, so no measured comparison with the best uniform setting.")
-    text = (f"At the same bytes the recommended plan has the better mean {measure} than the best uniform setting at {', '.join(wins)}" if wins
-            else f"At the same bytes the best uniform setting has a mean {measure} as good as the plan's at every budget")
-    if wins and losses:
-        text += f", not at {', '.join(losses)}"
-    return text + "; the 95% intervals in the table tell whether a difference is beyond noise."
+    parts = []
+    for measure in dict.fromkeys(list(wins) + list(losses)):
+        w, l = wins.get(measure, []), losses.get(measure, [])
+        text = f"on {measure} the plan is better than the best uniform setting at {', '.join(w)}" if w else f"on {measure} the best uniform setting is as good as the plan at {', '.join(l)}"
+        parts.append(text + (f", not at {', '.join(l)}" if w and l else ""))
+    return ("At the same bytes, " + "; ".join(parts) + " (means; the 95% intervals in the table tell whether a difference is beyond noise).")
