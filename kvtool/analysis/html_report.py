@@ -438,8 +438,10 @@ def reading_frontier(rec: dict[str, Any]) -> str:
 def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
     check = b.get("check")
     if not check:
+        best = answering.best_uniform(b)
         return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_ratio'])}; it was not checked on the model "
-                "(no model for this capture, or --no-model).")
+                "(no model for this capture, or --no-model)" + (f"; the best uniform setting by predicted attention error is {best['spec']} "
+                                                                  f"({pct(best['ratio'])})." if best else "."))
     plan = check[b["plan_label"]]
     p0 = plan["cases"][0]
     text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
@@ -451,28 +453,50 @@ def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
     best = b.get("best_uniform")
     if best and best in check:
         u0 = check[best]["cases"][0]
-        text += (f"; the best single setting that fits, {best} ({pct(u0['stored_ratio'])}), keeps {u0['agreement']:.0%} with "
+        text += (f"; the best uniform setting, {best} ({pct(answering.field(u0, 'storage_ratio'))}), keeps {u0['agreement']:.0%} with "
                  f"{nll_text(u0['nll_increase'])}.")
     else:
-        text += "; no single setting fits this budget."
+        text += "; no uniform setting fits this budget."
     return text
+
+
+def reading_decode(doc: dict[str, Any]) -> str:
+    """A ``kvtool bench decode`` document in one line: each setting's decode tokens/s against dense of
+    the same batch and context, on the document's card and model shape."""
+    recs = answering.decode_records([doc])
+    dense = {(r.get("batch"), r.get("seq")): r for r in recs if str(answering.field(r, "provider")).startswith("dense")}
+    parts = []
+    for r in recs:
+        d = dense.get((r.get("batch"), r.get("seq")))
+        name = str(answering.field(r, "provider"))
+        if d is not None and r is not d:
+            t, t0 = answering.field(r, "tokens_per_s"), answering.field(d, "tokens_per_s")
+            parts.append(f"{Path(name).name if name.endswith('.json') else name} {t:.0f} tokens/s ({t / t0:.2f}x dense {t0:.0f})")
+    if not parts:
+        return f"{doc['_path']}: no decode record next to a dense one."
+    r0 = recs[0]
+    return f"Decode on {r0['_device']} ({r0['_shape']} shape, batch {r0.get('batch')} x {r0.get('seq')} tokens): " + "; ".join(parts) + "."
 
 
 def reading_bench(docs: list[dict[str, Any]]) -> str:
     parts = []
     for doc in docs:
+        if doc.get("subcommand") == "decode":
+            parts.append(reading_decode(doc))
+            continue
         recs = [r for r in doc["records"] if r.get("status", "ok") == "ok" and r.get("median_us")]
         ours = [r for r in recs if r["provider"].endswith("_triton") or r["provider"].startswith("kvtool")]
         base = set(doc.get("primary_baselines") or [])
+        mine = []
         for r in ours[:4]:
             peers = [p for p in recs if p["provider"] in base and (p.get("batch"), p.get("seq")) == (r.get("batch"), r.get("seq"))]
             if peers:
                 fastest = min(peers, key=lambda p: p["median_us"])
-                parts.append(f"{r['kernel']} ({r['provider']}, batch {r.get('batch')}, {r.get('seq')} tokens"
+                mine.append(f"{r['kernel']} ({r['provider']}, batch {r.get('batch')}, {r.get('seq')} tokens"
                              + (f", {r['sparsity']:.0%} sparse" if r.get("sparsity") is not None else "")
                              + f"): {r['median_us']:.1f} µs vs {fastest['provider']} {fastest['median_us']:.1f} µs ({fastest['median_us'] / r['median_us']:.2f}x)")
         dev = (doc.get("env") or {}).get("device", "?")
-        parts = [f"On {dev}: " + "; ".join(parts)] if parts else [f"{doc['_path']}: no kvtool kernel records next to a baseline."]
+        parts.append(f"On {dev}: " + "; ".join(mine) + "." if mine else f"{doc['_path']}: no kvtool kernel records next to a baseline.")
     return " ".join(parts)
 
 
@@ -571,6 +595,8 @@ def build_report(
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
     facts = cache.facts
+    tasks_model = ((task_summary or {}).get("run") or {}).get("model")
+    same_model = tasks_model is None or tasks_model == facts.name  # a tasks run of another model answers nothing about this capture
     progress = or_silent(progress)
     progress.stage("cache statistics")
     cut = cut_summary(cache)
@@ -627,7 +653,7 @@ def build_report(
         many = len(rec["cases"]) > 1
         for label, sc in (b.get("check") or {}).items():
             c0 = sc["cases"][0]
-            row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best that fits)" if label == b["best_uniform"] else ""),
+            row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best uniform)" if label == b["best_uniform"] else ""),
                    pct(c0["stored_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
                    Cell.of("agreement", c0["agreement"], f"{c0['agreement']:.4f}"), Cell.of("kl", c0["kl"], f"{c0['kl']:.4f}")]
             if many:
@@ -655,7 +681,8 @@ def build_report(
     if task_summary is not None:
         body, n_fig = tasks_section(task_summary)
         figures += n_fig
-        sections.append(_section("tasks", "Long-context tasks (question after compression)", reading_tasks(task_summary), body))
+        other = "" if same_model else f"These tasks ran on {tasks_model}, not on {facts.name} (this capture's model): they are left out of the first screen. "
+        sections.append(_section("tasks", "Long-context tasks (question after compression)", other + reading_tasks(task_summary), body))
     else:
         sections.append(_section("tasks", "Long-context tasks (question after compression)",
                                  "No tasks folder was given: run kvtool tasks --methods dense,kivi,... --budgets 15% --out-dir tasks.out and pass --tasks tasks.out.", ""))
@@ -669,13 +696,13 @@ def build_report(
             body += f"<p class=\"muted\">{html.escape(doc['_path'])}: {html.escape(str(doc.get('command', '')))} on {html.escape(str(env.get('device', '?')))}, {html.escape(str(doc.get('date', '')))}</p>"
         sections.append(_section("kernels", "Kernel timings", reading_bench(bench_docs), body))
     else:
-        sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench attention --json att.json on a GPU and pass --bench att.json.", ""))
+        sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench decode --plan plan-15.json -o decode.json (or kvtool bench attention -o att.json) on a GPU and pass --bench decode.json.", ""))
     links = {}
     for b in rec["budgets"]:
         name = f"plan-{b['budget'].rstrip('%')}.json"
         links[b["budget"]] = name
         links["_data:" + b["budget"]] = "data:application/json;base64," + base64.b64encode(json.dumps(b["plan"].to_dict(), indent=1).encode()).decode()
-    answers, first = answering.first_screen(rec, facts, capture, batch, context, bench_docs, task_summary, len(cache.layers), links)
+    answers, first = answering.first_screen(rec, facts, capture, batch, context, bench_docs, task_summary if same_model else None, len(cache.layers), links)
     sections.insert(0, f'<section id="answer"><h2>What to use at each budget</h2>{first}</section>')
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     nav = "".join(f'<a href="#{s}">{s}</a>' for s in SECTIONS)
