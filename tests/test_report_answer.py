@@ -25,7 +25,7 @@ def test_plan_words_come_from_the_per_head_specs():
     assert A.plan_words(plan, 3) == "evict 62% of the tokens in all 6 KV heads (kept in float16)"  # heads weighted: 1 - (0.25 + 0.5) / 2
     assert A.plan_words(Plan({0: ["quant:bits=2"]}), 3) == "all 3 KV heads whole in KIVI-2"
     assert A.uniform_words("snapkv:share=0.53125+quant:bits=4,group=128,residual=0,partial=true") == "evict 47% of the tokens (kept in KIVI-4 g128)"
-    assert A.uniform_words("bitmap:sparsity=0.7") == "every token in 70% of elements pruned"
+    assert A.uniform_words("bitmap:sparsity=0.7") == "every token, 70% of elements pruned"
 
 
 def test_gib_at_batch_and_context():

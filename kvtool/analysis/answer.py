@@ -139,7 +139,7 @@ def uniform_words(spec: str) -> str:
     """A uniform setting in words: ``evict 47% of the tokens (kept in KIVI-4 g128)``, ``KIVI-4``."""
     kept, how = spec_words(spec)
     if kept is None:
-        return f"every token in {how}"
+        return f"every token, {how}" if how[:1].isdigit() else f"every token in {how}"
     return ("evict to a fixed number of tokens" if math.isnan(kept) else f"evict {_share(1 - kept)} of the tokens") + f" (kept in {how})"
 
 

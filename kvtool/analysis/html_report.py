@@ -150,10 +150,13 @@ def region_table(numbered: list[dict[str, Any]], rec: dict[str, Any], n_layers: 
         u = answering.best_uniform(b)
         if u:
             best.setdefault(u["spec"], []).append(b["budget"])
-    rows = [[r["number"], r["spec"], pct(r["ratio"]), f"{math.sqrt(r['loss'] / n_layers):.3g}",
-             ", ".join(best.get(r["spec"], [])) or ""] for r in numbered]
-    return ('<details open><summary class="muted">The numbered dots (decision region)</summary>'
-            + _table(["#", "uniform setting", "stored", "attention error", "best uniform at"], rows) + "</details>")
+    marked = any(r["spec"] in best for r in numbered)
+    body = "".join(f'<tr><td>{r["number"]}</td><td class="spec" title="{html.escape(r["spec"])}">{html.escape(answering.uniform_words(r["spec"]))}</td>'
+                   f'<td>{pct(r["ratio"])}</td><td>{math.sqrt(r["loss"] / n_layers):.3g}</td>'
+                   + (f'<td>{html.escape(", ".join(best.get(r["spec"], [])))}</td>' if marked else "") + "</tr>" for r in numbered)
+    head = "<tr><th>#</th><th>uniform setting</th><th>stored</th><th>error</th>" + ("<th>best uniform at</th>" if marked else "") + "</tr>"
+    return f'<table class="numbered">{head}{body}</table>'
+
 
 
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
@@ -187,7 +190,7 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
                 ys += [iv["lo"], iv["hi"]]
             ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
                        edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3)
-            pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
+            pts.append((x, y, f"plan @ {b['budget']}" if is_plan else f"best uniform @ {b['budget']}" if label == b.get("best_uniform") else _short_spec(label)))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("% of dense bytes (stored)")
     n_cases = max((len(sc["cases"]) for b in budgets for sc in (b.get("check") or {}).values()), default=1)
@@ -511,6 +514,8 @@ CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1320px;margin:.8em aut
        "table.answer td.cmd code{font-size:.88em;background:none}"
        "table.answer tr.uniform td{color:#555;font-size:.95em;background:#fafafa}table.answer tr.plan td{border-top:2px solid #bbb}"
        "ol.sentences{font-size:.84em;line-height:1.35;margin:.3em 0;padding-left:1.4em}.small{font-size:.78em}"
+       ".beside{display:flex;gap:.8em;align-items:flex-start}.beside img{min-width:0;flex:0 1 auto}"
+       "table.numbered{font-size:.74em;flex:none}table.numbered td.spec{text-align:left;white-space:nowrap}"
        "#answer p.reading{margin:.3em 0;padding:.3em .8em;font-size:.9em}th .sub{font-weight:normal;font-size:.85em;color:#555}"
        "table{border-collapse:collapse;margin:.6em 0;font-size:.88em}td,th{border:1px solid #ddd;padding:.25em .5em;text-align:right}"
        "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}"
@@ -627,8 +632,8 @@ def build_report(
     n_layers = len(cache.layers)
     plans_pts = [{"ratio": b["predicted"]["exact_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
     region = max((b["fraction"] for b in rec["budgets"]), default=None)
-    body = _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers, region)), "attention-level frontier"); figures += 1
-    body += region_table(region_points(rec["sensitivity"]["uniform"], region), rec, n_layers)
+    body = ('<div class="beside">' + _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers, region)), "attention-level frontier")
+            + region_table(region_points(rec["sensitivity"]["uniform"], region), rec, n_layers) + "</div>"); figures += 1
     body += '<p class="muted">Every candidate applied to every layer (dots, one colour per format) and the recommended plans (stars). ' \
             "Error: RMS over layers of the held-out queries' attention-output relative error" + \
             (", each layer weighted by its measured cost on the model." if rec.get("layer_weights") else ".") + " Dense (no error) is not drawn on the log axis.</p>"
