@@ -22,7 +22,7 @@ def test_plan_words_come_from_the_per_head_specs():
     plan = Plan({0: [KIVI4], 1: [f"snapkv:share=0.3+{KIVI4}", f"snapkv:share=0.3+{KIVI4}", "dense"]})
     assert A.plan_words(plan, 3) == "keep 4 of 6 KV heads whole (3 KIVI-4, 1 float16), evict 70% of the tokens in the other 2 (kept in KIVI-4)"
     plan = Plan({0: ["snapstream:share=0.25"], 1: ["snapstream:share=0.5"]})
-    assert A.plan_words(plan, 3) == "evict 62% of the tokens in all 6 KV heads (kept in float16)"  # heads weighted: 1 - (0.25 + 0.5) / 2
+    assert A.plan_words(plan, 3) == "evict 50-75% of the tokens (62% on average) in all 6 KV heads (kept in float16)"  # heads weighted: 1 - (0.25 + 0.5) / 2
     assert A.plan_words(Plan({0: ["quant:bits=2"]}), 3) == "all 3 KV heads whole in KIVI-2"
     assert A.uniform_words("snapkv:share=0.53125+quant:bits=4,group=128,residual=0,partial=true") == "evict 47% of the tokens (kept in KIVI-4 g128)"
     assert A.uniform_words("bitmap:sparsity=0.7") == "every token, 70% of elements pruned"
@@ -112,3 +112,8 @@ def test_every_dot_of_the_decision_region_is_labelled_without_overlap():
             r = want[int(t.get_text()) - 1]
             own = ax.transData.transform((100 * r["ratio"], math.sqrt(r["loss"] / 4)))
             assert tuple(ax.transData.transform(t.xy)) == pytest.approx(tuple(own))
+
+
+def test_plan_words_give_the_range_of_eviction_shares():
+    plan = Plan({0: ["snapstream:share=0.125", "snapstream:share=0.5", KIVI4]})
+    assert A.plan_words(plan, 3) == "keep 1 of 3 KV heads whole (KIVI-4), evict 50-88% of the tokens (69% on average) in the other 2 (kept in float16)"

@@ -115,7 +115,7 @@ def plan_words(plan: Any, num_kv_heads: int) -> str:
         return f"every KV head {plan.default}"
     keep: dict[str, int] = {}
     evict: dict[str, int] = {}
-    kept_tokens, known = 0.0, 0
+    kept_tokens, known, shares = 0.0, 0, set()
     for spec, n in counts.items():
         kept, how = spec_words(spec)
         if kept is None:
@@ -124,12 +124,15 @@ def plan_words(plan: Any, num_kv_heads: int) -> str:
             evict[how] = evict.get(how, 0) + n
             if not math.isnan(kept):
                 kept_tokens, known = kept_tokens + kept * n, known + n
+                shares.add(round(1 - kept, 4))
     n_keep, n_ev = sum(keep.values()), sum(evict.values())
     parts = []
     if n_keep:
         parts.append(f"all {_heads(total)} whole in {_mix(keep)}" if n_keep == total else f"keep {n_keep} of {total} KV heads whole ({_mix(keep)})")
     if n_ev:
         share = f"evict {_share(1 - kept_tokens / known)} of the tokens" if known else "evict to a fixed number of tokens"
+        if len(shares) > 1:
+            share = f"evict {100 * min(shares):.0f}-{_share(max(shares))} of the tokens ({_share(1 - kept_tokens / known)} on average)"
         where = f"in the other {n_ev}" if n_keep else f"in all {_heads(n_ev)}"
         parts.append(f"{share} {where} (kept in {_mix(evict)})")
     return ", ".join(parts)
