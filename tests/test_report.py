@@ -76,11 +76,12 @@ def test_report_sections_and_images(sample_capture, tmp_path):
     import re
 
     first = text.split('<section id="answer">')[1].split("</section>")[0]
+    from kvtool.analysis.answer import capture_arg
     assert re.findall(r'<tr class="plan"><td><b>([^<]+)</b>', first) == ["15%", "40%"]
     uniforms = [_html.unescape(u) for u in re.findall(r'<tr class="uniform"><td>uniform</td><td class="words" title="([^"]+)"', first)]
     assert len(uniforms) == 2
     for budget, spec in zip(("15", "40"), uniforms):
-        assert f"kvtool compress {sample_capture} --plan plan-{budget}.json" in first
+        assert f"kvtool compress {capture_arg(sample_capture)} --plan plan-{budget}.json" in first
         assert f'download="plan-{budget}.json" href="data:application/json;base64,' in first
         assert spec in frontier  # one best uniform per budget, the same in the frontier section
     res = CliRunner().invoke(app, ["report", str(sample_capture), "--no-model", "-o", str(out)])

@@ -117,3 +117,9 @@ def test_every_dot_of_the_decision_region_is_labelled_without_overlap():
 def test_plan_words_give_the_range_of_eviction_shares():
     plan = Plan({0: ["snapstream:share=0.125", "snapstream:share=0.5", KIVI4]})
     assert A.plan_words(plan, 3) == "keep 1 of 3 KV heads whole (KIVI-4), evict 50-88% of the tokens (69% on average) in the other 2 (kept in float16)"
+
+
+def test_the_command_names_the_bundled_sample_as_sample():
+    from kvtool.core.sample import SAMPLE_PATH
+
+    assert A.capture_arg(SAMPLE_PATH) == "sample:" and A.capture_arg("caps/x.safetensors") == "caps/x.safetensors"

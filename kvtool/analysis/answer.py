@@ -250,6 +250,16 @@ def dense_task_row(summary: dict[str, Any] | None) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- the first screen
 
 
+def capture_arg(capture: Path | str) -> str:
+    """How a command names the capture: ``sample:`` for the bundled sample, else its path."""
+    from kvtool.core.sample import SAMPLE_PATH  # deferred: only the first screen needs it
+
+    try:
+        return "sample:" if Path(capture).resolve() == SAMPLE_PATH else str(capture)
+    except OSError:
+        return str(capture)
+
+
 def _gib(v: float) -> str:
     return f"{v:.2f} GiB" if v < 10 else f"{v:.1f} GiB"
 
@@ -294,8 +304,8 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
     esc = html.escape
     records = decode_records(bench_docs, facts)
     dense_gib = kv_gib(facts, 1.0, batch, context)
-    cap = str(capture)
-    stem = Path(cap).stem
+    cap = capture_arg(capture)
+    stem = Path(str(capture)).stem
     answers, rows = [], []
     for b in rec["budgets"]:
         tag = b["budget"].rstrip("%")
