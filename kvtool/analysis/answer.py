@@ -178,7 +178,8 @@ def kv_gib(facts: Any, ratio: float, batch: int, context: int) -> float:
 
 def decode_records(docs: list[dict[str, Any]], facts: Any = None) -> list[dict[str, Any]]:
     """The timed records of every ``kvtool bench decode`` document, each with ``_device``, ``_shape``
-    (the model shape timed) and ``_same_shape`` (whether it has ``facts``' heads, KV heads and head dim)."""
+    (the model shape timed), ``_same_shape`` (whether it has ``facts``' heads, KV heads and head dim),
+    ``_plan`` (a plan file's record) and ``_budget`` (the budget fraction that plan was made for)."""
     out = []
     for doc in docs:
         if doc.get("subcommand") != "decode":
@@ -188,7 +189,10 @@ def decode_records(docs: list[dict[str, Any]], facts: Any = None) -> list[dict[s
             if r.get("status", "ok") == "ok" and field(r, "tokens_per_s") and not r.get("memory_budget"):
                 shape = (doc.get("shape") or {}).get("name") or str(r.get("data") or "?").removeprefix("random:")
                 same = (r.get("kv_heads"), r.get("head_dim"), r.get("heads")) == (facts.num_kv_heads, facts.head_dim, facts.num_heads) if facts else None
-                out.append({**r, "_device": r.get("device") or dev, "_doc": doc.get("_path", ""), "_shape": shape, "_same_shape": same})
+                provider = str(field(r, "provider", ""))
+                plan = provider.endswith(".json")
+                out.append({**r, "_device": r.get("device") or dev, "_doc": doc.get("_path", ""), "_shape": shape, "_same_shape": same,
+                            "_plan": plan, "_budget": _plan_budget(provider) if plan else None})
     return out
 
 
@@ -207,12 +211,10 @@ def decode_speed(records: list[dict[str, Any]], fraction: float, spec: str | Non
     """Decode tokens/s against dense for budget ``fraction``: the record of a plan made for that
     budget (``spec`` None), or of the uniform ``spec`` (the same spec, else the same format with the
     largest stored share within the budget), beside the dense record of the same card, batch and
-    context. ``{"tokens_per_s", "dense_tokens_per_s", "speedup", "device", "batch", "seq", "what"}``."""
-    for r in records:
-        r["_plan"] = str(field(r, "provider", "")).endswith(".json")
+    context (``records`` from :func:`decode_records`). ``{"tokens_per_s", "dense_tokens_per_s",
+    "speedup", "device", "batch", "seq", "what" (the provider timed), "shape", "same_shape"}`` or None."""
     if spec is None:
-        mine = [r for r in records if r["_plan"] and _plan_budget(field(r, "provider")) is not None
-                and abs(_plan_budget(field(r, "provider")) - fraction) < 1e-6]
+        mine = [r for r in records if r["_plan"] and r["_budget"] is not None and abs(r["_budget"] - fraction) < 1e-6]
     else:
         mine = [r for r in records if field(r, "provider") == spec]
         if not mine:
