@@ -120,3 +120,50 @@ def test_merge_adds_up_separate_chunk_runs(tmp_path):
     assert json.loads((tmp_path / "merged" / "summary.json").read_text())["counts"]["total"] == 2
     assert not gs.ok(merged)
     assert gs.split_chunks([1.0] * 10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
+
+
+def sanitize_module():
+    spec = importlib.util.spec_from_file_location("sanitize_kernels_under_test", ROOT / "scripts" / "sanitize_kernels.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sanitizer_driver_runs_the_triton_cases_on_the_cpu():
+    """scripts/sanitize_kernels.py's Triton cases under the interpreter (the CUDA ones need a GPU):
+    every call and shape stays valid and matches its reference."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "--triton-only"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "0 failed" in res.stdout and res.stdout.count(": ok") >= 7
+    listed = subprocess.run([sys.executable, "scripts/sanitize_kernels.py", "--list"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert "cuda" not in listed.stdout  # the interpreter leaves the CUDA extensions out
+
+
+SANITIZER_LOG = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 16 bytes
+=========     at void bsa::bitmap_sparse_attention_mma_kernel<__half, (int)64, (bool)1, (bool)0>(bsa::Params)+0x1a0 in /x/mma.cuh:180
+=========     by thread (0,0,0) in block (4,0,0)
+=========
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at void at::native::vectorized_elementwise_kernel<4, float>(int, float)+0x90
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+
+
+def test_sanitizer_summary_counts_kvtools_reports_apart(tmp_path):
+    sk = sanitize_module()
+    log, drv = tmp_path / "log", tmp_path / "drv"
+    log.write_text(SANITIZER_LOG)
+    drv.write_text("case x: ok\n15 passed, 0 failed\n")
+    entry = sk.summarize(tmp_path, "memcheck", log, drv)
+    assert (entry["error_summary"], entry["kvtool_reports"], entry["other_reports"], entry["clean"]) == (2, 1, 1, False)
+    assert "_sparse_attention_kernel" in sk.kvtool_kernel_names() and "merge_splits_kernel" in sk.kvtool_kernel_names()
+    log.write_text("========= COMPUTE-SANITIZER\n========= ERROR SUMMARY: 0 errors\n")
+    assert sk.summarize(tmp_path, "racecheck", log, drv)["clean"]
+    log.write_text("========= COMPUTE-SANITIZER\n")  # killed by the timeout: no ERROR SUMMARY
+    assert not sk.summarize(tmp_path, "synccheck", log, drv)["clean"]
+    doc = json.loads((tmp_path / "sanitize.json").read_text())
+    assert set(doc["tools"]) == {"memcheck", "racecheck", "synccheck"} and doc["clean"] is False
+    assert "NOT CLEAN" in (tmp_path / "sanitize-memcheck.txt").read_text()
