@@ -50,10 +50,15 @@ def _append(path: str, record: dict) -> None:
 
 
 _STACKS = []
+_CFG: dict[str, str | None] = {}
 
 
 def pytest_configure(config):
-    path = os.environ.get("GPU_SUITE_RECORDS")
+    # read once and taken out of the environment, so that a test that starts a pytest of its own
+    # does not record into (or select from) the suite's files
+    for name in ("GPU_SUITE_RECORDS", "GPU_SUITE_SELECT", "GPU_SUITE_COLLECT"):
+        _CFG[name] = os.environ.pop(name, None)
+    path = _CFG["GPU_SUITE_RECORDS"]
     if path:
         # the runner's watchdog sends SIGUSR1 before it kills a hung pytest: the stacks of all threads,
         # dumped from C even while the main thread waits inside a CUDA call, into a file beside the
@@ -63,7 +68,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    select = os.environ.get("GPU_SUITE_SELECT")
+    select = _CFG.get("GPU_SUITE_SELECT")
     if not select:
         return
     wanted = set(json.loads(Path(select).read_text()))
@@ -75,14 +80,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    path = os.environ.get("GPU_SUITE_COLLECT")
+    path = _CFG.get("GPU_SUITE_COLLECT")
     if path:
         tests = [{"nodeid": it.nodeid, "file": str(it.path), "markers": sorted({m.name for m in it.iter_markers()})} for it in session.items]
         Path(path).write_text(json.dumps(tests))
 
 
 def pytest_runtest_logstart(nodeid, location):
-    path = os.environ.get("GPU_SUITE_RECORDS")
+    path = _CFG.get("GPU_SUITE_RECORDS")
     if path:
         _append(path, {"event": "start", "nodeid": nodeid, "t": time.time()})
 
@@ -91,7 +96,7 @@ _PHASES: dict[str, list] = {}
 
 
 def pytest_runtest_logreport(report):
-    path = os.environ.get("GPU_SUITE_RECORDS")
+    path = _CFG.get("GPU_SUITE_RECORDS")
     if not path:
         return
     phases = _PHASES.setdefault(report.nodeid, [])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtool.core import settings
-from kvtool.core.errors import BadDataError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.kernels import common
 
 SOURCE = Path(common.__file__).with_name("bitmap_prune_encode.cu")
@@ -234,3 +234,30 @@ def test_env_build_kernels_says_what_is_missing(monkeypatch):
     assert res.exit_code == 2 and "no CUDA device" in res.stderr and "Traceback" not in res.output
     res = runner.invoke(app, ["env", "--json"])  # without the flag env reports, builds nothing
     assert res.exit_code == 0 and "kernels" not in json.loads(res.stdout)
+
+
+def test_build_extensions_runs_the_builds_at_once_and_names_a_failure(monkeypatch):
+    """kvtool env --build-kernels: one process per extension, all started before any is waited for;
+    a failed build is one line naming the extension (the builds themselves need a GPU: stand-ins here)."""
+    from kvtool.kernels import extensions as ext
+
+    real_popen = subprocess.Popen
+    outcome = {"a": "ok", "b": "ok"}
+
+    def popen(cmd, **kw):
+        name = cmd[-1]
+        body = (f"import json, time; time.sleep(1); print(json.dumps({{'name': {name!r}, 'status': 'built', 'seconds': 1.0}}))" if outcome[name] == "ok"
+                else "import sys; print('RuntimeError: nvcc failed', file=sys.stderr); sys.exit(1)")
+        return real_popen([sys.executable, "-c", body], **kw)
+
+    monkeypatch.setattr(ext, "toolchain_problem", lambda: None)
+    monkeypatch.setattr(ext, "known_extensions", lambda: {"a": None, "b": None})
+    monkeypatch.setattr(ext.subprocess, "Popen", popen)
+    started = time.monotonic()
+    got = ext.build_extensions()
+    assert [g["name"] for g in got] == ["a", "b"] and time.monotonic() - started < 1.9  # together, not one after the other
+    outcome["b"] = "fail"
+    with pytest.raises(BadDataError, match="building the CUDA extension b failed: RuntimeError: nvcc failed"):
+        ext.build_extensions()
+    with pytest.raises(UsageError, match="unknown CUDA extension 'c'"):
+        ext.build_extensions(["c"])

@@ -21,7 +21,8 @@ SCRIPT = ROOT / "scripts" / "gpu_suite.sh"
 
 def suite(tmp_path, *args, dry=False, timeout=300):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable, GPU_SUITE_DRY="1" if dry else "0")
-    env.pop("PYTEST_ADDOPTS", None)
+    for name in ("PYTEST_ADDOPTS", "GPU_SUITE_RECORDS", "GPU_SUITE_SELECT", "GPU_SUITE_COLLECT"):
+        env.pop(name, None)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

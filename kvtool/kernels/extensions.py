@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from kvtool.core import settings
 from kvtool.core.errors import BadDataError, UsageError
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -60,13 +61,15 @@ def build_extensions(names: list[str] | None = None) -> list[dict[str, Any]]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UsageError(f"unknown CUDA extension {unknown[0]!r}; kvtool has {', '.join(known)}")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               KVTOOL_BUILD_NOTES="1" if settings.notes else "0")
     procs = {n: subprocess.Popen([sys.executable, "-m", "kvtool.kernels.extensions", n], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for n in names}
     out, failed = [], []
     for name, proc in procs.items():
         stdout, stderr = proc.communicate()
-        sys.stderr.write(stderr)
+        if settings.notes:  # the builds' notes ("compiling ..."), not under --json / -q
+            sys.stderr.write(stderr)
         try:
             out.append(json.loads(stdout.strip().splitlines()[-1]))
         except (ValueError, IndexError):
@@ -87,6 +90,7 @@ def _build_one(name: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    settings.notes = os.environ.get("KVTOOL_BUILD_NOTES", "1") != "0"
     try:
         print(json.dumps(_build_one(sys.argv[1])), flush=True)
     except Exception as exc:  # one line for the parent, which names the extension
