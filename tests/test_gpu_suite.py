@@ -33,6 +33,7 @@ def gpu_suite_module():
     return mod
 
 
+@pytest.mark.slow
 def test_dry_run_collects_and_chunks_the_gpu_tests(tmp_path):
     target = "tests/test_bitmap_sparse_attention.py"
     res = suite(tmp_path, "--all", "--chunks", "2", target, dry=True)
@@ -77,6 +78,7 @@ def test_e_skipped():
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ender", ["pytest-timeout", "watchdog"])
 def test_a_hang_becomes_a_timeout_and_the_chunk_goes_on(tmp_path, monkeypatch, ender):
     """pytest-timeout (thread method) ends the hung pytest with its stacks; without it the suite's
@@ -130,6 +132,7 @@ def sanitize_module():
     return mod
 
 
+@pytest.mark.slow
 def test_sanitizer_driver_runs_the_triton_cases_on_the_cpu():
     """scripts/sanitize_kernels.py's Triton cases under the interpreter (the CUDA ones need a GPU):
     every call and shape stays valid and matches its reference."""
