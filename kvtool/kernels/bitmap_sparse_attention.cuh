@@ -319,11 +319,17 @@ struct Params {
 };
 
 // The lengths from the device (capacity caches): at most the capacity, the blocks spread over the
-// S splits in whole pairs (the host planned S for the capacity).
+// S splits in whole pairs (the host planned S for the capacity). Read once for the program and shared:
+// the loops around the barriers take their bounds from them, so every thread must see the same values
+// even if another stream wrote the lengths while the program ran (threads reading global memory at
+// different times could disagree, and a loop bound that differs between warps deadlocks a barrier).
 __device__ __forceinline__ void resolve_lengths(Params& p) {
-  if (p.lens != nullptr) {
-    p.Tc = min(max(p.lens[0], 0), p.Tc);
-    p.W = min(max(p.lens[1], 0), p.W);
+  if (p.lens != nullptr) {  // a kernel argument: the same branch in every thread
+    __shared__ int lens[2];
+    if (threadIdx.x < 2) lens[threadIdx.x] = p.lens[threadIdx.x];
+    __syncthreads();
+    p.Tc = min(max(lens[0], 0), p.Tc);
+    p.W = min(max(lens[1], 0), p.W);
     p.NB = (p.Tc + 63) / 64;
     p.BPS = 2 * (((p.NB + 1) / 2 + p.S - 1) / p.S);
   }

@@ -138,8 +138,9 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar) {
 // once its one arrival (the expect_tx of stage_half_bulk) has come and its transaction count is back
 // at zero, i.e. every byte that expect_tx announced has landed. stage_half_bulk announces exactly the
 // bytes of the copies it issues, each a multiple of 16 bytes from and to 16-byte aligned addresses
-// (cp.async.bulk's unit: a copy of another size is undefined and was seen to never complete, the
-// hang of head_dim 64 with an odd tail of tokens); and a phase is waited on only after it was
+// (cp.async.bulk's unit: a copy of another size is invalid, and a phase whose announced bytes do not
+// all land never completes: at head_dim 64 a 127-token tail asked for 1016 bytes of key bits, the
+// H200 hang of issue 44); and a phase is waited on only after it was
 // requested (same nblk > 0 test on both sides). The parity cannot alias a later phase: the next
 // request on this bar is issued after a __syncthreads() that every waiter reaches only after its wait.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
