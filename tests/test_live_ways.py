@@ -130,3 +130,99 @@ def test_every_way_in_generates_the_file_paths_tokens(spec, tiny, cap, plan_file
             nxt = o.logits[:, -1].argmax(-1, keepdim=True)
             toks.append(int(nxt))
     assert toks == want, "compress of a transformers cache"
+
+
+def test_a_padded_batch_is_refused_before_its_first_token(tiny, tmp_path):
+    """Left padding with an attention mask: every live way refuses it before the first token (the
+    formats encode pad tokens and attend without a mask); an equal-length batch runs, each row
+    its own generation."""
+    model, tok = tiny
+    tok.padding_side = "left"
+    batch = tok(["a short prompt", "a much longer prompt than the first one"], return_tensors="pt", padding=True, add_special_tokens=False)
+    for spec in ("dense", "quant:bits=4"):
+        with pytest.raises(UsageError, match="padded batch"):
+            with kvtool.press(spec):
+                model.generate(**batch, max_new_tokens=2, do_sample=False)
+    with torch.no_grad():
+        hf = output_cache(model(**batch, use_cache=True))
+    kvtool.compress(hf, "quant:bits=4")
+    with pytest.raises(UsageError, match="padded batch"):
+        model(input_ids=batch["input_ids"][:, -1:], attention_mask=torch.ones(2, batch["input_ids"].shape[1] + 1, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0),
+              **cache_kwargs(model, hf), use_cache=True)
+    rows = tok(["equal one", "equal two"], return_tensors="pt", add_special_tokens=False)
+    with kvtool.press("quant:bits=4"):
+        both = model.generate(**rows, max_new_tokens=4, do_sample=False)
+        one = [model.generate(rows["input_ids"][i:i + 1], attention_mask=rows["attention_mask"][i:i + 1], max_new_tokens=4, do_sample=False) for i in range(2)]
+    assert torch.equal(both, torch.cat(one))
+
+
+def test_the_live_cache_tells_its_bytes(tiny):
+    """stored_bytes / dense_bytes / storage_ratio on the cache object; residuals in the cache dtype,
+    sized to the format's need; get_seq_length counts positions, held_tokens what is attended."""
+    model, tok = tiny
+    ids = torch.tensor([tok("bytes of a live cache " * 20, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        hf = output_cache(model(input_ids=ids, use_cache=True))
+    dense = hf.layers[0].keys.numel() * 4 * 2 * 2
+    kvtool.compress(hf, "quant:bits=4")
+    t = ids.shape[1]
+    assert hf.dense_bytes() == dense and hf.dense_bytes(torch.float16) == dense // 2
+    assert hf.stored_bytes() < dense * 0.45 and hf.storage_ratio == hf.stored_bytes() / dense
+    assert hf.get_seq_length() == t and hf.held_tokens() == t
+    live = hf.layers[0].live
+    assert live.res["keys"].dtype == torch.float32 and live.res["keys"].shape[2] == 32 + 32
+    from transformers import DynamicCache
+
+    o = DynamicCache(config=model.config)
+    with kvtool.press("snapstream:budget=64"), torch.no_grad():
+        model(input_ids=ids, **cache_kwargs(model, o), use_cache=True)
+    assert o.get_seq_length() == t and o.held_tokens() == 64 and o.storage_ratio < 64 / t + 0.05
+
+
+def test_plans_are_checked_on_every_way_in(tiny, tmp_path):
+    model, tok = tiny
+    ids = torch.tensor([tok("a plan checked " * 10, add_special_tokens=False)["input_ids"]])
+    for bad, match in (({"layers": {"999": "dense"}}, "layer 999"), ({"layers": {"-1": "dense"}}, "layer -1"),
+                       ({"model": {"num_kv_heads": 8}, "layers": {}}, "kv heads 8"), ({"model": {"head_dim": 128}, "layers": {}}, "head dim 128"),
+                       ({"layers": {"0": ["dense", "dense", "dense"]}}, "one spec or 2")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({"schema": "kvtool.plan", "version": 1, "default": "dense", **bad}))
+        with pytest.raises(UsageError, match=match):
+            with kvtool.press(path):
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+        with torch.no_grad():
+            hf = output_cache(model(input_ids=ids, use_cache=True))
+        with pytest.raises(UsageError, match=match):
+            kvtool.compress(hf, str(path))
+
+
+def test_presses_in_two_threads_keep_their_own_state(tiny):
+    """Each thread's press compresses its own generation; the last exit restores transformers."""
+    import threading
+
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache
+
+    model, tok = tiny
+    ids = torch.tensor([tok("two threads pressing " * 8, add_special_tokens=False)["input_ids"]])
+    update, sdpa = Cache.update, AttentionInterface._global_mapping.get("sdpa")
+    with kvtool.press("bitmap:sparsity=0.9"):
+        want = _greedy(model, ids)
+    got, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def run(name, spec):
+        try:
+            with kvtool.press(spec) as state:
+                barrier.wait()
+                got[name] = (_greedy(model, ids), state.layers)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=("a", "bitmap:sparsity=0.9")), threading.Thread(target=run, args=("b", "dense"))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and got["a"] == (want, 2) and got["b"][1] == 2
+    assert Cache.update is update and AttentionInterface._global_mapping.get("sdpa") is sdpa

@@ -118,6 +118,7 @@ def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str
         "bytes_by_part": rep["parts"],
         "storage_ratio": rep["ratio"],
         "details": fmt.report(cc, source),
+        **({"plan_default_layers": cc.info["plan_default_layers"]} if "plan_default_layers" in cc.info else {}),
     }
 
 
