@@ -37,7 +37,7 @@ _LAZY = {
         "info", "stats", "plot", "prune", "compress", "decompress", "heads", "verify", "recommend", "evaluate", "report",
         "export", "generate", "env", "version", "tasks", "capture", "load", "save", "to_hf_cache", "sample_path",
         # live use: a model decoding through compressed caches (written by hand, kvtool/api.py's last section)
-        "load_model", "press",
+        "load_model", "press", "answer",
         # their results
         "Result", "CompressResult", "DecompressResult", "VerifyResult", "EvalResult", "ExportResult", "StatsResult",
         "PruneResult", "InfoResult", "PlotResult", "HeadsResult", "RecommendResult", "ReportResult", "GenerateResult",

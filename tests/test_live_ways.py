@@ -226,3 +226,38 @@ def test_presses_in_two_threads_keep_their_own_state(tiny):
         th.join()
     assert not errors and got["a"] == (want, 2) and got["b"][1] == 2
     assert Cache.update is update and AttentionInterface._global_mapping.get("sdpa") is sdpa
+
+
+def test_typed_presses_and_answer(tiny, plan_file):
+    """kvtool.presses objects are their spec strings; answer() compresses the context once and
+    answers each question from a copy: the same as a press over context + question for a format
+    that does not read queries, and different from dense for a strong press."""
+    from kvtool.presses import Bitmap, Plan, Quant, SnapKV
+
+    model, tok = tiny
+    assert str(Bitmap(sparsity=0.7)) == "bitmap:sparsity=0.7" and str(SnapKV(budget=64) + Quant(bits=4)) == "snapkv:budget=64+quant:bits=4"
+    with pytest.raises(UsageError, match="no parameter 'bitz'"):
+        Quant(bitz=4)
+    ids = torch.tensor([tok("typed presses " * 12, add_special_tokens=False)["input_ids"]])
+    with kvtool.press(Bitmap(sparsity=0.7)):
+        typed = _greedy(model, ids)
+    with kvtool.press("bitmap:sparsity=0.7"):
+        assert _greedy(model, ids) == typed
+    with kvtool.press(Plan(plan_file)) as state:
+        _greedy(model, ids)
+    assert state.layers == 2
+    context, questions = "a context to answer from. " * 8, ["who?", "where and when?"]
+    got = kvtool.answer(model, tok, context, questions, Quant(bits=2, group=16, residual=0), max_new_tokens=4)
+    assert len(got) == 2 and all(isinstance(a, str) for a in got)
+    ctx = tok(context)["input_ids"]
+    from transformers import DynamicCache
+
+    for q, a in zip(questions, got):
+        cache = DynamicCache(config=model.config)
+        with kvtool.press("quant:bits=2,group=16,residual=0"), torch.no_grad():
+            model(input_ids=torch.tensor([ctx]), use_cache=True, **cache_kwargs(model, cache))
+        full = torch.tensor([ctx + tok(q, add_special_tokens=False)["input_ids"]])
+        out = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=4, do_sample=False, **cache_kwargs(model, cache))
+        assert tok.decode(out[0, full.shape[1]:], skip_special_tokens=True) == a
+    with pytest.raises(UsageError, match="tokenizer"):
+        kvtool.answer(model, None, context, questions)

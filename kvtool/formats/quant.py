@@ -398,7 +398,7 @@ class QuantLive(_ResidualLive):
 
     Holds, on the model's device: packed key codes with a scale and zero point per channel and group
     of tokens, packed value codes with a scale and zero point per token (and group of channels),
-    all allocated for a capacity of tokens (one group more than held, 1/64 more on long contexts),
+    all allocated for a capacity of tokens (one group more than held; a re-allocation adds 1/64),
     and full-precision residual keys / values in the cache dtype in buffers of R + group slots
     (:meth:`reserve` widens them for steps replayed from a CUDA graph); ``lengths`` (int32
     ``[4]`` on the device) holds the quantised key and value tokens and the residual tokens in use.
@@ -437,7 +437,7 @@ class QuantLive(_ResidualLive):
         self.res["values"][:, :, :rv.shape[2]] = rv
         self.lengths = torch.tensor([self.kt, self.vt, self.res_n["keys"], self.res_n["values"]], dtype=torch.int32, device=rk.device)
         sdt = ts["scales.keys"].dtype
-        self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values()) - self.residual), sdt, ts)
+        self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values()) - self.residual, grow=False), sdt, ts)
         for kind in ("keys", "values"):
             while self.res_n[kind] >= self.threshold:
                 self._absorb(kind)
@@ -455,10 +455,10 @@ class QuantLive(_ResidualLive):
 
     # -- storage
 
-    def _capacity_for(self, tokens: int) -> int:
-        """Quantised slots for ``tokens``: one spare group, and 1/64 more on a long context (what
-        a re-allocation adds, so that growing costs a copy once every 64 groups at most)."""
-        return _round_up(max(tokens, 0) + max(self.group, tokens // 64), self.group)
+    def _capacity_for(self, tokens: int, grow: bool = True) -> int:
+        """Quantised slots for ``tokens``: one spare group (a new layer), or 1/64 more on a long
+        context (a re-allocation, so that growing costs a copy once every 64 groups at most)."""
+        return _round_up(max(tokens, 0) + max(self.group, tokens // 64 if grow else 0), self.group)
 
     def _allocate(self, capacity: int, sdt: torch.dtype, old: dict[str, torch.Tensor]) -> None:
         """Buffers for ``capacity`` quantised tokens, holding the tokens in use of ``old`` (tensors
