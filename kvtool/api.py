@@ -549,7 +549,7 @@ def press(spec: Any, model: Any = None):
     dispatch attention by name). Presses in several threads are independent; transformers' own
     attention functions come back when the last one exits. See :func:`kvtool.hf.live.press`."""
     from kvtool.hf.live import press as _press  # deferred: transformers loads only when asked for
-    from kvtool.presses import spec_of
+    from kvtool.presses import spec_of  # deferred: start-up time
 
     spec = spec_of(spec)
     spec = _path(spec) if str(spec).endswith(".json") else spec

@@ -35,6 +35,8 @@ from kvtool.core.attention import attend_partial
 from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dense_reference_bytes
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
+from kvtool.formats.encoded import Encoded
+from kvtool.formats._live import PrefixLive
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
@@ -45,20 +47,6 @@ from kvtool.core.io import (
     read_tensors,
     write_safetensors,
 )
-
-
-@dataclass
-class Encoded:
-    """One compressed layer: named tensors and a small JSON-safe ``meta`` dict (shapes, dtype,
-    anything the decoder needs that is not a tensor). Tensor names are the format's own; a name's
-    first dotted part is its *part* in byte reports (``keys.bitmap`` -> ``keys``... as the format
-    chooses in ``nbytes``)."""
-
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass
@@ -164,8 +152,6 @@ class Format(ABC):
         tensor ``[B, Hkv, *, D]`` of the layer). Default: the encoded prefix read through
         :meth:`attend` (or :meth:`attend_kernel` on CUDA) with new tokens held dense beside it;
         formats with ``live_grows`` override it (:mod:`kvtool.formats._live`)."""
-        from kvtool.formats._live import PrefixLive  # deferred: _live imports this module
-
         return PrefixLive(self, enc, like)
 
     def live_from_dense(self, layer: LayerKV, params: FormatParams) -> Any:
