@@ -433,8 +433,16 @@ def load(path: PathLike, layers: Sequence[int] | None = None, parts: tuple[str, 
     keys/values ``[batch, kv_heads, tokens, head_dim]``. ``layers``: only those model layers;
     ``parts``: only some of keys, values, queries, hidden (keys and values are always read)."""
     from kvtool.core import io  # deferred: start-up time (torch)
+    from kvtool.core.errors import BadDataError, UsageError  # deferred: start-up time
 
-    return io.load(_path(path), layers=list(layers) if layers is not None else None, parts=tuple(parts))
+    p = _path(path)
+    try:
+        return io.load(p, layers=list(layers) if layers is not None else None, parts=tuple(parts))
+    except BadDataError as exc:
+        if f"is a {io.COMPRESSED_SCHEMA} file" not in str(exc):
+            raise
+        raise UsageError(f"{p} is a compressed file: load reads captures; continue from it with kvtool.to_hf_cache(path, model) and "
+                         "kvtool.continuation_ids(path, new_ids), or decode it with kvtool.decompress") from None
 
 
 @_python_errors
@@ -513,9 +521,23 @@ def to_hf_cache(path: PathLike, model: Any, mode: str = "auto", hold_last: bool 
     encoded tensors on the model's device, attended through its kernel, growing the format's way),
     a capture a ``DynamicCache``; ``mode`` picks another way in (see
     :func:`kvtool.hf.cache.to_hf_cache`)."""
+    from kvtool.core.errors import UsageError  # deferred: start-up time
     from kvtool.hf.cache import to_hf_cache as _to_hf_cache  # deferred: transformers loads only when asked for
 
+    if model is None or not hasattr(model, "config"):
+        raise UsageError(f"to_hf_cache: model must be the transformers model the cache is for (kvtool.load_model() gives one), not {type(model).__name__}")
     return _to_hf_cache(_path(path), model, mode=mode, hold_last=hold_last)
+
+
+@_python_errors
+def continuation_ids(path: PathLike, new_ids: Any) -> Any:
+    """``[B, T + N]`` int64: the token ids ``model.generate`` takes with :func:`to_hf_cache`'s cache
+    (the file's ``T`` cached tokens, then the ``N`` new ids, ``[N]`` or a list, the same for every
+    row). A capture or a compressed file."""
+    from kvtool.formats.files import read_kv_file  # deferred: start-up time (torch)
+    from kvtool.hf.cache import continuation_ids as _continuation  # deferred: start-up time
+
+    return _continuation(read_kv_file(_path(path)).token_ids, new_ids)
 
 
 # --------------------------------------------------------------------------- live use (compression in a running model)
@@ -593,7 +615,7 @@ def answer(model: Any, tokenizer: Any, context: str, questions: Sequence[str] | 
     from transformers import DynamicCache  # deferred: transformers loads only when asked for
 
     cache = DynamicCache(config=model.config)
-    with press_context(press), torch.no_grad():
+    with _press_context(press), torch.no_grad():
         model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = []
@@ -609,7 +631,7 @@ def answer(model: Any, tokenizer: Any, context: str, questions: Sequence[str] | 
     return out
 
 
-press_context = press
+_press_context = press
 
 
 _COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "dense_window", "bits", "group", "center", "sinks", "keep_top",

@@ -261,3 +261,26 @@ def test_typed_presses_and_answer(tiny, plan_file):
         assert tok.decode(out[0, full.shape[1]:], skip_special_tokens=True) == a
     with pytest.raises(UsageError, match="tokenizer"):
         kvtool.answer(model, None, context, questions)
+
+
+def test_clear_errors_for_the_python_ways_in(tiny, cap, tmp_path, monkeypatch):
+    model, tok = tiny
+    path = save_compressed(_compressed(cap, "quant:bits=4", 4), tmp_path / "q.safetensors")
+    with pytest.raises(UsageError, match="to_hf_cache: model must be"):
+        kvtool.to_hf_cache(path, None)
+    with pytest.raises(UsageError, match="is a compressed file: load reads captures"):
+        kvtool.load(path)
+    new = [ord(" "), ord("x")]
+    ids = kvtool.continuation_ids(path, new)
+    assert ids.shape == (1, cap.token_ids.shape[1] + 2) and ids[0, -2:].tolist() == new
+    cache = kvtool.to_hf_cache(path, model)
+    with pytest.raises(UsageError, match="no token after the cache's"):
+        model.generate(torch.tensor([new]), attention_mask=torch.ones(1, 2, dtype=torch.long), max_new_tokens=2, **cache_kwargs(model, cache))
+    import importlib.util
+
+    from kvtool.analysis import taskrun
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kvpress" else real(name, *a))
+    with pytest.raises(UsageError, match="kvpress is not installed"):
+        taskrun.parse_method("press:snapkv")

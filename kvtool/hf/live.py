@@ -52,6 +52,8 @@ def _layer_base():
 
 
 _LAYER_CLASS: type | None = None
+NO_NEW_TOKENS = ("input_ids holds no token after the cache's: give model.generate the cached tokens followed by the new ones "
+                 "(kvtool.continuation_ids(path, new_ids) builds them), not the new ones alone")
 
 
 def live_layer_class() -> type:
@@ -101,6 +103,8 @@ def live_layer_class() -> type:
                 return self.seen
 
             def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                if query_length == 0:
+                    raise UsageError(NO_NEW_TOKENS)
                 return self.seen + query_length, 0
 
             def get_max_length(self) -> int:
