@@ -284,3 +284,32 @@ def test_clear_errors_for_the_python_ways_in(tiny, cap, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kvpress" else real(name, *a))
     with pytest.raises(UsageError, match="kvpress is not installed"):
         taskrun.parse_method("press:snapkv")
+
+
+@pytest.mark.parametrize("spec", ["quant:bits=4", "bitmap:sparsity=0.7", "signvq", "snapkv:budget=40+quant:bits=2"])
+def test_a_files_share_does_not_depend_on_the_captures_dtype(spec):
+    """storage_ratio counts full-precision parts in float16, the denominator's dtype: a float32
+    capture and its float16 copy store the same share."""
+    from .conftest import synthetic_cache
+
+    fmt, params, _ = resolve(spec)
+    wide = synthetic_cache(tokens=120, head_dim=32, dtype=torch.float32)
+    narrow = synthetic_cache(tokens=120, head_dim=32, dtype=torch.float16)
+    a = compress_cache(wide, fmt, params, heldout=8).byte_report()
+    b = compress_cache(narrow, fmt, params, heldout=8).byte_report()
+    assert a["dense_bytes"] == b["dense_bytes"] and a["ratio"] == pytest.approx(b["ratio"], abs=0.01)
+
+
+def test_live_kivi_and_bitmap_at_4096_tokens_hold_their_share():
+    """At 4,096 tokens of a float16 cache (SmolLM2's 3 KV heads, head_dim 64) a live KIVI-4 layer
+    holds at most 0.33x the dense bytes and a bitmap-70% one at most 0.42x."""
+    from kvtool.formats.base import get_format
+
+    from .conftest import synthetic_cache
+
+    layer = synthetic_cache(tokens=4096, heads=9, kv_heads=3, head_dim=64, layers=(0,), queries=False).layers[0]
+    dense = 2 * layer.keys.numel() * 2
+    for name, spec, most in (("quant", "quant:bits=4", 0.33), ("bitmap", "bitmap:sparsity=0.7", 0.42)):
+        fmt, params, _ = resolve(spec)
+        live = get_format(name).live_from_dense(layer, params)
+        assert live.stored_bytes() <= most * dense, (spec, live.stored_bytes() / dense)
