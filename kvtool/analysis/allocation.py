@@ -294,7 +294,11 @@ def plan_of(sens: Sensitivity, choice: list[int], facts, extra: dict[str, Any] |
     for (layer, _head), col in zip(sens.groups, choice):
         per_layer.setdefault(layer, []).append(sens.specs[col])
     layers = {i: (s[:1] if len(set(s)) == 1 else s) for i, s in per_layer.items()}
-    return Plan(layers, default="dense", model=model_shape(facts), extra=dict(extra or {}))
+    more = dict(extra or {})
+    if len(per_layer) < facts.num_layers:  # a capture of some layers: the plan says which it chose for
+        more["chosen_layers"] = sorted(per_layer)
+        more["unchosen_layers_use"] = "default"
+    return Plan(layers, default="dense", model=model_shape(facts), extra=more)
 
 
 def predicted(sens: Sensitivity, choice: list[int]) -> dict[str, float]:
