@@ -377,7 +377,7 @@ class BitmapLive(LiveLayer):
             keys, values = head.keys, head.values
             tail_k = torch.cat([kd[:, :, aligned:], tail_k], dim=2)
             tail_v = torch.cat([vd[:, :, aligned:], tail_v], dim=2)
-        return cls(fmt, keys, values, params, window, tail_k.to(like.device, like.dtype), tail_v.to(like.device, like.dtype))  # the cache dtype: the model's
+        return cls(fmt, keys, values, params, window, tail_k.to(like.device), tail_v.to(like.device))
 
     def _make(self, keys: BitmapTensor, values: BitmapTensor, capacity_blocks: int) -> None:
         """A cache with room for ``capacity_blocks`` blocks holding the packed ``keys`` / ``values``

@@ -216,7 +216,7 @@ class QuantFormat(Format):
         """The layer as a live cache layer on ``like``'s device: :class:`QuantLive` (scheme kivi,
         attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8)."""
         moved = Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta))
-        return QuantLive(self, moved, like.dtype) if enc.meta["scheme"] == "kivi" else SymmetricLive(self, moved, like.dtype)
+        return QuantLive(self, moved) if enc.meta["scheme"] == "kivi" else SymmetricLive(self, moved)
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Scheme kivi: :func:`~kvtool.kernels.kivi_attention.kivi_attention` over the stored codes,

@@ -137,8 +137,8 @@ class LiveCacheMixin:
     when its first layer goes live, :func:`make_live_cache`). One definition everywhere, shared
     with ``kvtool compress``'s ``storage_ratio``: the bytes held over the bytes of a dense cache of
     the same positions (keys and values, every layer, evicted tokens included) in the serving dtype,
-    full-precision parts counted in that dtype (a live cache holds them in the cache dtype, which is
-    the model's)."""
+    full-precision parts counted in that dtype (a live cache holds them in its own dtype: the
+    model's after a press, the file's after ``to_hf_cache``)."""
 
     def stored_bytes(self) -> int:
         """Bytes the cache holds on its devices: every live layer's encoded tensors and buffers
@@ -154,7 +154,7 @@ class LiveCacheMixin:
 
     def dense_bytes(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of a dense cache of the same positions: 2 (keys, values) x B x Hkv x positions x D
-        per layer, in ``dtype`` (default: the cache's dtype, the model's)."""
+        per layer, in ``dtype`` (default: the cache's own dtype)."""
         cls = live_layer_class()
         total = 0
         for layer in self.layers:  # type: ignore[attr-defined]
