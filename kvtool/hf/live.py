@@ -17,8 +17,12 @@ Three ways in:
 - :func:`compress_hf_cache`: an existing transformers cache, compressed in place.
 - :func:`live_cache_from`: a kvtool compressed file or object (``to_hf_cache`` does this).
 
-Limits: equal-length batches (no padding inside live layers), no beam search (live layers cannot be
-reordered or cropped), full attention layers only (no sliding windows or soft caps).
+A cache with live layers gains ``stored_bytes()``, ``dense_bytes(dtype=...)``, ``storage_ratio`` and
+``held_tokens()`` (:class:`LiveCacheMixin`). Presses in several threads are independent.
+
+Limits: equal-length batches (a padded batch is refused before its first token:
+:func:`~kvtool.hf.attention.masks_tokens`), no beam search (live layers cannot be reordered or
+cropped), full attention layers only (no sliding windows or soft caps).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from kvtool.core.placement import device_guard
 from kvtool.formats._live import LiveLayer
 from kvtool.formats.base import CompressedCache, Format, FormatParams, get_format, make_params
 from kvtool.formats.pipeline import resolve
-from kvtool.formats.plan import Plan, load_plan, note_default_layers
+from kvtool.formats.plan import load_plan, note_default_layers
 from kvtool.hf import interface as hfinterface
 from kvtool.hf.devices import layer_devices
 from kvtool.hf.attention import ATTN_NAME, restore_dispatch, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
@@ -243,7 +247,7 @@ def resolve_layer_specs(spec: str | Path, num_layers: int | None = None) -> Any:
     or a list of per-KV-head specs per layer."""
     text = str(spec)
     if text.endswith(".json") or (isinstance(spec, Path) and spec.suffix == ".json"):
-        plan = spec if isinstance(spec, Plan) else load_plan(text)
+        plan = load_plan(text)
         if num_layers is not None and plan.model.get("num_layers") not in (None, num_layers):
             raise UsageError(f"the plan {text} was made for a model of {plan.model['num_layers']} layers; this model has {num_layers}")
         mixed = get_format("mixed")
