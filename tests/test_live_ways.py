@@ -313,3 +313,19 @@ def test_live_kivi_and_bitmap_at_4096_tokens_hold_their_share():
         fmt, params, _ = resolve(spec)
         live = get_format(name).live_from_dense(layer, params)
         assert live.stored_bytes() <= most * dense, (spec, live.stored_bytes() / dense)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["quant:bits=4,partial=true", "quant:bits=2,group=64,residual=0,partial=true", "bitmap:sparsity=0.7"])
+def test_partial_groups_through_the_kernels_equal_the_references(spec, tiny_llama_dir):
+    """On CUDA the live layers attend through their kernels (KIVI's with a key residual longer than
+    the value residual where a partial group rejoined it): the tokens of the torch references."""
+    from kvtool.formats._live import reference_paths
+
+    model, tok, _ = models.load(str(tiny_llama_dir), device="cuda")
+    ids = torch.tensor([tok("kernels and references agree " * 9, add_special_tokens=False)["input_ids"]], device="cuda")
+    with kvtool.press(spec):
+        fast = _greedy(model, ids)
+        with reference_paths():
+            ref = _greedy(model, ids)
+    assert fast == ref
