@@ -35,9 +35,9 @@ _LAZY = {
     **{name: "kvtool.api" for name in (
         # functions: one per command (built from its declaration), and the few written by hand
         "info", "stats", "plot", "prune", "compress", "decompress", "heads", "verify", "recommend", "evaluate", "report",
-        "export", "generate", "env", "version", "tasks", "capture", "load", "save", "to_hf_cache", "sample_path",
+        "export", "generate", "env", "version", "tasks", "capture", "load", "save", "to_hf_cache", "continuation_ids", "sample_path",
         # live use: a model decoding through compressed caches (written by hand, kvtool/api.py's last section)
-        "load_model", "press",
+        "load_model", "press", "answer",
         # their results
         "Result", "CompressResult", "DecompressResult", "VerifyResult", "EvalResult", "ExportResult", "StatsResult",
         "PruneResult", "InfoResult", "PlotResult", "HeadsResult", "RecommendResult", "ReportResult", "GenerateResult",

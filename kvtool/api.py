@@ -433,8 +433,16 @@ def load(path: PathLike, layers: Sequence[int] | None = None, parts: tuple[str, 
     keys/values ``[batch, kv_heads, tokens, head_dim]``. ``layers``: only those model layers;
     ``parts``: only some of keys, values, queries, hidden (keys and values are always read)."""
     from kvtool.core import io  # deferred: start-up time (torch)
+    from kvtool.core.errors import BadDataError, UsageError  # deferred: start-up time
 
-    return io.load(_path(path), layers=list(layers) if layers is not None else None, parts=tuple(parts))
+    p = _path(path)
+    try:
+        return io.load(p, layers=list(layers) if layers is not None else None, parts=tuple(parts))
+    except BadDataError as exc:
+        if f"is a {io.COMPRESSED_SCHEMA} file" not in str(exc):
+            raise
+        raise UsageError(f"{p} is a compressed file: load reads captures; continue from it with kvtool.to_hf_cache(path, model) and "
+                         "kvtool.continuation_ids(path, new_ids), or decode it with kvtool.decompress") from None
 
 
 @_python_errors
@@ -526,9 +534,23 @@ def to_hf_cache(path: PathLike, model: Any, mode: str = "auto", hold_last: bool 
     encoded tensors on the model's device, attended through its kernel, growing the format's way),
     a capture a ``DynamicCache``; ``mode`` picks another way in (see
     :func:`kvtool.hf.cache.to_hf_cache`)."""
+    from kvtool.core.errors import UsageError  # deferred: start-up time
     from kvtool.hf.cache import to_hf_cache as _to_hf_cache  # deferred: transformers loads only when asked for
 
+    if model is None or not hasattr(model, "config"):
+        raise UsageError(f"to_hf_cache: model must be the transformers model the cache is for (kvtool.load_model() gives one), not {type(model).__name__}")
     return _to_hf_cache(_path(path), model, mode=mode, hold_last=hold_last)
+
+
+@_python_errors
+def continuation_ids(path: PathLike, new_ids: Any) -> Any:
+    """``[B, T + N]`` int64: the token ids ``model.generate`` takes with :func:`to_hf_cache`'s cache
+    (the file's ``T`` cached tokens, then the ``N`` new ids, ``[N]`` or a list, the same for every
+    row). A capture or a compressed file."""
+    from kvtool.formats.files import read_kv_file  # deferred: start-up time (torch)
+    from kvtool.hf.cache import continuation_ids as _continuation  # deferred: start-up time
+
+    return _continuation(read_kv_file(_path(path)).token_ids, new_ids)
 
 
 # --------------------------------------------------------------------------- live use (compression in a running model)
@@ -550,7 +572,7 @@ def load_model(model: str | PathLike | None = None, *, device: str = "cpu", dtyp
 
 
 @_python_errors
-def press(spec: str | PathLike, model: Any = None):
+def press(spec: Any, model: Any = None):
     """A context manager that compresses prompts' caches in place as a model fills them, then decodes
     through the live cache (kvpress-style)::
 
@@ -558,14 +580,74 @@ def press(spec: str | PathLike, model: Any = None):
         with kvtool.press("bitmap:sparsity=0.7"):
             out = model.generate(ids, max_new_tokens=64)
 
-    ``spec``: a format spec (chains included) or a plan file (``plan.json``); ``model``: also switch
+    ``spec``: a format spec (chains included), a plan file (``plan.json``) or a typed press
+    (:mod:`kvtool.presses`: ``Bitmap(sparsity=0.7)``, ``Plan("plan.json")``); ``model``: also switch
     that model's attention implementation to kvtool's explicitly (needed only for models that do not
-    dispatch attention by name). See :func:`kvtool.hf.live.press`."""
+    dispatch attention by name). Presses in several threads are independent; transformers' own
+    attention functions come back when the last one exits. See :func:`kvtool.hf.live.press`."""
     from kvtool.hf.live import press as _press, resolve_layer_specs  # deferred: transformers loads only when asked for
+    from kvtool.presses import spec_of  # deferred: start-up time
 
+    spec = spec_of(spec)
     spec = _path(spec) if str(spec).endswith(".json") else spec
     resolve_layer_specs(spec)  # a bad spec or plan is refused here, naming this API's parameters, not when the block is entered
     return _press(spec, model)
+
+
+@_python_errors
+def answer(model: Any, tokenizer: Any, context: str, questions: Sequence[str] | str, press: Any = "dense", *, max_new_tokens: int = 32,
+           chat: bool = False) -> list[str]:
+    """Answers to ``questions`` about ``context``, kvpress-style: the context is prefilled once
+    under ``press`` (a spec, plan file or :mod:`kvtool.presses` object) without any question, so its
+    cache is compressed knowing nothing of them; each question then continues greedily from its own
+    copy of the compressed cache (what ``kvtool tasks`` measures). ``chat``: wrap the context and
+    question in the tokenizer's chat template (the question after the context, in one user turn).
+    Returns one string per question."""
+    import copy
+
+    import torch  # deferred: start-up time
+
+    from kvtool.core.errors import UsageError  # deferred: start-up time
+    from kvtool.hf.interface import cache_kwargs  # deferred: transformers loads only when asked for
+
+    if model is None or not hasattr(model, "generate"):
+        raise UsageError("answer: model must be a transformers causal LM (kvtool.load_model() gives one)")
+    if tokenizer is None:
+        raise UsageError("answer: tokenizer is required (the context and questions are text)")
+    qs = [questions] if isinstance(questions, str) else list(questions)
+    if not qs or not str(context):
+        raise UsageError("answer: give a context and at least one question")
+    if chat:
+        sep = "\u0000"
+        whole = tokenizer.apply_chat_template([{"role": "user", "content": f"{context}\n\n{sep}"}], tokenize=False, add_generation_prompt=True)
+        head, _, tail = whole.partition(sep)
+        ctx_ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        suffix = lambda q: tokenizer(q + tail, add_special_tokens=False)["input_ids"]  # noqa: E731
+    else:
+        ctx_ids = tokenizer(context)["input_ids"]
+        suffix = lambda q: tokenizer(q, add_special_tokens=False)["input_ids"]  # noqa: E731
+    device = model.get_input_embeddings().weight.device
+    ids = torch.tensor([ctx_ids], device=device)
+    from transformers import DynamicCache  # deferred: transformers loads only when asked for
+
+    cache = DynamicCache(config=model.config)
+    with _press_context(press), torch.no_grad():
+        model(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    for q in qs:
+        q_ids = torch.tensor([suffix(q)], device=device)
+        if not q_ids.shape[1]:
+            raise UsageError(f"answer: question {q!r} has no tokens")
+        full = torch.cat([ids, q_ids], dim=1)
+        with torch.no_grad():
+            gen = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
+                                 top_p=None, top_k=None, pad_token_id=pad, **cache_kwargs(model, copy.deepcopy(cache)))
+        out.append(tokenizer.decode(gen[0, full.shape[1]:], skip_special_tokens=True))
+    return out
+
+
+_press_context = press
 
 
 _COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "dense_window", "bits", "group", "center", "sinks", "keep_top",

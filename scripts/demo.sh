@@ -42,6 +42,7 @@ kvtool eval sample: --no-model --paper --out-dir "$OUT/eval" --force | tail -n 2
 step "recommend: a plan per layer / KV head at 15% of the bytes, checked against the best uniform setting"
 kvtool recommend "$CAP" --budget 15% --no-texts -o "$OUT/plan.json" --force
 kvtool compress "$CAP" --plan "$OUT/plan.json" -o "$OUT/cap.plan.safetensors" --force
+kvtool generate "$OUT/cap.plan.safetensors" --prompt " In short," -n 8   # the plan's live cache, per KV head
 
 step "report: one HTML page (cache, frontier, plans at 10/15/25/40%) -> $OUT/report.html"
 kvtool report "$CAP" --no-texts --budgets 10%,15%,25%,40% -o "$OUT/report.html" --force

@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvtool"
 
-RANK = {"core": 0, "texts": 1, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "cli": 6, "commands": 6, "api": 7}
+RANK = {"core": 0, "texts": 1, "kernels": 1, "methods": 2, "formats": 3, "hf": 4, "analysis": 5, "export": 5, "bench": 5, "presses": 5, "cli": 6, "commands": 6, "api": 7}
 # modules at the top of the package: what they may import
 TOP = {"_version": -1, "__init__": 8, "__main__": 8}
 

@@ -101,8 +101,10 @@ def test_compress_plan_cli_verify_and_export(sample_capture, tmp_path):
     out = tmp_path / "cap.plan.safetensors"
     res = CliRunner().invoke(app, ["compress", str(sample_capture), "--plan", str(tmp_path / "plan.json"), "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
-    report = json.loads(res.output)
+    report = json.loads(res.stdout)
     assert report["format"] == "mixed" and report["details"]["kv_heads_by_spec"]["quant:bits=4"] == 3
+    # layers the plan does not list use its default, said on stderr and in --json
+    assert report["plan_default_layers"] == [23] and "use its default 'quant:bits=4'" in res.stderr
     rep = verify_file(out, use_model=False)
     att = rep["attention"]
     assert att["layers"][0]["errors"]["rel_l2"] < 1e-3  # dense layer

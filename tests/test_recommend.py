@@ -113,6 +113,7 @@ def test_recommend_cli_no_model(sample_capture, tmp_path):
     assert b["predicted"]["exact_storage_ratio"] <= 0.2 and out["model"] is None and "capture" not in out
     plan = json.loads(plan_path.read_text())
     assert plan["schema"] == "kvtool.plan" and set(plan["layers"]) == {"0", "7", "15", "23"}
+    assert plan["chosen_layers"] == [0, 7, 15, 23]  # a capture of 4 of 30 layers: the plan says which it chose for
     comp = tmp_path / "c.safetensors"
     res = CliRunner().invoke(app, ["compress", str(sample_capture), "--plan", str(plan_path), "--heldout", "32", "-o", str(comp), "--json"])
     assert res.exit_code == 0, res.output

@@ -37,6 +37,7 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import LazyCapture
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.analysis.fidelity import HeldoutData, heldout_output
+from kvtool.formats.base import serving_nbytes
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, model_shape
 
@@ -111,7 +112,7 @@ def _layer_errors(fmt, params, head: LayerKV, data: HeldoutData, ref: torch.Tens
     enc = fmt.encode(head, params)
     out = heldout_output(fmt, enc, data)
     sq = ((out - ref) ** 2).sum(dim=(0, 2, 3))  # [H]
-    return int(sum(fmt.nbytes(enc).values())), sq.reshape(hkv, -1).sum(-1).double()
+    return int(sum(serving_nbytes(fmt, enc, head.keys.dtype).values())), sq.reshape(hkv, -1).sum(-1).double()
 
 
 def _layer_sensitivity(full: LayerKV, resolved: list, prefix: int, calib_prefix: int, heldout: int, hkv: int,
@@ -293,7 +294,11 @@ def plan_of(sens: Sensitivity, choice: list[int], facts, extra: dict[str, Any] |
     for (layer, _head), col in zip(sens.groups, choice):
         per_layer.setdefault(layer, []).append(sens.specs[col])
     layers = {i: (s[:1] if len(set(s)) == 1 else s) for i, s in per_layer.items()}
-    return Plan(layers, default="dense", model=model_shape(facts), extra=dict(extra or {}))
+    more = dict(extra or {})
+    if len(per_layer) < facts.num_layers:  # a capture of some layers: the plan says which it chose for
+        more["chosen_layers"] = sorted(per_layer)
+        more["unchosen_layers_use"] = "default"
+    return Plan(layers, default="dense", model=model_shape(facts), extra=more)
 
 
 def predicted(sens: Sensitivity, choice: list[int]) -> dict[str, float]:

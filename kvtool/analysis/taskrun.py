@@ -80,6 +80,7 @@ def parse_method(text: str) -> Method:
         if store not in PRESS_STORAGE:
             raise UsageError(f"--methods {t}: a press's tokens are stored as float16, +kivi4 or +kivi2, not {store!r}")
         hfpress.parse_press(name, keep=0.5)  # the name and fields are checked now, the share per budget later
+        hfpress.check_installed()  # before the model loads, not after the first samples
         return Method("press", name, PRESS_STORAGE[store])
     if t.startswith("plan:"):
         path = Path(t[len("plan:"):])

@@ -33,16 +33,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 
 from kvtool.core.attention import attend_partial, merge_partials
-from kvtool.formats.base import Encoded
+from kvtool.formats.encoded import Encoded
 from kvtool.kernels.common import interpreting
-
-if TYPE_CHECKING:
-    from kvtool.formats.base import Format
 
 
 _REFERENCE = threading.local()
@@ -89,7 +86,7 @@ class LiveLayer(ABC):
     token that returns only the output."""
 
     writes_first: ClassVar[bool] = False
-    fmt: "Format"
+    fmt: Any  # the layer's Format (kvtool.formats.base, which imports this module)
 
     @property
     @abstractmethod
@@ -109,7 +106,7 @@ class LiveLayer(ABC):
         """Bytes held on the device (encoded tensors and preallocated buffers)."""
 
     @abstractmethod
-    def encoded(self) -> "Encoded":
+    def encoded(self) -> Encoded:
         """What the layer holds, as the format's :class:`Encoded`."""
 
     def attend_one(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -227,7 +224,7 @@ class ChunkedLive(LiveLayer):
     ``window + chunk`` tokens its oldest ``chunk`` are encoded (:meth:`absorb`). Subclasses hold the
     encoded part and implement :meth:`absorb`, :meth:`encoded_partial` and :meth:`encoded_bytes`."""
 
-    def __init__(self, fmt: "Format", like: torch.Tensor, window: int, chunk: int, tail_keys: torch.Tensor | None = None,
+    def __init__(self, fmt: Any, like: torch.Tensor, window: int, chunk: int, tail_keys: torch.Tensor | None = None,
                  tail_values: torch.Tensor | None = None) -> None:
         self.fmt = fmt
         self.window, self.chunk = int(window), int(chunk)
@@ -302,7 +299,7 @@ class DenseLive(LiveLayer):
     so its fused kernels run) on CUDA, or through ``attention`` when given (a callable
     ``(q, layer) -> out``, e.g. FlashInfer's decode, :mod:`kvtool.hf.live`)."""
 
-    def __init__(self, fmt: "Format", keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None) -> None:
+    def __init__(self, fmt: Any, keys: torch.Tensor, values: torch.Tensor, capacity: int | None = None) -> None:
         self.fmt = fmt
         t = keys.shape[2]
         cap = max(int(capacity or 0), t + 64)
@@ -353,7 +350,7 @@ class DenseLive(LiveLayer):
     def stored_bytes(self) -> int:
         return self.buf.nbytes()
 
-    def encoded(self) -> "Encoded":
+    def encoded(self) -> Encoded:
         k, v = self.buf.view()
         return Encoded({"keys": k.contiguous(), "values": v.contiguous()})
 
@@ -363,7 +360,7 @@ class PrefixLive(LiveLayer):
     ``fmt.attend_kernel`` on CUDA when the format has a kernel, else ``fmt.attend``) and new tokens
     are held dense after it (a :class:`DenseLive`); the two partials merge exactly."""
 
-    def __init__(self, fmt: "Format", enc: "Encoded", like: torch.Tensor) -> None:
+    def __init__(self, fmt: Any, enc: Encoded, like: torch.Tensor) -> None:
         self.fmt, self.enc = fmt, enc
         b, h, _, d = like.shape
         self.prefix_tokens = int(fmt.decode(enc).keys.shape[2]) if "tokens" not in enc.meta else int(enc.meta["tokens"])
@@ -403,5 +400,5 @@ class PrefixLive(LiveLayer):
     def stored_bytes(self) -> int:
         return self.enc.tensor_bytes() + self.recent.stored_bytes()
 
-    def encoded(self) -> "Encoded":
+    def encoded(self) -> Encoded:
         return self.enc

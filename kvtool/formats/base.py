@@ -32,9 +32,11 @@ import torch
 
 from kvtool._version import __version__
 from kvtool.core.attention import attend_partial
-from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dense_reference_bytes
+from kvtool.core.cache import DTYPES, KVCache, LayerKV, ModelFacts, dense_reference_bytes
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
+from kvtool.formats.encoded import Encoded
+from kvtool.formats._live import PrefixLive
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
@@ -45,20 +47,6 @@ from kvtool.core.io import (
     read_tensors,
     write_safetensors,
 )
-
-
-@dataclass
-class Encoded:
-    """One compressed layer: named tensors and a small JSON-safe ``meta`` dict (shapes, dtype,
-    anything the decoder needs that is not a tensor). Tensor names are the format's own; a name's
-    first dotted part is its *part* in byte reports (``keys.bitmap`` -> ``keys``... as the format
-    chooses in ``nbytes``)."""
-
-    tensors: dict[str, torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def tensor_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 @dataclass
@@ -164,8 +152,6 @@ class Format(ABC):
         tensor ``[B, Hkv, *, D]`` of the layer). Default: the encoded prefix read through
         :meth:`attend` (or :meth:`attend_kernel` on CUDA) with new tokens held dense beside it;
         formats with ``live_grows`` override it (:mod:`kvtool.formats._live`)."""
-        from kvtool.formats._live import PrefixLive  # deferred: _live imports this module
-
         return PrefixLive(self, enc, like)
 
     def live_from_dense(self, layer: LayerKV, params: FormatParams) -> Any:
@@ -289,6 +275,20 @@ def make_params(fmt: Format, values: dict[str, Any]) -> FormatParams:
 # ----------------------------------------------------------------------------- compressed container
 
 
+SERVING_DTYPE = torch.float16  # the dtype storage ratios count full-precision parts and the dense cache in
+
+
+def serving_nbytes(fmt: "Format", enc: Encoded, capture_dtype: torch.dtype | None) -> dict[str, int]:
+    """``fmt.nbytes(enc)`` with every floating tensor in a capture dtype wider than float16 (the
+    full-precision parts: residuals, windows, kept values, statistics; every float tensor of a
+    format follows the capture's dtype) counted at float16's size, as a float16 model serves them.
+    A capture of float16 or bfloat16 counts as stored."""
+    if capture_dtype is None or capture_dtype.itemsize <= SERVING_DTYPE.itemsize:
+        return fmt.nbytes(enc)
+    narrow = {n: torch.empty(t.shape, dtype=SERVING_DTYPE) if t.is_floating_point() and t.dtype == capture_dtype else t for n, t in enc.tensors.items()}
+    return fmt.nbytes(Encoded(narrow, enc.meta))
+
+
 @dataclass
 class CompressedCache:
     """A compressed capture.
@@ -320,13 +320,19 @@ class CompressedCache:
     def fmt(self) -> Format:
         return get_format(self.format)
 
+    def layer_bytes(self, layer: int) -> dict[str, int]:
+        """Bytes by part of one layer as served in float16 (:func:`serving_nbytes`)."""
+        return serving_nbytes(self.fmt, self.layers[layer], DTYPES.get(self.facts.dtype))
+
     def byte_report(self) -> dict[str, Any]:
         """Bytes by part over all layers, the float16 bytes of the same prefix's keys and values
-        (whatever the capture's dtype), and the ratio."""
-        fmt = self.fmt
+        (whatever the capture's dtype), and the ratio: the denominator is float16 and the
+        full-precision parts count in float16 too (:func:`serving_nbytes`), so a file's share does
+        not depend on its capture's dtype. A live cache's ``storage_ratio`` is the same quotient
+        in its own (the model's) dtype."""
         parts: dict[str, int] = {}
-        for enc in self.layers.values():
-            for part, n in fmt.nbytes(enc).items():
+        for i in self.layers:
+            for part, n in self.layer_bytes(i).items():
                 parts[part] = parts.get(part, 0) + n
         f = self.facts
         dense = dense_reference_bytes(self.token_ids.shape[0], f.num_kv_heads, self.prefix_tokens, f.head_dim, len(self.layers))

@@ -190,14 +190,12 @@ class BitmapFormat(Format):
         return BitmapLive.from_cache(self, cache, chunk_params(enc.meta), int(enc.meta.get("window", cache.window_keys.shape[2])), like)
 
     def live_from_dense(self, layer: LayerKV, params: FormatParams) -> "BitmapLive":
-        """Prune and encode the whole 64-token blocks before the dense window of ``layer`` (on the
-        GPU: one launch per keys / values), the rest dense: a live layer."""
+        """``encode`` of ``layer`` as a live layer (:meth:`live_layer`): every token before the
+        dense window pruned as a file of the same tokens holds it (on the GPU: one launch per keys /
+        values), so a press and a compressed file attend to the same numbers."""
         assert isinstance(params, BitmapParams)
         self.check(layer, params)
-        t = layer.num_tokens
-        tc = (t - min(params.dense_window, t)) // TILE * TILE
-        enc = self.encode(layer, replace(params, dense_window=t - tc))
-        return BitmapLive.from_cache(self, cache_from_encoded(enc), chunk_params(enc.meta), params.dense_window, layer.keys)
+        return self.live_layer(self.encode(layer, params), layer.keys)
 
     def reads_queries(self, params: FormatParams) -> bool:
         """Only the output-aware pruning methods read queries."""

@@ -106,7 +106,7 @@ def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str
     fmt = cc.fmt
     rep = cc.byte_report()
     per_layer_dense = rep["dense_bytes"] // max(1, len(cc.layers))
-    layers = [{"layer": i, "compressed_bytes": int(sum(fmt.nbytes(cc.layers[i]).values())), "dense_bytes": per_layer_dense} for i in cc.layer_indices]
+    layers = [{"layer": i, "compressed_bytes": int(sum(cc.layer_bytes(i).values())), "dense_bytes": per_layer_dense} for i in cc.layer_indices]
     return {
         "format": cc.format,
         "params": cc.params,
@@ -118,6 +118,7 @@ def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str
         "bytes_by_part": rep["parts"],
         "storage_ratio": rep["ratio"],
         "details": fmt.report(cc, source),
+        **({"plan_default_layers": cc.info["plan_default_layers"]} if "plan_default_layers" in cc.info else {}),
     }
 
 

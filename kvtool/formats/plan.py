@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,21 @@ class Plan:
 
 
 _LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
+def default_layers(plan: Plan, layer_indices: list[int]) -> list[int]:
+    """The layers of ``layer_indices`` the plan does not list: they use its ``default``."""
+    return [i for i in layer_indices if i not in plan.layers]
+
+
+def note_default_layers(plan: Plan, layer_indices: list[int], where: str = "the plan") -> list[int]:
+    """Say on stderr which layers a plan covers with its ``default`` (a plan made on a capture of
+    fewer layers, say); returns them."""
+    rest = default_layers(plan, layer_indices)
+    if rest and plan.layers:
+        shown = ", ".join(str(i) for i in rest[:12]) + (" ..." if len(rest) > 12 else "")
+        print(f"note: {where} does not list {len(rest)} of {len(layer_indices)} layers ({shown}); they use its default {plan.default!r}", file=sys.stderr)
+    return rest
 
 
 def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
@@ -145,6 +161,7 @@ def compress_plan(cache: KVCache, plan: Plan, heldout: int = 0, progress=None):
     :class:`~kvtool.formats.base.CompressedCache` whose params record the plan."""
     get_format("mixed")
     plan.check(cache.facts, cache.layer_indices)
+    defaulted = note_default_layers(plan, cache.layer_indices)
     t = cache.num_tokens
     if not 0 <= heldout < t:
         raise UsageError(f"--heldout {heldout} must be at least 0 and below the capture's {t} tokens")
@@ -162,7 +179,7 @@ def compress_plan(cache: KVCache, plan: Plan, heldout: int = 0, progress=None):
         tails[i] = LayerKV(keys=tail.keys.contiguous(), values=tail.values.contiguous())
         if progress is not None:
             progress(i)
-    info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info}
+    info = {"prefix_tokens": prefix, "heldout": heldout, "total_tokens": t, "source_info": cache.info, "plan_default_layers": defaulted}
     params = {"plan": plan_summary(plan, cache.layer_indices, cache.facts.num_kv_heads)}
     return CompressedCache(cache.facts, "mixed", params, layers, tails, cache.token_ids, info)
 

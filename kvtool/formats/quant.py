@@ -314,7 +314,6 @@ class QuantFormat(Format):
 # ----------------------------------------------------------------------------- live cache
 
 LIVE_CHUNK_SYMMETRIC = 32  # int8 / fp8: recent tokens quantised 32 at a time in a live cache
-RESIDUAL_SLACK = 64  # KIVI live layer: residual slots beyond R + group, for steps replayed from a CUDA graph
 
 
 def quantize_keys_kivi(keys: torch.Tensor, bits: int, group: int, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -424,56 +423,74 @@ class QuantLive(_ResidualLive):
 
     Holds, on the model's device: packed key codes with a scale and zero point per channel and group
     of tokens, packed value codes with a scale and zero point per token (and group of channels),
-    all allocated for a capacity of tokens (1/32 more than held, at least two groups), and
-    full-precision residual keys / values in buffers of R + group + 64 slots; ``lengths`` (int32
+    all allocated for a capacity of tokens (one group more than held; a re-allocation adds 1/64),
+    and full-precision residual keys / values in the cache dtype in buffers of R + group slots
+    (:meth:`reserve` widens them for steps replayed from a CUDA graph); ``lengths`` (int32
     ``[4]`` on the device) holds the quantised key and value tokens and the residual tokens in use.
+    A file's partial last key group (``partial=true``) rejoins the key residual dequantised (the
+    numbers ``decode`` gives) and is quantised again with the next whole group.
 
     A new token is written at the residual's length on the device (both lengths + 1), so a step
-    captured in a CUDA graph keeps appending when replayed (:meth:`room` replays, at least 64; a
-    step being captured never quantises). When an eager append fills a residual to R + group tokens, its oldest ``group``
+    captured in a CUDA graph keeps appending when replayed (:meth:`room` replays; a step being
+    captured never quantises). When an eager append fills a residual to R + group tokens, its oldest ``group``
     are quantised (keys per channel, values per token, the codes :func:`encode_kivi` writes for the
     same tokens) into the next slots of the codes, and the residual moves down; this reads the
     lengths on the host first (a captured step may have appended since). A full capacity is
-    re-allocated once 1/32 larger. A step attends through :func:`~kvtool.kernels.kivi_attention.kivi_attention`
+    re-allocated 1/64 larger. A step attends through :func:`~kvtool.kernels.kivi_attention.kivi_attention`
     on CUDA (no host syncs, no dequantised copy), through the float32 reference over the
     dequantised tokens elsewhere."""
 
-    def __init__(self, fmt: "QuantFormat", enc: Encoded) -> None:
+    def __init__(self, fmt: "QuantFormat", enc: Encoded, dtype: torch.dtype | None = None) -> None:
         self.fmt = fmt
         m, ts = enc.meta, enc.tensors
         self.bits, self.group, self.residual = int(m["bits"]), int(m["group"]), int(m["residual"])
         self.chunk = self.group
         if self.chunk * self.bits % 8:
             raise UsageError(f"a live KIVI cache packs whole groups of codes: group {self.chunk} x {self.bits} bits is not a whole number of bytes")
-        self.cache_dtype = DTYPES[m["dtype"]]
+        self.cache_dtype = dtype or DTYPES[m["dtype"]]
         b, h, _, d = m["shape"]
         self.b, self.h, self.d = b, h, d
         self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
-        rk, rv = ts["residual.keys"], ts["residual.values"]
+        rk, rv = ts["residual.keys"].to(self.cache_dtype), ts["residual.values"].to(self.cache_dtype)
+        if self.kt % self.group:  # partial=true: the keys' last, shorter group rejoins the residual dequantised
+            rk = torch.cat([self._partial_keys(ts), rk], dim=2)
         self.res_n = {"keys": int(rk.shape[2]), "values": int(rv.shape[2])}
         self.threshold = self.residual + self.chunk
-        rcap = self._residual_slots(max(rk.shape[2], rv.shape[2]), self.threshold) + RESIDUAL_SLACK
+        rcap = self._residual_slots(max(rk.shape[2], rv.shape[2]), self.threshold)
         self.res = {"keys": rk.new_zeros((b, h, rcap, d)), "values": rv.new_zeros((b, h, rcap, d))}
         self.res["keys"][:, :, :rk.shape[2]] = rk
         self.res["values"][:, :, :rv.shape[2]] = rv
         self.lengths = torch.tensor([self.kt, self.vt, self.res_n["keys"], self.res_n["values"]], dtype=torch.int32, device=rk.device)
         sdt = ts["scales.keys"].dtype
-        self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values())), sdt, ts)
+        self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values()) - self.residual, grow=False), sdt, ts)
         for kind in ("keys", "values"):
             while self.res_n[kind] >= self.threshold:
                 self._absorb(kind)
 
+    def _partial_keys(self, ts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A file's last, partial key group (``partial=true``: ``kt`` not a multiple of ``group``)
+        dequantised ``[B, Hkv, kt % group, D]`` in the cache dtype (the numbers ``decode`` gives);
+        ``kt`` drops to whole groups, which is what the live layer quantises."""
+        whole = self.kt // self.group * self.group
+        codes = unpack_fast(ts["codes.keys"], self.bits, self.kt)[..., whole:]
+        g0 = whole // self.group
+        deq = _dequant(codes, ts["scales.keys"][..., g0:g0 + 1], ts["zeros.keys"][..., g0:g0 + 1], self.group, self.cache_dtype)
+        self.kt = whole
+        return deq.transpose(-1, -2)
+
     # -- storage
 
-    def _capacity_for(self, tokens: int) -> int:
-        """Quantised-token slots for ``tokens``: whole groups, at least two ahead (1/32 for long
-        caches); for a group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead),
-        the tokens plus the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
-        whole = _round_up(tokens + max(2 * self.group, tokens // 32), self.group)
+    def _capacity_for(self, tokens: int, grow: bool = True) -> int:
+        """Quantised slots for ``tokens``: one spare group (a new layer), or 1/64 more on a long
+        context (a re-allocation, so that growing costs a copy once every 64 groups at most); for a
+        group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead), the tokens plus
+        the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
+        extra = tokens // 64 if grow else 0
+        whole = _round_up(max(tokens, 0) + max(self.group, extra), self.group)
         if whole <= tokens + LIVE_HEADROOM + self.group:
             return whole
         # key scales cover the whole groups that fit (capacity // group): every group quantised so far
-        return _round_up(tokens + max(LIVE_HEADROOM, tokens // 32), 64)
+        return _round_up(tokens + max(LIVE_HEADROOM, extra), 64)
 
     def _allocate(self, capacity: int, sdt: torch.dtype, old: dict[str, torch.Tensor]) -> None:
         """Buffers for ``capacity`` quantised tokens, holding the tokens in use of ``old`` (tensors
@@ -550,7 +567,7 @@ class QuantLive(_ResidualLive):
         rk, rv = self.res["keys"], self.res["values"]
         deferred = capturing(rk)
         if not deferred:  # slots for the new tokens (up to R + group): buffers follow the tokens held
-            self._grow_residual(min(max(self.res_n.values()) + n, self.threshold), self.threshold, RESIDUAL_SLACK)
+            self._grow_residual(min(max(self.res_n.values()) + n, self.threshold), self.threshold)
             rk, rv = self.res["keys"], self.res["values"]
         if deferred or (n == 1 and max(self.res_n.values()) < self.threshold):
             # both written where the device says the residuals end (a replayed step keeps appending)
@@ -661,12 +678,12 @@ class SymmetricLive(_ResidualLive):
     have no kernel of their own), or with the float32 reference elsewhere; the dequantised copy
     lives for one layer's attention (the workspace)."""
 
-    def __init__(self, fmt: "QuantFormat", enc: Encoded) -> None:
+    def __init__(self, fmt: "QuantFormat", enc: Encoded, dtype: torch.dtype | None = None) -> None:
         self.fmt = fmt
         m, ts = enc.meta, enc.tensors
         self.scheme = m["scheme"]
         self.residual = int(m["residual"])
-        self.cache_dtype = DTYPES[m["dtype"]]
+        self.cache_dtype = dtype or DTYPES[m["dtype"]]
         self.kt, self.vt = int(m["key_tokens"]), int(m["value_tokens"])
         b, h, _, d = m["shape"]
         self.b, self.h, self.d = b, h, d
@@ -677,7 +694,7 @@ class SymmetricLive(_ResidualLive):
         self.res: dict[str, torch.Tensor] = {}
         self.res_n: dict[str, int] = {}
         for kind in ("keys", "values"):
-            r = ts[f"residual.{kind}"]
+            r = ts[f"residual.{kind}"].to(self.cache_dtype)
             buf = r.new_zeros((b, h, max(cap, r.shape[2]), d))
             buf[:, :, :r.shape[2]] = r
             self.res[kind], self.res_n[kind] = buf, r.shape[2]

@@ -37,7 +37,9 @@ prefix on layer ``i``'s device (:func:`kvtool.hf.devices.layer_devices`); the at
 makes that device current while a layer attends through its source (Triton kernels launch on the
 current device).
 
-Limits: equal-length batches only (no padding mask inside compressed layers), no sliding-window
+Limits: equal-length batches only: a padded batch (an attention mask that hides tokens from the
+last query) is refused with a UsageError before its first token, in a compressed layer and while
+``kvtool.press`` is active (:func:`masks_tokens`); no sliding-window
 or soft-capped attention in compressed layers, no output_attentions.
 """
 
@@ -170,6 +172,9 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         kwargs.setdefault("dropout", args[0])
     idx = getattr(module, "layer_idx", None)
     source = _source_for(idx, key)
+    if (source is not None or getattr(_state, "prefill_hook", None) is not None) and masks_tokens(attention_mask):
+        clear_handovers()
+        raise UsageError(PADDING)
     if source is None:
         if dense is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as dense
@@ -186,6 +191,22 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+PADDING = ("a padded batch (an attention mask that hides tokens, e.g. left padding) cannot use a compressed cache: "
+           "its formats encode the pad tokens with the others and attend without a mask; generate each prompt on its own "
+           "(or give prompts of equal length)")
+
+
+def masks_tokens(mask: Any) -> bool:
+    """Whether a transformers attention mask (bool, True = attend, or additive float; ``[B, 1, Tq,
+    Tk]``) hides a token from the last query: padding (a causal mask hides nothing from it)."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim < 2 or mask.numel() == 0:
+        return False
+    last = mask[..., -1, :]
+    if last.dtype == torch.bool:
+        return not bool(last.all())
+    return bool((last < torch.finfo(last.dtype).min / 2).any()) if last.is_floating_point() else bool((last == 0).any())
+
+
 def set_prefill_hook(hook: Any) -> None:
     """``hook(module, query, key, value)`` runs after every dense (SDPA) attention call through
     kvtool's function in this thread (None: no hook). ``kvtool.press`` compresses with it the layers
@@ -196,14 +217,29 @@ def set_prefill_hook(hook: Any) -> None:
 _DISPATCHING: dict[str, Any] = {}
 
 
-def dispatch_through_kvtool() -> None:
+def restore_dispatch() -> None:
+    """Give transformers back its own ``sdpa`` and ``eager`` functions (the outermost
+    ``kvtool.press`` does on exit; a live cache in use routes them through kvtool again)."""
+    from transformers import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    for name, original in list(_DISPATCHING.items()):
+        if original is _eager_of:
+            mapping.pop(name, None)
+        else:
+            mapping[name] = original
+        del _DISPATCHING[name]
+
+
+def dispatch_through_kvtool() -> bool:
     """Route transformers' ``sdpa`` and ``eager`` attention of every model through kvtool's function,
     which calls the original one for every layer without a compressed source (a mapping lookup per
     call) and the layer's live cache for the others; done once per process, the first time a live
     cache is made, so that a live cache attends right in any model that dispatches attention by
-    name, without switching the model's implementation. ``kvtool.press`` relies on it too."""
+    name, without switching the model's implementation. ``kvtool.press`` relies on it too.
+    Returns whether this call routed them (False: they already were)."""
     if _DISPATCHING:
-        return
+        return False
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -221,6 +257,7 @@ def dispatch_through_kvtool() -> None:
 
         _DISPATCHING[name] = original
         mapping[name] = kvtool_dispatch
+    return True
 
 
 def _eager_of(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any):

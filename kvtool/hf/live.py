@@ -17,8 +17,12 @@ Three ways in:
 - :func:`compress_hf_cache`: an existing transformers cache, compressed in place.
 - :func:`live_cache_from`: a kvtool compressed file or object (``to_hf_cache`` does this).
 
-Limits: equal-length batches (no padding inside live layers), no beam search (live layers cannot be
-reordered or cropped), full attention layers only (no sliding windows or soft caps).
+A cache with live layers gains ``stored_bytes()``, ``dense_bytes(dtype=...)``, ``storage_ratio`` and
+``held_tokens()`` (:class:`LiveCacheMixin`). Presses in several threads are independent.
+
+Limits: equal-length batches (a padded batch is refused before its first token:
+:func:`~kvtool.hf.attention.masks_tokens`), no beam search (live layers cannot be reordered or
+cropped), full attention layers only (no sliding windows or soft caps).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import torch
@@ -36,10 +41,10 @@ from kvtool.core.placement import device_guard
 from kvtool.formats._live import LiveLayer
 from kvtool.formats.base import CompressedCache, Format, FormatParams, get_format, make_params
 from kvtool.formats.pipeline import resolve
-from kvtool.formats.plan import load_plan
+from kvtool.formats.plan import load_plan, note_default_layers
 from kvtool.hf import interface as hfinterface
 from kvtool.hf.devices import layer_devices
-from kvtool.hf.attention import ATTN_NAME, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
+from kvtool.hf.attention import ATTN_NAME, restore_dispatch, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
 
 _state = threading.local()
 
@@ -51,6 +56,8 @@ def _layer_base():
 
 
 _LAYER_CLASS: type | None = None
+NO_NEW_TOKENS = ("input_ids holds no token after the cache's: give model.generate the cached tokens followed by the new ones "
+                 "(kvtool.continuation_ids(path, new_ids) builds them), not the new ones alone")
 
 
 def live_layer_class() -> type:
@@ -85,6 +92,7 @@ def live_layer_class() -> type:
                         f"layer {self.layer_idx}: the model did not attend through its live cache at the last step (its attention "
                         "implementation does not dispatch through kvtool's: use attn_implementation='sdpa' or 'eager', or "
                         "kvtool.hf.attention.use_kvtool_attention(model))")
+                dispatch_through_kvtool()  # a press that exited may have restored transformers' functions
                 hand_over(self.layer_idx, self, key_states)
                 return key_states, value_states
 
@@ -99,6 +107,8 @@ def live_layer_class() -> type:
                 return self.seen
 
             def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+                if query_length == 0:
+                    raise UsageError(NO_NEW_TOKENS)
                 return self.seen + query_length, 0
 
             def get_max_length(self) -> int:
@@ -126,6 +136,71 @@ def live_layer_class() -> type:
     return _LAYER_CLASS
 
 
+class LiveCacheMixin:
+    """What a transformers cache with live layers tells of its size (the cache's class gains it
+    when its first layer goes live, :func:`make_live_cache`). One definition everywhere, shared
+    with ``kvtool compress``'s ``storage_ratio``: the bytes held over the bytes of a dense cache of
+    the same positions (keys and values, every layer, evicted tokens included) in the serving dtype,
+    full-precision parts counted in that dtype (a live cache holds them in its own dtype: the
+    model's after a press, the file's after ``to_hf_cache``)."""
+
+    def stored_bytes(self) -> int:
+        """Bytes the cache holds on its devices: every live layer's encoded tensors and buffers
+        (capacity included), and the keys / values of any layer that is not live."""
+        cls = live_layer_class()
+        total = 0
+        for layer in self.layers:  # type: ignore[attr-defined]
+            if isinstance(layer, cls):
+                total += layer.live.stored_bytes()
+            elif getattr(layer, "keys", None) is not None and isinstance(layer.keys, torch.Tensor):
+                total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        return total
+
+    def dense_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of a dense cache of the same positions: 2 (keys, values) x B x Hkv x positions x D
+        per layer, in ``dtype`` (default: the cache's own dtype)."""
+        cls = live_layer_class()
+        total = 0
+        for layer in self.layers:  # type: ignore[attr-defined]
+            if isinstance(layer, cls):
+                b, h, _, d = layer.live.encoded_shape()
+                t, dt = layer.seen, dtype or layer.dtype
+            elif getattr(layer, "keys", None) is not None and isinstance(layer.keys, torch.Tensor) and layer.keys.ndim == 4:
+                b, h, t, d = layer.keys.shape
+                dt = dtype or layer.keys.dtype
+            else:
+                continue
+            total += 2 * b * h * t * d * dt.itemsize
+        return total
+
+    @property
+    def storage_ratio(self) -> float:
+        """:meth:`stored_bytes` / :meth:`dense_bytes` in the cache's dtype (a fraction)."""
+        dense = self.dense_bytes()
+        return self.stored_bytes() / dense if dense else float("nan")
+
+    def held_tokens(self) -> int:
+        """Tokens the first live layer attends to (fewer than :meth:`get_seq_length`, the positions
+        seen, where a format evicts)."""
+        cls = live_layer_class()
+        return next((layer.live.tokens for layer in self.layers if isinstance(layer, cls)), 0)  # type: ignore[attr-defined]
+
+
+_LIVE_CACHE_CLASSES: dict[type, type] = {}
+
+
+def make_live_cache(cache: Any) -> Any:
+    """Give ``cache`` (a transformers ``Cache``) the methods of :class:`LiveCacheMixin` (its class
+    becomes a subclass of its own class and the mixin); returns it."""
+    if isinstance(cache, LiveCacheMixin):
+        return cache
+    cls = type(cache)
+    if cls not in _LIVE_CACHE_CLASSES:
+        _LIVE_CACHE_CLASSES[cls] = type(f"Live{cls.__name__}", (LiveCacheMixin, cls), {"__module__": __name__})
+    cache.__class__ = _LIVE_CACHE_CLASSES[cls]
+    return cache
+
+
 def is_live(cache: Any) -> bool:
     """Whether ``cache`` has at least one live layer."""
     cls = live_layer_class()
@@ -133,7 +208,8 @@ def is_live(cache: Any) -> bool:
 
 
 def stored_bytes(cache: Any) -> int:
-    """Bytes the live layers of ``cache`` hold on their devices (encoded tensors and buffers)."""
+    """Bytes the live layers of ``cache`` hold on their devices (encoded tensors and buffers); the
+    cache's own :meth:`LiveCacheMixin.stored_bytes` counts its dense layers too."""
     cls = live_layer_class()
     return sum(layer.live.stored_bytes() for layer in cache.layers if isinstance(layer, cls))
 
@@ -187,9 +263,29 @@ def resolve_layer_specs(spec: str | Path, num_layers: int | None = None) -> Any:
                     cache[specs] = (mixed, make_params(mixed, {"heads": "|".join(specs)}))
             return cache[specs]
 
+        checked: list[tuple[int, int, int]] = []
+
+        def check(layers: int, kv_heads: int, head_dim: int) -> None:
+            """The checks ``compress --plan`` makes (:meth:`Plan.check`), once per model shape;
+            layers the plan does not list are named on stderr (they use its default)."""
+            if (layers, kv_heads, head_dim) in checked:
+                return
+            facts = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+            plan.check(facts, list(range(layers)))  # type: ignore[arg-type]
+            note_default_layers(plan, list(range(layers)), text)
+            checked.append((layers, kv_heads, head_dim))
+
+        of_plan.check = check  # type: ignore[attr-defined]
         return of_plan
     fmt, params, _ = resolve(text)
     return lambda i: (fmt, params)
+
+
+def check_specs(specs: Any, layers: int, kv_heads: int, head_dim: int) -> None:
+    """A plan's checks against a model's shape (nothing for a single spec)."""
+    check = getattr(specs, "check", None)
+    if check is not None:
+        check(layers, kv_heads, head_dim)
 
 
 # ----------------------------------------------------------------------------- building live caches
@@ -231,7 +327,7 @@ def live_cache_from(cc: CompressedCache, model: Any, hold_last: bool = False) ->
                     seen += stop
         cache.layers[i] = make_live_layer(i, live, seen)
     use_kvtool_attention(model)
-    return cache
+    return make_live_cache(cache)
 
 
 def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
@@ -242,6 +338,9 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
     ``model`` the model is switched to kvtool's attention (else call :func:`use_kvtool_attention`)."""
     specs = resolve_layer_specs(spec, len(cache.layers))
     cls = live_layer_class()
+    first = next((layer for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.ndim == 4), None)
+    if first is not None:
+        check_specs(specs, len(cache.layers), int(first.keys.shape[1]), int(first.keys.shape[3]))
     done = 0
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, cls) or not getattr(layer, "is_initialized", False) or layer.get_seq_length() == 0:
@@ -263,6 +362,7 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
         done += 1
     if not done:
         raise UsageError("the cache holds no dense layer with tokens to compress")
+    make_live_cache(cache)
     if model is not None:
         use_kvtool_attention(model)
     else:
@@ -276,10 +376,17 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
 class _Press:
     """What an active :func:`press` compresses with, and the layers waiting for their queries."""
 
-    def __init__(self, specs: Any) -> None:
+    def __init__(self, specs: Any, num_layers: int | None = None) -> None:
         self.specs = specs
+        self.num_layers = num_layers
         self.pending: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layers = 0
+
+
+# Cache.update and the sdpa / eager attention functions are process-wide: the first active press
+# (of any thread) patches them, the last one to exit restores them; each thread's press is its own.
+_PATCH_LOCK = threading.Lock()
+_PATCH: dict[str, Any] = {"active": 0, "original": None, "dispatched": False}
 
 
 def _pressing() -> _Press | None:
@@ -290,6 +397,7 @@ def _compress_now(press: _Press, cache: Any, idx: int, keys: torch.Tensor, value
     fmt, params = press.specs(idx)
     live = fmt.live_from_dense(LayerKV(keys, values, queries), params)
     cache.layers[idx] = make_live_layer(idx, live, keys.shape[2])
+    make_live_cache(cache)
     press.layers += 1
 
 
@@ -305,6 +413,9 @@ def _patched_update(original):
         fresh = layer is not None and type(layer) is _layer_base() and layer.get_seq_length() == 0
         if not fresh:
             return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        layers = press.num_layers or (len(self.layers) if getattr(self, "layer_class_to_replicate", None) is None else None)
+        if layers:
+            check_specs(press.specs, layers, int(key_states.shape[1]), int(key_states.shape[3]))
         fmt, params = press.specs(layer_idx)
         if fmt.reads_queries(params):
             # compressed by the attention function once it has this prefill's queries
@@ -346,23 +457,36 @@ def press(spec: str | Path, model: Any = None) -> Iterator[_Press]:
     counts the layers compressed."""
     from transformers.cache_utils import Cache
 
-    num_layers = int(model.config.num_hidden_layers) if model is not None else None
-    state = _Press(resolve_layer_specs(spec, num_layers))
     if _pressing() is not None:
-        raise UsageError("kvtool.press blocks do not nest")
+        raise UsageError("kvtool.press blocks do not nest (in one thread)")
+    num_layers = int(model.config.num_hidden_layers) if model is not None else None
+    state = _Press(resolve_layer_specs(spec, num_layers), num_layers)
+    if model is not None:
+        cfg = model.config
+        heads = int(cfg.num_attention_heads)
+        check_specs(state.specs, num_layers, int(getattr(cfg, "num_key_value_heads", None) or heads),
+                    int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads))
     register_attention()
-    original = Cache.update
+    with _PATCH_LOCK:
+        if not _PATCH["active"]:
+            _PATCH["original"] = Cache.update
+            Cache.update = _patched_update(_PATCH["original"])  # type: ignore[method-assign]
+            _PATCH["dispatched"] = dispatch_through_kvtool()
+        _PATCH["active"] += 1
     _state.press = state
-    Cache.update = _patched_update(original)  # type: ignore[method-assign]
-    dispatch_through_kvtool()
     set_prefill_hook(press_attention)
     previous = hfinterface.set_attention(model, ATTN_NAME) if model is not None else None
     try:
         yield state
     finally:
-        Cache.update = original  # type: ignore[method-assign]
         set_prefill_hook(None)
         _state.press = None
+        with _PATCH_LOCK:
+            _PATCH["active"] -= 1
+            if not _PATCH["active"]:
+                Cache.update = _PATCH["original"]  # type: ignore[method-assign]
+                if _PATCH["dispatched"]:
+                    restore_dispatch()
         if model is not None and previous not in (None, ATTN_NAME):
             try:
                 hfinterface.set_attention(model, previous)

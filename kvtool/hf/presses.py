@@ -87,6 +87,14 @@ def parse_press(spec: str, keep: float | None = None) -> PressSpec:
     return PressSpec(base, float(keep), adakv, dict(values))
 
 
+def check_installed() -> None:
+    """UsageError (with the install line) when kvpress is not installed; imports nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvpress") is None:
+        raise UsageError(f"kvpress is not installed; install it with: {INSTALL}")
+
+
 def _kvpress() -> Any:
     try:
         import kvpress  # deferred: optional dependency, loads transformers' whole model zoo
