@@ -216,3 +216,28 @@ def test_press_with_rotation_equals_compressing_the_prefilled_cache(tiny):
                 nxt = o.logits[:, -1].argmax(-1, keepdim=True)
                 toks.append(int(nxt))
     assert out[0, ids.shape[1]:].tolist() == toks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotated_live_on_cuda_reads_the_kernel_as_its_reference(dtype):
+    """At the Llama-3-8B layer shape (8 KV heads, 32 query heads, head_dim 128, 4k tokens) the live
+    rotated KIVI-2 g128 layer attends through the KIVI kernel (query and output rotated around it)
+    as through the torch reference, before and after decode steps that quantise new groups."""
+    from kvtool.formats._live import reference_paths
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 8, 4096, 128, generator=g)
+    k[..., 7] *= 10
+    x = LayerKV(k.to(dtype).cuda(), torch.randn(1, 8, 4096, 128, generator=g).to(dtype).cuda())
+    live = FMT.live_from_dense(x, params(bits=2, group=128, residual=32, rotate="hadamard", rotate_seed=1))
+    for step in range(2):
+        q = torch.randn(1, 32, 1, 128, generator=g).to(dtype).cuda()
+        out = live.attend_one(q, None).float()
+        with reference_paths():
+            ref = live.attend_one(q, None).float()
+        assert float((out - ref).norm() / ref.norm()) < (2e-3 if dtype == torch.float16 else 1e-2)
+        for _ in range(160):  # new tokens join; a group of 128 is quantised
+            kv = torch.randn(1, 8, 1, 128, generator=g).to(dtype).cuda()
+            live.step(torch.randn(1, 32, 1, 128, generator=g).to(dtype).cuda(), kv, kv, None)
+    FMT.validate(live.encoded())

@@ -80,17 +80,30 @@ def check_signs(enc: Encoded, d: int) -> None:
         raise BadDataError(f"{SIGNS} must be int8 [{d}] of +1/-1")
 
 
+_MATRICES: dict[tuple[str, int, tuple[int, ...] | None], torch.Tensor] = {}
+
+
+def shared_matrix(d: int, signs: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The float32 ``[d, d]`` rotation matrix of ``d`` and ``signs`` on ``device``, one shared by every
+    layer that rotates alike (``d * d * 4`` bytes per model and device, not counted per layer)."""
+    key = (str(device), d, None if signs is None else tuple(int(x) for x in signs.tolist()))
+    if key not in _MATRICES:
+        _MATRICES[key] = rotation_matrix(d, signs, device)
+    return _MATRICES[key]
+
+
 class RotatedLive(LiveLayer):
     """A live layer over rotated storage: ``inner`` (the format's own live layer) holds the rotated
     keys/values; each step rotates its queries (one float32 ``[D, D]`` matmul) and its new keys/values
     (:func:`~kvtool.methods.rotation.rotate`, bit for bit what encoding the same tokens stores, then the
-    cache dtype), and rotates the output back once (one matmul)."""
+    cache dtype), and rotates the output back once (one matmul). The matrix is shared by the layers
+    (:func:`shared_matrix`); ``stored_bytes`` counts the inner layer's and the signs."""
 
     def __init__(self, inner: LiveLayer, seed: int | None, signs: torch.Tensor | None) -> None:
         self.inner, self.fmt, self.seed = inner, inner.fmt, seed
         self.signs = None if signs is None else signs.to(inner.device)
         d = inner.head_dim
-        self.matrix = rotation_matrix(d, signs, inner.device)  # x @ M = R x
+        self.matrix = shared_matrix(d, signs, inner.device)  # x @ M = R x
         self.writes_first = inner.writes_first
 
     def _rot(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
