@@ -72,7 +72,7 @@ def test_a_press_compresses_the_context(lm):
     dense = lm.loglikelihood([_req("loglikelihood", prompt, " is here")])[0][0]
     pressed = KvtoolLM.__new__(KvtoolLM)
     pressed.__dict__.update(lm.__dict__)
-    pressed.spec = press_spec("snapkv:budget=32;recent=8")
+    pressed.spec = press_spec("snapstream:budget=32;recent=8")
     ll = pressed.loglikelihood([_req("loglikelihood", prompt, " is here")])[0][0]
     assert ll != pytest.approx(dense, rel=1e-6)  # 32 of the context's tokens kept: the scores change
     pressed.split = ", and the"

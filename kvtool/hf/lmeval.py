@@ -16,7 +16,8 @@ works there.) ``model_args``:
   context that is compressed, the rest (the question) is read through the compressed cache:
   question-agnostic compression. Without ``split`` the whole prompt but its last token is compressed
   (the question is inside lm-eval's prompt: question-aware compression);
-- ``max_length`` (default: the model's window), ``device`` (``cpu``, ``cuda``, ``auto``).
+- ``max_length`` (default: the model's window), ``device`` (``cpu``, ``cuda``, ``auto``; lm-eval's
+  ``--device``; a CUDA device on a machine without one falls back to the CPU, saying so).
 
 Each request compresses its context once with :func:`kvtool.hf.live.press` (the live cache: the
 format's own encoded tensors, attended through its kernel on CUDA and its reference elsewhere), then
@@ -72,6 +73,9 @@ class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
             raise UsageError("lm-eval is not installed: pip install 'kvtool[lm-eval]'")
         super().__init__()
         where = "cpu" if device in (None, "") else str(device)
+        if where.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's default device is cuda:0
+            sys.stderr.write(f"kvtool: device {where} is not available here; the model runs on the CPU\n")
+            where = "cpu"
         self.model, self.tokenizer, self.source = models.load(None if pretrained in ("", "embedded") else str(pretrained), device=where)
         self.model.eval()
         self.spec = press_spec(press)
