@@ -75,6 +75,7 @@ def test_a_press_compresses_the_context(lm):
     pressed.spec = press_spec("snapstream:budget=32;recent=8")
     ll = pressed.loglikelihood([_req("loglikelihood", prompt, " is here")])[0][0]
     assert ll != pytest.approx(dense, rel=1e-6)  # 32 of the context's tokens kept: the scores change
-    pressed.split = ", and the"
+    pressed.split = ["no such marker", ", and the"]
+    assert pressed._split(prompt)[1] == pressed._ids(", and the question")
     [text] = pressed.generate_until([_req("generate_until", prompt, {"until": ["."], "max_gen_toks": 3})])
     assert isinstance(text, str) and "." not in text

@@ -12,9 +12,9 @@ works there.) ``model_args``:
 - ``press``: a plan file (``kvtool recommend``) or a format spec whose parameters are separated by
   ``;`` (lm-eval splits ``model_args`` at commas): ``press=quant:bits=2;group=128;rotate=hadamard``;
   default ``dense``;
-- ``split``: text at which each prompt is split (its last occurrence); the part before it is the
-  context that is compressed, the rest (the question) is read through the compressed cache:
-  question-agnostic compression. Without ``split`` the whole prompt but its last token is compressed
+- ``split``: text at which each prompt is split (its last occurrence; several texts separated by
+  ``|``: the last occurrence of any); the part before it is the context that is compressed, the rest
+  (the question) is read through the compressed cache: question-agnostic compression. Without ``split`` the whole prompt but its last token is compressed
   (the question is inside lm-eval's prompt: question-aware compression);
 - ``max_length`` (default: the model's window), ``device`` (``cpu``, ``cuda``, ``auto``; lm-eval's
   ``--device``; a CUDA device on a machine without one falls back to the CPU, saying so).
@@ -79,7 +79,7 @@ class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
         self.model, self.tokenizer, self.source = models.load(None if pretrained in ("", "embedded") else str(pretrained), device=where)
         self.model.eval()
         self.spec = press_spec(press)
-        self.split = split or None
+        self.split = [m for m in str(split or "").split("|") if m]
         window = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.max_length = int(max_length) if max_length else (window or 8192)
         self._device = next(self.model.parameters()).device
@@ -94,8 +94,8 @@ class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
     def _split(self, prompt: str) -> tuple[list[int], list[int]]:
         """(context ids compressed, ids read after compression): at the last ``split`` marker, or all
         but the prompt's last token."""
-        if self.split and self.split in prompt:
-            at = prompt.rindex(self.split)
+        at = max((prompt.rfind(m) for m in self.split), default=-1)
+        if at > 0:
             ctx, rest = self._ids(prompt[:at]), self._ids(prompt[at:])
         else:
             ids = self._ids(prompt)
