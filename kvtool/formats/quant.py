@@ -63,7 +63,7 @@ from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
 from kvtool.formats import _rotated
 from kvtool.methods.rotation import ROTATIONS, check_dim, rotate, unrotate
-from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, plan_splits, workspace_bytes as kivi_workspace_bytes
+from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -499,8 +499,9 @@ class QuantLive(_ResidualLive):
         ngv = math.ceil(d / g)
         kb, kg = self.kt * bits // 8, self.kt // g
         kc = torch.zeros((b, h, d, capacity * bits // 8), dtype=torch.uint8, device=dev)
-        ks = torch.zeros((b, h, d, capacity // g), dtype=sdt, device=dev)
-        kz = torch.zeros_like(ks)
+        # key scales group-major (the kernel reads one group of every channel per block: one run of bytes)
+        ks = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
+        kz = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
         vc = torch.zeros((b, h, capacity, packed_length(d, bits)), dtype=torch.uint8, device=dev)
         vs = torch.zeros((b, h, capacity, ngv), dtype=sdt, device=dev)
         vz = torch.zeros_like(vs)
@@ -651,7 +652,7 @@ class QuantLive(_ResidualLive):
     def workspace_bytes(self, query_rows: int) -> int:
         """A step on the GPU: the kernel's split partials, output and lse (no dequantised copy)."""
         rows = max(1, query_rows // (self.b * self.h))
-        return kivi_workspace_bytes(self.cache, rows, plan_splits(self.cache, rows, self.res["keys"].device))
+        return kivi_workspace_bytes(self.cache, rows, self.res["keys"].device)
 
     def encoded(self) -> Encoded:
         c, g = self.cache, self.group
