@@ -64,7 +64,7 @@ def test_needles_sit_at_their_depths(tok):
 def test_task_and_family_names_agree_with_the_cli():
     from kvtool.commands import tasks as cmd
 
-    assert cmd.TASK_NAMES == T.TASKS and cmd.FAMILY_NAMES == fill.FAMILIES
+    assert cmd.TASK_NAMES == T.TASKS and cmd.FAMILY_NAMES == fill.FAMILIES and cmd.MULTI_QUESTION_TASKS == T.MULTI_QUESTION_TASKS
 
 
 def test_parse_lengths_and_tasks():
@@ -120,7 +120,7 @@ def test_compressed_answer_through_dense_spec_matches_dense(tiny):
 def test_filled_families_fit_and_fill_the_budget(family, fraction):
     spec = fill.fill_spec(family, fraction, 300, 2, 4, 64)
     if spec is None:
-        assert family in ("kivi", "signvq", "bitmap", "bitmapq")  # bitmap keeps 32 recent tokens dense: too many of 300
+        assert family in ("kivi", "rkivi", "signvq", "bitmap", "bitmapq")  # bitmap keeps 32 recent tokens dense: too many of 300
         return
     r = fill.spec_ratio(spec, 300, 2, 4, 64)
     assert r <= fraction + 1e-12

@@ -59,7 +59,8 @@ def menu(prefix_tokens: int | None = None, families: list[str] | None = None) ->
     specs = {
         "dense": ["dense"],
         "quant": ["quant:bits=8", "quant:bits=4", "quant:bits=4,group=128,residual=0,partial=true",
-                  "quant:bits=2", "quant:bits=2,group=64,residual=0,partial=true", "quant:bits=2,group=128,residual=0,partial=true"],
+                  "quant:bits=2", "quant:bits=2,group=64,residual=0,partial=true", "quant:bits=2,group=128,residual=0,partial=true",
+                  "quant:bits=2,group=64,residual=0,partial=true,rotate=hadamard", "quant:bits=2,group=128,residual=0,partial=true,rotate=hadamard"],
         "bitmap": ["bitmap:sparsity=0.5", "bitmap:sparsity=0.7", "bitmap:sparsity=0.9"],
         "bitmapq": ["bitmapq:sparsity=0.5,bits=4", "bitmapq:sparsity=0.7,bits=4", "bitmapq:sparsity=0.5,bits=2"],
         "signvq": ["signvq:bits=2", "signvq:bits=4"],

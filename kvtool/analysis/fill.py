@@ -8,6 +8,7 @@ that the stored bytes come as close to ``f`` as the family allows without exceed
 | family | what is searched |
 |---|---|
 | ``kivi`` | KIVI with the partial key group quantised and no residual: the most bits (8, 4, 2) and then the smallest group (32, 64, 128) that fit; then the full-precision residual (recent tokens) grown to fill the rest |
+| ``rkivi`` | the same search with each key and value head vector rotated first (``rotate=hadamard``: a Walsh-Hadamard rotation, :mod:`kvtool.methods.rotation`) |
 | ``snapkv`` / ``streaming`` | the kept share of the tokens (``snapstream:share=``), SnapKV + sinks + recent, or sinks + recent only (StreamingLLM) |
 | ``snapkv+kivi4`` / ``snapkv+kivi2`` | the kept share of SnapKV eviction whose tokens are stored as KIVI 4 / 2 bits (group 32, partial group quantised, no residual) |
 | ``snapkv+kivi4g128`` / ``snapkv+kivi2g128`` | the same with groups of 128 (fewer scales, more tokens kept at the same bytes) |
@@ -34,7 +35,7 @@ from kvtool.formats.base import get_format
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.pipeline import encode_kept
 
-FAMILIES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
+FAMILIES = ("kivi", "rkivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
 KIVI_CHOICES = [(bits, group) for bits in (8, 4, 2) for group in (32, 64, 128)]
 
 
@@ -88,11 +89,12 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
         return spec_ratio(spec, tokens, 1, group, head_dim)
 
     floor = 37  # sinks + recent + one chosen token
-    if family == "kivi":
+    if family in ("kivi", "rkivi"):
+        rot = ",rotate=hadamard" if family == "rkivi" else ""
         for bits, g in KIVI_CHOICES:
-            base = f"quant:bits={bits},group={g},residual=0,partial=true"
+            base = f"quant:bits={bits},group={g},residual=0,partial=true{rot}"
             if ratio(base) <= fraction:
-                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true", 0, tokens, fraction, ratio)
+                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true{rot}", 0, tokens, fraction, ratio)
         return None
     if family in ("snapkv", "streaming"):
         policy = "" if family == "snapkv" else ",policy=streaming"

@@ -35,7 +35,7 @@ from kvtool.analysis.tasks import Tokens, generate_sample
 from kvtool.hf import capture as capturing
 
 # the budget-filling uniform families a paged cache holds (no per-element pruning or selection)
-SERVABLE_UNIFORM = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128")
+SERVABLE_UNIFORM = ("kivi", "rkivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128")
 from kvtool.core.cache import KVCache
 from kvtool.analysis.fidelity import dense_reference, model_fidelity
 from kvtool.formats.plan import compress_plan

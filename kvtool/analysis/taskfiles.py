@@ -139,15 +139,15 @@ def parse_rows(data: bytes, path: Path, note: Callable[[str], None] = lambda _: 
 
 
 def read_rows(path: Path, note: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    """The rows of ``samples.jsonl``, the first of each (sample, setting) (two processes working on
-    one folder may both have scored a sample); [] when there is no file."""
+    """The rows of ``samples.jsonl``, the first of each (sample, setting, question) (two processes
+    working on one folder may both have scored a sample); [] when there is no file."""
     if not path.exists():
         return []
     rows, _ = parse_rows(_read_bytes(path), path, note)
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[Any, ...]] = set()
     out = []
     for row in rows:
-        key = (row["sample"], row["setting"])
+        key = (row["sample"], row["setting"], row.get("question"))
         if key not in seen:
             seen.add(key)
             out.append(row)

@@ -6,7 +6,7 @@ becomes a *setting*, one row of the results:
 | method | what runs |
 |---|---|
 | ``dense`` | the model's own cache: the ceiling |
-| ``FAMILY`` (``kivi``, ``snapkv``, ``streaming``, ``snapkv+kivi4``, ``snapkv+kivi2``, ``bitmap``, ``bitmapq``, ``signvq``) | the family's uniform setting that fills the budget (:mod:`kvtool.analysis.fill`), the same on every layer and head |
+| ``FAMILY`` (``kivi``, ``rkivi`` (KIVI after a Walsh-Hadamard rotation), ``snapkv``, ``streaming``, ``snapkv+kivi4``, ``snapkv+kivi2``, ``bitmap``, ``bitmapq``, ``signvq``) | the family's uniform setting that fills the budget (:mod:`kvtool.analysis.fill`), the same on every layer and head |
 | ``press:NAME`` / ``press:NAME+kivi4`` | a kvpress press (:mod:`kvtool.hf.presses`) keeping the share of tokens that fills the budget, stored in float16 (or as KIVI 4-bit) |
 | ``plan:FILE`` | a plan (``kvtool recommend``), at the budget it was made for |
 | ``spec:SPEC`` | a fixed kvtool spec (``spec:quant:bits=4``) |
@@ -16,6 +16,11 @@ in ``samples.jsonl`` compresses its context and answers (:func:`kvtool.analysis.
 a line is appended per (sample, setting), so an interrupted run resumes where it stopped. The
 summary gives, per setting and (task, length), the accuracy with its 95% Wilson interval, the share
 of the dense accuracy kept, and the bytes stored.
+
+With ``questions`` N > 1 (the four-needle tasks only) each setting compresses a sample's context
+once and answers N questions about N different needles from copies of that compressed cache
+(:func:`kvtool.analysis.taskeval.answer_questions`): a row per question (``question`` 1..N), cells
+per question, and ``by_question`` (per setting and question index, over the tasks and lengths).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from kvtool.formats.base import compress_cache
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, compress_kept, compress_plan, load_plan
 from kvtool.analysis import fill, taskfiles
-from kvtool.analysis.taskeval import SCORING, answer, prepare, wilson
-from kvtool.analysis.tasks import TaskSample, Tokens, generate_sample
+from kvtool.analysis.taskeval import SCORING, answer, answer_questions, prepare, wilson
+from kvtool.analysis.tasks import MULTI_QUESTION_TASKS, TaskSample, Tokens, each_needle, generate_sample
 from kvtool.hf import presses as hfpress
 
 PRESS_STORAGE = {"": "dense", "kivi4": "quant:bits=4,group=32,residual=0,partial=true", "kivi2": "quant:bits=2,group=32,residual=0,partial=true"}
@@ -162,8 +167,10 @@ def _compress(model: Any, prep, setting: Setting, facts, inputs) -> tuple[Any, s
 
 
 def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Setting], question_aware: bool, scoring: str,
-               nominal: dict[tuple[str, int], int]) -> list[dict[str, Any]]:
-    """Prefill one sample and score every setting in ``todo``; returns the result rows."""
+               nominal: dict[tuple[str, int], int], questions: int = 1) -> list[dict[str, Any]]:
+    """Prefill one sample and score every setting in ``todo`` (each compressing the context once and
+    answering ``questions`` questions about different needles); returns the result rows."""
+    asks = each_needle(tokenizer, sample, questions) if questions > 1 else None
     needs_press = any(s.method.kind == "press" for s in todo)
     inputs = hfpress.AttentionInputs() if needs_press else None
     start = time.perf_counter()
@@ -184,24 +191,27 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
     for s in todo:
         t0 = time.perf_counter()
         row = {**base, "setting": s.label, "method": s.method.label, "budget": s.budget}
+        cc = None
         if s.method.kind == "dense":
-            res = answer(model, tokenizer, prep, None, scoring)
             row.update({"spec": "dense", "stored_ratio": 1.0})
         else:
             made = _compress(model, prep, s, facts, inputs)
             if made is None:
                 row.update({"unavailable": f"{s.method.label} cannot store {100 * s.budget:g}% of the float16 bytes or less"})
-                rows.append(row)
+                rows += [{**row, "question": j + 1} for j in range(len(asks))] if asks else [row]
                 continue
             cc, spec = made
-            res = answer(model, tokenizer, prep, cc, scoring)
             row.update({"spec": spec, "stored_ratio": cc.byte_report()["ratio"]})
-        row.update({k: res[k] for k in ("correct", "part") if k in res})
-        if "nll" in res:
-            row["answer_nll"] = res["nll"]
-        row["output"] = res.get("text", "")
-        row["seconds"] = round(time.perf_counter() - t0, 3)
-        rows.append(row)
+        results = answer_questions(model, tokenizer, prep, cc, asks, scoring) if asks else [answer(model, tokenizer, prep, cc, scoring)]
+        seconds = round((time.perf_counter() - t0) / len(results), 3)
+        for j, res in enumerate(results):
+            one = {**row, "question": j + 1} if asks else dict(row)
+            one.update({k: res[k] for k in ("correct", "part") if k in res})
+            if "nll" in res:
+                one["answer_nll"] = res["nll"]
+            one["output"] = res.get("text", "")
+            one["seconds"] = seconds
+            rows.append(one)
     if rows:
         rows[0]["prefill_seconds"] = round(prefill_s, 3)
     return rows
@@ -211,24 +221,38 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
 
 
 def read_rows(path: Path, note: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
-    """The rows of ``samples.jsonl`` (:func:`kvtool.analysis.taskfiles.read_rows`)."""
+    """The rows of ``samples.jsonl``, the first of each (sample, setting, question)
+    (:func:`kvtool.analysis.taskfiles.read_rows`)."""
     return taskfiles.read_rows(path, note)
 
 
 def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], lengths: list[int], samples: int, seed: int,
               methods: list[Method], budgets: list[float], out_dir: Path, question_aware: bool = False, scoring: str = "forced",
-              force: bool = False, start: int = 0, progress: Progress | None = None) -> dict[str, Any]:
+              force: bool = False, start: int = 0, progress: Progress | None = None, questions: int = 1) -> dict[str, Any]:
     """Run (or resume) every setting on every sample; write ``samples.jsonl`` and ``tasks.json``
     into ``out_dir`` and return the summary (:func:`summarize`). ``progress`` gets a stage of one
-    unit per sample and a note per sample scored."""
+    unit per sample and a note per sample scored. ``questions`` > 1: several questions per
+    compressed context (module docstring)."""
     progress = or_silent(progress)
+    if questions < 1:
+        raise UsageError(f"--questions must be at least 1, got {questions}")
+    if questions > 1:
+        other = [t for t in tasks if t not in MULTI_QUESTION_TASKS]
+        if other:
+            raise UsageError(f"--questions {questions} asks about several needles of one context: tasks {', '.join(MULTI_QUESTION_TASKS)}, not {other[0]}")
+        if question_aware:
+            raise UsageError("--questions needs the question after compression: drop --question-aware")
+        if questions > 4:
+            raise UsageError(f"--questions must be 1 to 4 (the needles of a sample), got {questions}")
     if scoring not in SCORING:
         raise UsageError(f"--scoring must be one of {', '.join(SCORING)}, got {scoring!r}")
     if samples < 1:
         raise UsageError(f"--samples must be at least 1, got {samples}")
     taskfiles.check_folder(out_dir)
     run_path = out_dir / taskfiles.RUN
-    identity = {"model": model_name, "scoring": scoring, "question_aware": question_aware}
+    identity: dict[str, Any] = {"model": model_name, "scoring": scoring, "question_aware": question_aware}
+    if questions > 1:
+        identity["questions"] = questions
     rows_path = out_dir / taskfiles.ROWS
     if force:
         moved = taskfiles.move_aside(rows_path)
@@ -268,7 +292,7 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
                     progress.advance()
                     continue
                 t0 = time.perf_counter()
-                rows = run_sample(model, tokenizer, sample, todo, question_aware, scoring, nominal)
+                rows = run_sample(model, tokenizer, sample, todo, question_aware, scoring, nominal, questions)
                 taskfiles.append_rows(rows_path, rows, progress.note)  # whole lines under a lock: processes sharing the file never interleave
                 ok = sum(1 for r in rows if r.get("correct"))
                 progress.note(f"tasks: {task} {length} #{i} ({n}/{total}): {ok}/{len(rows)} settings right, {time.perf_counter() - t0:.0f} s "
@@ -284,12 +308,14 @@ def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], len
 
 def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None) -> dict[str, Any]:
     """Per setting and (task, length): accuracy with its Wilson interval, part credit, bytes; and
-    the share of the dense accuracy kept. ``{"cells": [...], "settings": [...], "tasks": [...]}``."""
-    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    the share of the dense accuracy kept. ``{"cells": [...], "settings": [...], "tasks": [...]}``.
+    Rows with a ``question`` index give cells per question too, and ``by_question``."""
+    cells: dict[tuple[Any, ...], dict[str, Any]] = {}
     for r in rows:
-        key = (r["setting"], r["task"], int(r["length"]))
+        key = (r["setting"], r["task"], int(r["length"]), r.get("question"))
         c = cells.setdefault(key, {"setting": r["setting"], "method": r["method"], "budget": r.get("budget"), "task": r["task"],
-                                   "length": int(r["length"]), "k": 0, "n": 0, "stored": [], "specs": set(), "unavailable": None, "part": []})
+                                   "length": int(r["length"]), "question": r.get("question"),
+                                   "k": 0, "n": 0, "stored": [], "specs": set(), "unavailable": None, "part": []})
         if r.get("unavailable"):
             c["unavailable"] = r["unavailable"]
             continue
@@ -299,10 +325,10 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
         c["stored"].append(float(r.get("stored_ratio", 1.0)))
         c["specs"].add(r.get("spec", ""))
     out = []
-    dense = {(c["task"], c["length"]): c for (s, _, _), c in cells.items() if s == "dense"}
-    for key, c in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    dense = {(c["task"], c["length"], c["question"]): c for (s, _, _, _), c in cells.items() if s == "dense"}
+    for key, c in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0], kv[0][3] or 0)):
         iv = wilson(c["k"], c["n"])
-        d = dense.get((c["task"], c["length"]))
+        d = dense.get((c["task"], c["length"], c["question"]))
         kept = None
         if d is not None and d["n"] and c["n"] and d["k"]:
             kept = (c["k"] / c["n"]) / (d["k"] / d["n"])
@@ -312,10 +338,32 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
                     "stored_ratio": sum(c["stored"]) / len(c["stored"]) if c["stored"] else None,
                     "stored_max": max(c["stored"]) if c["stored"] else None,
                     "specs": sorted(c["specs"]), "kept_of_dense": kept, "unavailable": c["unavailable"] if not c["n"] else None})
+        if c["question"] is not None:
+            out[-1]["question"] = c["question"]
     settings = list(dict.fromkeys(c["setting"] for c in out))
     tasks = sorted({(c["task"], c["length"]) for c in out}, key=lambda x: (x[1], x[0]))
-    return {"run": identity or {}, "cells": out, "settings": settings, "tasks": [{"task": t, "length": n} for t, n in tasks],
-            "by_setting": _by_setting(out)}
+    summary = {"run": identity or {}, "cells": out, "settings": settings, "tasks": [{"task": t, "length": n} for t, n in tasks],
+               "by_setting": _by_setting(out)}
+    if any("question" in c for c in out):
+        summary["by_question"] = _by_question(out)
+    return summary
+
+
+def _by_question(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting and question index: accuracy over the (task, length) cells of that question, and
+    its share of the dense accuracy on the same question."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for c in cells:
+        if c["n"] and c.get("question") is not None:
+            groups.setdefault((c["setting"], c["question"]), []).append(c)
+    dense = {q: sum(c["correct"] for c in cs) / sum(c["n"] for c in cs) for (s, q), cs in groups.items() if s == "dense"}
+    out = []
+    for (s, q), cs in groups.items():
+        iv = wilson(sum(c["correct"] for c in cs), sum(c["n"] for c in cs))
+        d = dense.get(q)
+        out.append({"setting": s, "method": cs[0]["method"], "budget": cs[0]["budget"], "question": q, "accuracy": iv["mean"],
+                    "lo": iv["lo"], "hi": iv["hi"], "n": iv["n"], "correct": iv["k"], "kept_of_dense": iv["mean"] / d if d else None})
+    return sorted(out, key=lambda r: (r["setting"], r["question"]))
 
 
 def _by_setting(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -363,7 +411,8 @@ def write_outputs(summary: dict[str, Any], out_dir: Path) -> dict[str, str]:
     files = {"json": str(out_dir / "tasks.json"), "csv": str(out_dir / "tasks.csv")}
     atomic_write_text(out_dir / "tasks.json", to_json_text(summary), force=True)
     buf = _io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(CSV_FIELDS), lineterminator="\n", extrasaction="ignore")
+    fields = list(CSV_FIELDS) + (["question"] if summary.get("by_question") else [])
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
     w.writeheader()
     for c in summary["cells"]:
         w.writerow({**c, "specs": ";".join(c.get("specs") or [])})

@@ -18,7 +18,9 @@ SHORT_HELP = "Long-context task accuracy, the question asked after compression"
 # the library's kvtool.analysis.tasks.TASKS and fill.FAMILIES, named here so that --help needs no
 # torch (tests/test_tasks.py checks they agree)
 TASK_NAMES = ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa")
-FAMILY_NAMES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
+MULTI_QUESTION_TASKS = ("niah_multikey", "niah_multikey_essay")
+DEFAULT_TASKS = "niah_single,niah_essay,niah_multikey,niah_multikey_essay"
+FAMILY_NAMES = ("kivi", "rkivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
 
 
 def parse_budgets(items: list[str] | None) -> list[float]:
@@ -62,7 +64,21 @@ def json_names(row: dict[str, Any]) -> dict[str, Any]:
     return {names.get(k, k): v for k, v in row.items()}
 
 
+def print_questions(summary: dict[str, Any]) -> None:
+    """One row per setting, one column per question index (over the tasks and lengths)."""
+    by = {(r["setting"], r["question"]): r for r in summary["by_question"]}
+    qs = sorted({q for _, q in by})
+    rows = [[s] + [cell_text(by[(s, q)]) if (s, q) in by else "-" for q in qs] for s in summary["settings"]]
+    n = max((r["n"] for r in summary["by_question"]), default=0)
+    tasks = ", ".join(f"{t['task']} {t['length']}" for t in summary["tasks"])
+    console.print(make_table(f"one compressed context, {len(qs)} questions about different needles ({tasks}; {n} per cell, 95% Wilson interval)",
+                             ["setting"] + [f"question {q}" for q in qs], rows))
+
+
 def print_summary(summary: dict[str, Any]) -> None:
+    if summary.get("by_question"):
+        print_questions(summary)
+        return
     tasks = [(t["task"], t["length"]) for t in summary["tasks"]]
     cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
     by = {r["setting"]: r for r in summary["by_setting"]}
@@ -99,12 +115,13 @@ def print_tasks(outcome: Outcome) -> None:
         "kvtool tasks --tasks niah_single --lengths 1k --samples 10 --methods dense,kivi,snapkv --budgets 25%",
         "kvtool tasks --lengths 1k --samples 50 --methods dense,kivi,snapkv+kivi4,press:snapkv,plan:plan15.json --budgets 10%,15%,25%,50%",
         "kvtool tasks --tasks niah_multikey --lengths 1k,2k,4k,8k --samples 20 --methods dense --json",
+        "kvtool tasks --tasks niah_multikey --questions 4 --lengths 1k --samples 50 --methods dense,plan:plan10.json,rkivi --budgets 15%",
     ),
     render=print_tasks,
 )
 def tasks_cmd(
     methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+kivi4], plan:FILE; spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
-    tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + ".")] = "niah_single,niah_essay,niah_multikey,niah_multikey_essay",
+    tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + " (with --questions: " + ", ".join(MULTI_QUESTION_TASKS) + ").")] = DEFAULT_TASKS,
     lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
     samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,
     seed: Annotated[int, typer.Option(help="Seed of the samples (recommend --objective tasks calibrates on another).")] = 0,
@@ -112,6 +129,7 @@ def tasks_cmd(
     budgets: Annotated[list[str] | None, typer.Option("--budgets", "-b", help="Byte budgets of the families and presses, shares of the float16 bytes: 10%,15%,25%,50%.")] = None,
     out_dir: Annotated[Path, typer.Option("--out-dir", help="Folder for samples.jsonl, tasks.json, tasks.csv and frontier.png.", file_okay=False)] = Path("tasks.out"),
     question_aware: Annotated[bool, typer.Option("--question-aware", help="Compress the context with the question (as kvpress's query-aware runs); default: the question comes after compression.")] = False,
+    questions: Annotated[int, typer.Option("--questions", help="Questions per compressed context (1-4; tasks niah_multikey, niah_multikey_essay): each context is compressed once and asked about that many different needles, each from a copy of the compressed cache; scored per question.", min=1, max=4)] = 1,
     scoring: Annotated[str, typer.Option(help="forced: every answer token the top-1 given the ones before (one pass); greedy: greedy decoding and string match.")] = "forced",
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded SmolLM2-135M).")] = None,
     threads: Annotated[int, typer.Option(help="Torch CPU threads.", min=1)] = 1,
@@ -124,6 +142,8 @@ def tasks_cmd(
     from kvtool.analysis.tasks import parse_lengths, parse_tasks  # deferred: start-up time
     from kvtool.hf import models  # deferred: start-up time
 
+    if questions > 1 and tasks == DEFAULT_TASKS:
+        tasks = ",".join(MULTI_QUESTION_TASKS)
     task_list = parse_tasks(tasks)
     length_list = parse_lengths(lengths)
     budget_list = parse_budgets(budgets)
@@ -139,10 +159,12 @@ def tasks_cmd(
     models.check_positions(mdl, max(length_list), source.name, f"--lengths {max(length_list)}")
     summary = taskrun.with_threads(threads, lambda: taskrun.run_tasks(
         mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
-        question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress))
+        question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress, questions=questions))
     files = taskrun.write_outputs(summary, out_dir)
     data = {"run": summary["run"], "files": files, "cells": [json_names(c) for c in summary["cells"]],
             "by_setting": [json_names(r) for r in summary["by_setting"]]}
+    if summary.get("by_question"):
+        data["by_question"] = summary["by_question"]
     return Outcome(data, output=out_dir, view={"summary": summary, "files": files})
 
 

@@ -22,6 +22,13 @@ Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` 
 
 Every one of these tensors is stored and counted (parts: codes, scales, zeros, residual).
 
+``rotate=hadamard`` (any scheme) stores the layer after an orthonormal Walsh-Hadamard rotation of
+each key and value head vector (:mod:`kvtool.formats._rotated`; ``head_dim`` a power of two): the
+tensors above hold the rotated keys/values (the residual too, rounded to the capture dtype), decode
+rotates the dequantised tokens back, and ``rotate_seed=N`` flips signs first (``rotation.signs``
+int8 ``[D]``, counted as the part ``rotation``). A live layer and the kernel attend over the rotated
+tensors as stored, with the query rotated before and the output rotated back after.
+
 Attention: :meth:`QuantFormat.attend` attends over the decoded (dequantised) tokens, the torch
 reference; :meth:`QuantFormat.attend_kernel` reads a kivi layer's stored bytes through the KIVI
 decode kernel (:mod:`kvtool.kernels.kivi_attention`); int8 / fp8 have no kernel. A live layer
@@ -55,6 +62,8 @@ from kvtool.methods.quantize import (
 )
 from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
+from kvtool.formats import _rotated
+from kvtool.methods.rotation import ROTATIONS, check_dim, rotate, unrotate
 from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
@@ -66,6 +75,8 @@ class QuantParams(FormatParams):
     and zero point (kivi, default 32); ``residual`` most recent tokens kept in full precision
     (default 32 for kivi, 0 for int8/fp8); ``partial`` (kivi) quantises the keys' last, partial
     group of tokens too (its own scale and zero point) instead of keeping it in full precision.
+    ``rotate`` none|hadamard rotates each head vector before quantising (module docstring);
+    ``rotate_seed`` adds a seeded random sign flip to the rotation.
     ``None`` means the scheme's default."""
 
     bits: int | None = None
@@ -73,8 +84,14 @@ class QuantParams(FormatParams):
     residual: int | None = None
     scheme: Literal["kivi", "int8", "fp8"] = "kivi"
     partial: bool = False
+    rotate: Literal["none", "hadamard"] = "none"
+    rotate_seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.rotate not in ROTATIONS:
+            raise UsageError(f"--format quant: rotate must be one of {', '.join(ROTATIONS)}, got {self.rotate!r}")
+        if self.rotate_seed is not None and (self.rotate != "hadamard" or self.rotate_seed < 0):
+            raise UsageError(f"--format quant: rotate_seed (a seed of 0 or more, got {self.rotate_seed}) needs rotate=hadamard")
         if self.scheme not in SCHEMES:
             raise UsageError(f"--format quant: scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.scheme == "kivi":
@@ -213,10 +230,14 @@ class QuantFormat(Format):
     live_grows = True
     has_kernel = True
 
-    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "QuantLive | SymmetricLive":
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "LiveLayer":
         """The layer as a live cache layer on ``like``'s device: :class:`QuantLive` (scheme kivi,
-        attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8)."""
+        attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8); a rotated
+        layer's inside a :class:`~kvtool.formats._rotated.RotatedLive`."""
         moved = Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta))
+        if moved.meta.get("rotate"):
+            inner = self.live_layer(_rotated.without_rotation(moved), like)
+            return _rotated.RotatedLive(inner, moved.meta.get("rotate_seed"), _rotated.stored_signs(moved))
         return QuantLive(self, moved) if enc.meta["scheme"] == "kivi" else SymmetricLive(self, moved)
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,11 +246,17 @@ class QuantFormat(Format):
         torch reference (:meth:`attend`)."""
         if enc.meta["scheme"] != "kivi":
             return self.attend(q, enc, scale)
+        if enc.meta.get("rotate"):
+            signs = _rotated.stored_signs(enc)
+            out, lse = self.attend_kernel(rotate(q, signs).to(q.dtype), _rotated.without_rotation(enc), scale)
+            return unrotate(out, signs).to(out.dtype), lse
         return kivi_attention(q, cache_from_encoded(enc), scale)
 
     def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple[Format, FormatParams]:
         """Pruned tensors keep their bitmap and quantise only the kept elements: ``bitmapq`` (the
         joint Mustafar + KIVI case), which needs scheme kivi."""
+        if params.rotate != "none":
+            raise UsageError("--prune with --format quant needs rotate=none (pruning keeps elements of the unrotated tensors)")
         if params.scheme != "kivi":
             raise UsageError(f"--prune with --format quant needs scheme kivi (the kept elements become low-bit codes); scheme {params.scheme} cannot compose with pruning")
         storage = get_format("bitmapq")
@@ -241,10 +268,17 @@ class QuantFormat(Format):
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         if layer.keys.dtype not in DTYPES.values():
             raise BadDataError(f"quant needs float16/bfloat16/float32 keys, got {layer.keys.dtype}")
+        if getattr(params, "rotate", "none") != "none":
+            check_dim(int(layer.keys.shape[-1]))
 
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
         """keys/values ``[B, Hkv, T, D]`` -> the tensors of the module docstring."""
         p = params if isinstance(params, QuantParams) else QuantParams(**params.to_dict())
+        signs = None
+        if p.rotate != "none":
+            check_dim(int(layer.keys.shape[-1]))
+            signs = _rotated.signs_for(int(layer.keys.shape[-1]), p.rotate_seed)
+            layer = _rotated.rotate_layer(layer, signs)
         keys, values = layer.keys, layer.values
         if p.scheme == "kivi":
             tensors, meta = encode_kivi(keys, values, p)
@@ -253,14 +287,27 @@ class QuantFormat(Format):
         meta.update({"scheme": p.scheme, "bits": p.bits, "group": p.group, "residual": p.residual, "shape": list(keys.shape), "dtype": dtype_name(keys.dtype)})
         if p.partial:
             meta["partial"] = True
-        return Encoded(tensors, meta)
+        enc = Encoded(tensors, meta)
+        return enc if p.rotate == "none" else _rotated.with_rotation(enc, p.rotate_seed, signs)
 
     def decode(self, enc: Encoded) -> LayerKV:
-        keys, values = decode_kivi(enc) if enc.meta["scheme"] == "kivi" else decode_symmetric(enc)
+        """Dequantised keys/values; a rotated layer's rotated back (float32 maths, then the capture dtype)."""
+        plain = _rotated.without_rotation(enc) if enc.meta.get("rotate") else enc
+        keys, values = decode_kivi(plain) if enc.meta["scheme"] == "kivi" else decode_symmetric(plain)
+        if enc.meta.get("rotate"):
+            keys, values = _rotated.unrotate_layer(keys, values, _rotated.stored_signs(enc))
         dt = DTYPES[enc.meta["dtype"]]
         return LayerKV(keys=keys.to(dt), values=values.to(dt))
 
     def validate(self, enc: Encoded) -> None:
+        if "rotate" in enc.meta:
+            if enc.meta["rotate"] != "hadamard" or not isinstance(enc.meta.get("shape"), list) or len(enc.meta["shape"]) != 4:
+                raise BadDataError(f"bad rotation in layer metadata: {enc.meta['rotate']!r}")
+            d = enc.meta["shape"][3]
+            if not isinstance(d, int) or d < 1 or d & (d - 1):
+                raise BadDataError(f"a rotated layer needs a head dimension that is a power of two, got {d}")
+            _rotated.check_signs(enc, d)
+            enc = _rotated.without_rotation(enc)
         m = enc.meta
         for key in ("scheme", "bits", "shape", "dtype", "scale_dtype", "key_tokens", "value_tokens"):
             if key not in m:
@@ -308,6 +355,7 @@ class QuantFormat(Format):
             "bits_per_element": 8.0 * stored / elements if elements else float("nan"),
             "quantised_share": quantised / elements if elements else float("nan"),
             "scale_dtype": first.get("scale_dtype"),
+            "rotate": first.get("rotate") or "none",
         }
 
 
