@@ -30,12 +30,13 @@ from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
 from kvtool.analysis.allocation import SERVABLE_FAMILIES, Sensitivity, allocate, measure_sensitivity, menu, parse_budget, uniform_options
 from kvtool.analysis.fill import FAMILIES, fill_spec
-from kvtool.analysis import taskrun
+from kvtool.analysis import menu as uniform_menu, taskrun
 from kvtool.analysis.tasks import Tokens, generate_sample
 from kvtool.hf import capture as capturing
+from kvtool.hf import presses as hfpress
 
 # the budget-filling uniform families a paged cache holds (no per-element pruning or selection)
-SERVABLE_UNIFORM = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128")
+SERVABLE_UNIFORM = uniform_menu.servable_families()
 from kvtool.core.cache import KVCache
 from kvtool.analysis.fidelity import dense_reference, model_fidelity
 from kvtool.formats.plan import compress_plan
@@ -165,7 +166,7 @@ def recommend_capture(
     use_model: bool = True,
     texts: list[Path] | None = None,
     use_texts: bool = True,
-    uniform_checks: int = len(FAMILIES),
+    uniform_checks: int | None = None,
     buckets: int = 4000,
     progress: Progress | None = None,
     calibrate: str = "prefix",
@@ -180,6 +181,11 @@ def recommend_capture(
     Returns ``{"capture", "model", "heldout", "menu", "sensitivity": {...}, "cases": [names],
     "budgets": [{"budget", "fraction", "how", "plan" (Plan), "predicted", "uniform" (rows fitting the
     budget), "check": {label: scores} or None, "best_uniform": spec or None}], "seconds"}``.
+
+    ``uniform_checks``: how many budget-filling uniform families are checked on the model (those
+    with the lowest predicted loss); None (default): every family of the menu
+    (:data:`kvtool.analysis.menu.FAMILIES`), so ``best_uniform`` is the best of the whole menu on
+    the cases (:func:`best_uniform`).
 
     ``weights``: with the model, scale each layer's losses by what its error costs the model
     (:func:`layer_weights`). ``threads``: torch CPU threads while it runs (1 by default: the work is
@@ -211,6 +217,8 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError("give --budget, e.g. --budget 15%")
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
+    if uniform_checks is None:
+        uniform_checks = len(FAMILIES)
     if uniform_checks < 1:
         raise UsageError(f"--uniform-checks must be at least 1, got {uniform_checks}")
     meta, _ = io.read_header(capture)
@@ -293,7 +301,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         for label, scores in first.items():
             rows = scores["cases"] + (rest[label]["cases"] if label in rest else [])
             check[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
-        best = min(uniform_labels, key=lambda s: check[s]["relative_nll_increase"]["mean"]) if uniform_labels else None
+        best = best_uniform(check, uniform_labels)
         b["best_uniform_kl_per_case"] = {c["case"]: min(check[s]["cases"][n]["kl"] for s in uniform_labels)
                                          for n, c in enumerate(check[f"plan @ {pct}"]["cases"])} if uniform_labels else {}
         b["check"] = check
@@ -302,6 +310,42 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         b["plan"].extra["verified"] = {k: {m: v[m] for m in ("relative_nll_increase", "agreement", "kl")} | {"capture": v["cases"][0]} for k, v in check.items() if k == b["plan_label"] or k == best}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def best_uniform(check: dict[str, Any], labels: list[str], objective: str = "nll") -> str | None:
+    """The best uniform setting of one budget among ``labels`` (the budget-filling settings that
+    were checked: by default every family of :data:`kvtool.analysis.menu.FAMILIES`, and with
+    ``--objective tasks`` every kvpress press x storage too when kvpress is installed).
+
+    ``objective="nll"``: ``check`` maps a label to its model check over the cases
+    (``{"relative_nll_increase": {"mean", ...}, ...}``); the best has the lowest mean relative NLL
+    increase. ``objective="tasks"``: ``check`` maps a setting to its ``by_setting`` row of a task
+    check (``{"accuracy", "lo", "stored_ratio", ...}``); the best has the highest accuracy (ties:
+    the higher interval low end, then the fewer bytes). None when no label was checked."""
+    present = [s for s in labels if s in check]
+    if not present:
+        return None
+    if objective == "nll":
+        return min(present, key=lambda s: check[s]["relative_nll_increase"]["mean"])
+    if objective == "tasks":
+        rows = [s for s in present if check[s].get("accuracy") is not None]
+        if not rows:
+            return None
+        return max(rows, key=lambda s: (check[s]["accuracy"], check[s].get("lo") or 0.0, -(check[s].get("stored_ratio") or 0.0)))
+    raise UsageError(f"objective must be nll or tasks, got {objective!r}")
+
+
+def task_check_methods(servable: str | None = None, presses: bool | None = None) -> list[Any]:
+    """The methods a ``--objective tasks`` check runs: dense, then the whole uniform menu that fills
+    a budget: every family (:data:`kvtool.analysis.menu.FAMILIES`; with ``servable`` only those a
+    paged cache holds) and, when kvpress is installed (``presses=None``) or asked for, every press x
+    every storage (:func:`kvtool.analysis.menu.press_methods`; not with ``servable``)."""
+    methods = [taskrun.Method("dense", "dense")] + [taskrun.Method("uniform", f) for f in FAMILIES if not servable or f in SERVABLE_UNIFORM]
+    if presses is None:
+        presses = uniform_menu.kvpress_installed()
+    if presses and not servable:
+        methods += [taskrun.parse_method(m) for m in uniform_menu.press_methods()]
+    return methods
 
 
 # ----------------------------------------------------------------------------- objective: tasks
@@ -438,8 +482,10 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
         b["plan"].extra.pop("capture", None)
         b["plan"].extra.pop("heldout", None)
     if check_samples:
-        methods = [taskrun.Method("dense", "dense")] + [taskrun.Method("uniform", f) for f in FAMILIES
-                                                         if not servable or f in SERVABLE_UNIFORM]
+        methods = task_check_methods(servable)
+        if not any(m.kind == "press" for m in methods):
+            progress.note("task check: the uniform menu holds kvtool's families only" + (" (--servable)" if servable else
+                          f" (kvpress is not installed: {hfpress.INSTALL})"))
         for b in result["budgets"]:
             pct = f"{100 * b['fraction']:g}%"
             plan_method = taskrun.Method("plan", "recommended", plan=b["plan"])
@@ -458,9 +504,10 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
             b["task_check"] = summary
             b["plan_label"] = f"plan:recommended @ {pct}"
             by = {r["setting"]: r for r in summary["by_setting"]}
-            uniform = [r for r in summary["by_setting"] if r["method"] in FAMILIES]
-            best = max(uniform, key=lambda r: r["accuracy"]) if uniform else None
-            b["best_uniform"] = best["setting"] if best else None
+            uniform = [r["setting"] for r in summary["by_setting"] if r["method"] in FAMILIES or r["method"].startswith("press:")]
+            label = best_uniform(by, uniform, "tasks")
+            best = by[label] if label else None
+            b["best_uniform"] = label
             plan_row = next((r for r in summary["by_setting"] if r["method"].startswith("plan:")), None)
             b["plan"].extra["verified"] = {"tasks": {"plan": plan_row, "dense": by.get("dense"), "best_uniform": best}}
     result["seconds"] = round(time.perf_counter() - start, 1)

@@ -91,6 +91,17 @@ class TaskSample:
     def key(self) -> str:
         return f"{self.task}:{self.length}:{self.seed}:{self.index}"
 
+    @property
+    def needle_depth(self) -> float | None:
+        """Where in the haystack (0 = its start, 1 = its end) the earliest piece the answer needs
+        sits: the asked needle(s), the first assignment of ``vt``, the quoted phrase of ``qa``;
+        None for ``cwe`` (its answer is spread over the whole list)."""
+        if "depths" in self.meta:
+            depths = self.meta["depths"]
+            asked = self.meta.get("asked", range(len(depths)))
+            return min(depths[j] for j in asked) if depths else None
+        return self.meta.get("depth")
+
 
 def sample_rng(task: str, length: int, seed: int, index: int) -> random.Random:
     """The random generator of one sample: a function of the task, length, seed and index only."""
@@ -307,6 +318,7 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         depths = [rng.random() for _ in range(n_needles)]
         needles = [tok(f" One of the special magic numbers for {k} is: {v}.") for k, v in zip(keys, numbers)]
         appear = sorted(range(n_needles), key=lambda j: depths[j])
+        ask = list(range(n_needles))  # the needles the answer needs (niah_multivalue: all)
         if task in ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay"):
             ask = [rng.randrange(n_needles)]
             q = f"What is the special magic number for {keys[ask[0]]} mentioned in the provided text?"
@@ -325,6 +337,7 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         source = _essay_source() if essay else NOISE
         inserts = list(zip(depths, needles))
         meta["keys"] = keys
+        meta["asked"] = ask
     elif task == "vt":
         used: set[str] = set()
         names = [_varname(rng, used) for _ in range(4)]
