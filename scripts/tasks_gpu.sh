@@ -9,6 +9,8 @@
 #            `presses`, kvtool.analysis.menu) and the task plans in docs/benchmarks/tasks-plan-*.json
 #            at 10/15/25/50% of the float16 bytes, $SAMPLES samples; tasks.json's by_depth gives the
 #            accuracy by the asked needle's third of the haystack
+#   long     the same menu and plans on the needle tasks at $LONG_LENGTHS (4k,8k) tokens at 5/10/15/25%
+#            (issue 46: longer contexts, lower budgets; the plans are shares, so one plan fits any length)
 #   ceiling  the dense model on every task at 1k..8k tokens (which task lengths it gets right), first
 # Each part is cut at what is left of BUDGET seconds (the table leaves TABLE_RESERVE s for what follows);
 # rows finished by then are summarised.
@@ -66,6 +68,7 @@ echo "model ready at $(($(date +%s) - START)) s" >>"$LOG"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(ceiling table)
 for part in "${parts[@]}"; do case $part in
   table) run_part table $(( $(left) - ${TABLE_RESERVE:-30} )) --tasks "$NEEDLES" --lengths 1k --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 10%,15%,25%,50% ;;
+  long) run_part long $(( $(left) - ${TABLE_RESERVE:-30} )) --tasks "$NEEDLES" --lengths "${LONG_LENGTHS:-4k,8k}" --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 5%,10%,15%,25% ;;
   ceiling) run_part ceiling "${CEILING_S:-100}" --tasks all --lengths "$LENGTHS" --methods dense ;;
 esac; done
 echo "done at $(($(date +%s) - START)) s" >>"$LOG"

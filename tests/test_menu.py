@@ -164,3 +164,22 @@ def test_compress_file_keeps_the_held_out_split(tmp_path):
     assert r.report["heldout"] == 64  # verify scores these
     res = CliRunner().invoke(app, ["compress", "--help"], env={"COLUMNS": "200"})
     assert "default: 64 for a capture file" in " ".join(res.output.split())
+
+
+def test_recommend_checks_every_family_and_names_the_best(tiny_capture, tiny_llama_dir):
+    from kvtool.analysis.recommendation import filled_uniform, recommend_capture
+
+    res = recommend_capture(tiny_capture, ["40%"], heldout=16, model=str(tiny_llama_dir), use_texts=False, weights=False)
+    b = res["budgets"][0]
+    fills = filled_uniform(0.4, _cache(tiny_capture), 16)
+    assert b["uniform_fills"] == fills and {"streaming+kivi4g128", "snapkv+kivi2g128"} <= set(fills)  # the whole menu, not a shortlist
+    assert set(fills.values()) < set(b["check"])
+    assert b["best_uniform"] == best_uniform(b["check"], list(fills.values()))
+    rel = {s: b["check"][s]["relative_nll_increase"]["mean"] for s in fills.values()}
+    assert rel[b["best_uniform"]] == min(rel.values())
+
+
+def _cache(path):
+    from kvtool.core import io
+
+    return io.load(path, parts=("keys", "values", "queries"))
