@@ -183,3 +183,42 @@ def _cache(path):
     from kvtool.core import io
 
     return io.load(path, parts=("keys", "values", "queries"))
+
+
+class _NormPress:
+    """A stand-in for a kvpress scorer press (kvpress is not a CI dependency): keeps the
+    ``int(T * (1 - compression_ratio))`` keys of largest norm per KV head, as kvpress does."""
+
+    def __init__(self):
+        self.compression_ratio = 0.5
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return keys.float().norm(dim=-1)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        n = int(keys.shape[2] * (1 - self.compression_ratio))
+        idx = self.score(module, hidden_states, keys, values, attentions, kwargs).topk(n, dim=-1).indices
+        g = idx[..., None].expand(*idx.shape, keys.shape[-1])
+        return keys.gather(2, g), values.gather(2, g)
+
+
+def test_recommend_checks_presses_in_every_storage(tiny_capture, tiny_llama_dir, monkeypatch):
+    from kvtool.analysis.recommendation import recommend_capture
+    from kvtool.hf import presses as hfpress
+
+    monkeypatch.setattr(menu, "PRESSES", ("knorm",))
+    monkeypatch.setattr(menu, "kvpress_installed", lambda: True)
+    monkeypatch.setattr(hfpress, "make_press", lambda spec: _NormPress())
+    res = recommend_capture(tiny_capture, ["40%"], heldout=16, model=str(tiny_llama_dir), use_texts=False, weights=False)
+    b = res["budgets"][0]
+    labels = [f"press:knorm{'+' + s if s else ''}" for s in menu.STORAGES]
+    assert set(labels) <= set(b["check"])
+    for label in labels:
+        row = b["check"][label]["cases"][0]
+        assert row["stored_ratio"] <= 0.4 + 1e-9 and row["kl"] >= 0
+    assert b["check"]["press:knorm"]["cases"][0]["stored_ratio"] > 0.35  # float16: the kept share fills the budget
+    every = list(b["uniform_fills"].values()) + labels
+    assert b["best_uniform"] == best_uniform(b["check"], every)
+    # fewer uniform checks (a shortlist by predicted loss): no presses, which have no predicted loss
+    res = recommend_capture(tiny_capture, ["40%"], heldout=16, model=str(tiny_llama_dir), use_texts=False, weights=False, uniform_checks=2)
+    assert not any(k.startswith("press:") for k in res["budgets"][0]["check"])

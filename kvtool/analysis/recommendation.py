@@ -29,7 +29,7 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
 from kvtool.analysis.allocation import SERVABLE_FAMILIES, Sensitivity, allocate, measure_sensitivity, menu, parse_budget, uniform_options
-from kvtool.analysis.fill import FAMILIES, fill_spec
+from kvtool.analysis.fill import FAMILIES, fill_spec, press_keep as fill_press_keep
 from kvtool.analysis import menu as uniform_menu, taskrun
 from kvtool.analysis.tasks import Tokens, generate_sample
 from kvtool.hf import capture as capturing
@@ -175,6 +175,7 @@ def recommend_capture(
     device: str | None = "auto",
     servable: str | None = None,
     score_tokens: int = 256,
+    presses: bool | None = None,
 ) -> dict[str, Any]:
     """Plans for each budget, with their predicted and (with the model) measured cost.
 
@@ -185,7 +186,9 @@ def recommend_capture(
     ``uniform_checks``: how many budget-filling uniform families are checked on the model (those
     with the lowest predicted loss); None (default): every family of the menu
     (:data:`kvtool.analysis.menu.FAMILIES`), so ``best_uniform`` is the best of the whole menu on
-    the cases (:func:`best_uniform`).
+    the cases (:func:`best_uniform`). ``presses``: also check every kvpress press x every storage
+    (:func:`press_checks`); None (default): when every family is checked, kvpress is installed and
+    the plan is not ``servable``.
 
     ``weights``: with the model, scale each layer's losses by what its error costs the model
     (:func:`layer_weights`). ``threads``: torch CPU threads while it runs (1 by default: the work is
@@ -202,13 +205,13 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens)
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens, presses)
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256, presses=None) -> dict[str, Any]:
     start = time.perf_counter()
     devices = list(devices or [torch.device("cpu")])
     dev = devices[0]  # where the model loads and whatever needs one device runs
@@ -277,8 +280,12 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     result["model"] = name
     result["cases"] = [c.name for c in cases]
     result["score_tokens"] = {"capture": heldout, "texts": score_tokens}
-    per_budget = [1 + min(uniform_checks, len(FAMILIES)) for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
+    if presses is None:  # the whole menu: kvpress's presses too, where kvpress is installed
+        presses = uniform_checks >= len(FAMILIES) and not servable and uniform_menu.kvpress_installed()
+    n_presses = len(uniform_menu.press_methods(uniform_menu.PRESSES)) if presses else 0
+    per_budget = [1 + min(uniform_checks, len(FAMILIES)) + n_presses for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
     progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) * len(cases))
+    press_state: dict[str, Any] = {}
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
         fills = filled_uniform(b["fraction"], cache, heldout, servable)
@@ -301,6 +308,10 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         for label, scores in first.items():
             rows = scores["cases"] + (rest[label]["cases"] if label in rest else [])
             check[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
+        if presses:
+            found = press_checks(mdl, cases, b["fraction"], cache.facts.head_dim, press_state, progress)
+            check.update(found)
+            uniform_labels += list(found)
         best = best_uniform(check, uniform_labels)
         b["best_uniform_kl_per_case"] = {c["case"]: min(check[s]["cases"][n]["kl"] for s in uniform_labels)
                                          for n, c in enumerate(check[f"plan @ {pct}"]["cases"])} if uniform_labels else {}
@@ -310,6 +321,40 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         b["plan"].extra["verified"] = {k: {m: v[m] for m in ("relative_nll_increase", "agreement", "kl")} | {"capture": v["cases"][0]} for k, v in check.items() if k == b["plan_label"] or k == best}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def press_checks(model: Any, cases: list, fraction: float, head_dim: int, state: dict[str, Any] | None = None, progress=None) -> dict[str, dict[str, Any]]:
+    """Every kvpress press x every storage of the menu (:func:`kvtool.analysis.menu.press_methods`)
+    on every case, each press keeping the share of the case's prefix that fills ``fraction`` of its
+    float16 bytes (kept positions counted, :func:`kvtool.analysis.fill.press_keep`): ``{"press:NAME
+    [+STORAGE]": {"cases": [...], "<metric>": interval}}`` as :func:`score_plans` gives. A press
+    that cannot store that little is left out. ``state`` keeps each case's recorded attention inputs
+    and each press's scores between calls (one prefill per case for all budgets)."""
+    from kvtool.analysis.modelcheck import intervals, press_inputs, score_kept
+
+    state = {} if state is None else state
+    out: dict[str, dict[str, Any]] = {}
+    for method in uniform_menu.press_methods(uniform_menu.PRESSES):
+        m = taskrun.parse_method(method)
+        rows = []
+        for case in cases:
+            keep = fill_press_keep(fraction, case.prefix_tokens, head_dim, m.storage)
+            if keep is None:
+                break
+            inputs = state.get(("inputs", case.name))
+            if inputs is None:
+                inputs = state[("inputs", case.name)] = press_inputs(model, case)
+            press = state.get(("press", case.name, m.name))
+            if press is None:  # one press per name and case: its scores are reused across budgets and storages
+                press = state[("press", case.name, m.name)] = hfpress.reuse_scores(hfpress.make_press(hfpress.parse_press(m.name, keep=keep)))
+            hfpress.set_keep(press, keep)
+            kept = hfpress.press_kept(model, press, inputs, case.compressible().layer_indices)
+            rows.append(score_kept(model, case, kept, m.storage, f"kvpress {m.label}"))
+            if progress is not None:
+                progress.advance()
+        if rows and len(rows) == len(cases):
+            out[m.label] = intervals(rows)
+    return out
 
 
 def best_uniform(check: dict[str, Any], labels: list[str], objective: str = "nll") -> str | None:
