@@ -36,7 +36,7 @@ from kvtool.core.errors import UsageError
 from kvtool.formats.base import get_format
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.pipeline import encode_kept
-from kvtool.analysis.menu import EVICTIONS, FAMILIES, STORAGES, split_family
+from kvtool.analysis.menu import EVICTIONS, FAMILIES, KIVI_SEARCH, STORAGES, split_family
 
 KIVI_CHOICES = [(bits, group) for bits in (8, 4, 2) for group in (32, 64, 128)]
 
@@ -91,11 +91,12 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
         return spec_ratio(spec, tokens, 1, group, head_dim)
 
     floor = 37  # sinks + recent + one chosen token
-    if family == "kivi":
+    if family in KIVI_SEARCH:
+        extra = KIVI_SEARCH[family]
         for bits, g in KIVI_CHOICES:
-            base = f"quant:bits={bits},group={g},residual=0,partial=true"
+            base = f"quant:bits={bits},group={g},residual=0,partial=true{extra}"
             if ratio(base) <= fraction:
-                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true", 0, tokens, fraction, ratio)
+                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true{extra}", 0, tokens, fraction, ratio)
         return None
     evict, store = split_family(family)
     if evict is not None:

@@ -10,12 +10,14 @@ exceeding it (:mod:`kvtool.analysis.fill`). The menu composes them:
   is searched: a storage at ratio ``r`` of float16 lets the eviction keep about ``f / r`` of the
   tokens. Family names are ``EVICTION`` (float16) or ``EVICTION+STORAGE`` (``streaming+kivi4g128``);
   presses are methods ``press:NAME`` / ``press:NAME+STORAGE``.
-- **storage alone**: ``kivi`` (the most bits, then the smallest group that fit, then full-precision
-  recent tokens grown to fill the rest) and any storage marked ``alone`` (its recent tokens grown
-  the same way), plus the per-element families ``bitmap``, ``bitmapq`` and ``signvq``.
+- **storage alone**: ``kivi`` (:data:`KIVI_SEARCH`: the most bits, then the smallest group that
+  fit, then full-precision recent tokens grown to fill the rest) and any storage marked ``alone``
+  (its recent tokens grown the same way), plus the per-element families ``bitmap``, ``bitmapq``
+  and ``signvq``.
 
 Adding a storage is one line in :data:`STORAGES`: every eviction and every press gets it, and
-``kvtool tasks``, ``kvtool recommend`` and the report pick it up.
+``kvtool tasks``, ``kvtool recommend`` and the report pick it up. Rotated KIVI (the ``ROTATED``
+comments) is three such lines once ``quant``'s ``rotate=hadamard`` is in.
 """
 
 from __future__ import annotations
@@ -45,9 +47,14 @@ STORAGES: dict[str, Storage] = {
     "kivi2": Storage(KIVI.format(bits=2, group=32)),
     "kivi4g128": Storage(KIVI.format(bits=4, group=128)),
     "kivi2g128": Storage(KIVI.format(bits=2, group=128)),
-    # ROTATED KIVI (issue 46, branch i46-rotate): once `quant:...,rotate=hadamard` exists, add
-    # "rkivi2g128": Storage(KIVI.format(bits=2, group=128) + ",rotate=hadamard", alone=True, servable=False),
+    # ROTATED KIVI (issue 46, branch i46-rotate adds `quant:...,rotate=hadamard`): once merged, add
+    # "rkivi4g128": Storage(KIVI.format(bits=4, group=128) + ",rotate=hadamard"),
+    # "rkivi2g128": Storage(KIVI.format(bits=2, group=128) + ",rotate=hadamard"),
 }
+
+# KIVI searched alone (the most bits, then the smallest group that fit, then the residual grown):
+# family -> extra quant parameters. ROTATED KIVI: add "rkivi": ",rotate=hadamard" (i46-rotate's family)
+KIVI_SEARCH: dict[str, str] = {"kivi": ""}
 
 # kvtool's own evictions: name -> (float16 spec of a kept share, eviction step in front of a storage)
 EVICTIONS: dict[str, tuple[str, str]] = {
@@ -56,8 +63,8 @@ EVICTIONS: dict[str, tuple[str, str]] = {
 }
 
 # families that are not an eviction: the storage searched alone, and per-element pruning / coding
-STANDALONE = ("kivi", "bitmap", "bitmapq", "signvq")
-SERVABLE_STANDALONE = ("kivi",)
+STANDALONE = (*KIVI_SEARCH, "bitmap", "bitmapq", "signvq")
+SERVABLE_STANDALONE = tuple(KIVI_SEARCH)
 
 # the kvpress presses of the menu (kvtool.hf.presses names; adakv-NAME wraps a scorer in AdaKV)
 PRESSES = ("snapkv", "expected_attention", "tova", "knorm", "streaming_llm", "adakv-expected_attention")
@@ -77,7 +84,7 @@ def alone_families() -> tuple[str, ...]:
     return tuple(s for s, st in STORAGES.items() if st.alone and s)
 
 
-FAMILIES: tuple[str, ...] = ("kivi",) + eviction_families() + alone_families() + ("bitmap", "bitmapq", "signvq")
+FAMILIES: tuple[str, ...] = tuple(KIVI_SEARCH) + eviction_families() + alone_families() + ("bitmap", "bitmapq", "signvq")
 
 
 def servable_families() -> tuple[str, ...]:
