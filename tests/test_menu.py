@@ -222,3 +222,19 @@ def test_recommend_checks_presses_in_every_storage(tiny_capture, tiny_llama_dir,
     # fewer uniform checks (a shortlist by predicted loss): no presses, which have no predicted loss
     res = recommend_capture(tiny_capture, ["40%"], heldout=16, model=str(tiny_llama_dir), use_texts=False, weights=False, uniform_checks=2)
     assert not any(k.startswith("press:") for k in res["budgets"][0]["check"])
+
+
+def test_plans_reach_low_budgets(sample_capture):
+    """The plan menu's smallest eviction + KIVI-2 candidates store about 1% of the float16 bytes, so
+    a 5% plan exists and can spend more on some heads than on others (issue 46: plans at 5%)."""
+    from kvtool.analysis.allocation import menu
+    from kvtool.analysis.recommendation import recommend_capture
+
+    cheapest = min(fill.spec_ratio(s, 1000, 1, 3, 64) for s in menu())
+    assert cheapest < 0.015
+    res = recommend_capture(sample_capture, ["5%"], heldout=32, use_model=False)
+    b = res["budgets"][0]
+    assert b["predicted"]["exact_ratio"] <= 0.05 + 1e-9
+    specs = {sp for layer in b["plan"].layers.values() for sp in layer}
+    ratios = [fill.spec_ratio(sp, 1000, 1, 3, 64) for sp in specs]
+    assert min(ratios) < 0.04 and max(ratios) > 0.05  # below the old menu's cheapest (4%), and above the average
