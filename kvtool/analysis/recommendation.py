@@ -285,7 +285,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     n_presses = len(uniform_menu.press_methods(uniform_menu.PRESSES)) if presses else 0
     per_budget = [1 + min(uniform_checks, len(FAMILIES)) + n_presses for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
     progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) * len(cases))
-    press_state: dict[str, Any] = {}
+    press_state: dict[tuple, Any] = {}
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
         fills = filled_uniform(b["fraction"], cache, heldout, servable)
@@ -323,7 +323,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     return result
 
 
-def press_checks(model: Any, cases: list, fraction: float, head_dim: int, state: dict[str, Any] | None = None, progress=None) -> dict[str, dict[str, Any]]:
+def press_checks(model: Any, cases: list, fraction: float, head_dim: int, state: dict[tuple, Any] | None = None, progress=None) -> dict[str, dict[str, Any]]:
     """Every kvpress press x every storage of the menu (:func:`kvtool.analysis.menu.press_methods`)
     on every case, each press keeping the share of the case's prefix that fills ``fraction`` of its
     float16 bytes (kept positions counted, :func:`kvtool.analysis.fill.press_keep`): ``{"press:NAME
