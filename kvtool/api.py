@@ -562,7 +562,8 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
     """:func:`compress` of an in-memory cache. A :class:`~kvtool.core.cache.KVCache`: its first
     ``T - heldout`` tokens encoded as the command does a file (``format`` or ``plan``, the same format
     options; ``heldout`` None or 0, the default here: every token is encoded, so the bytes are the
-    whole cache's; a capture *file* keeps the command's 64 held out for ``verify``); returns a :class:`CompressResult` whose ``compressed`` is the
+    whole cache's; a capture *file* keeps the command's 64 held out for ``verify``); returns a
+    :class:`CompressResult` whose ``compressed`` is the
     :class:`~kvtool.formats.base.CompressedCache`, written to ``output`` only when one is given. A
     transformers cache: compressed in place into a live cache (each dense layer in the format's
     encoded tensors on its device, attending through the format's kernel; ``heldout`` does not
