@@ -655,11 +655,13 @@ _COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "de
 
 
 @_python_errors
-def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int = 64, plan: PathLike | None = None,
+def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int | None = None, plan: PathLike | None = None,
                           param: Sequence[str] | None = None, force: bool = False, progress: Any = None, **options: Any) -> Any:
     """:func:`compress` of an in-memory cache. A :class:`~kvtool.core.cache.KVCache`: its first
     ``T - heldout`` tokens encoded as the command does a file (``format`` or ``plan``, the same format
-    options); returns a :class:`CompressResult` whose ``compressed`` is the
+    options; ``heldout`` None or 0, the default here: every token is encoded, so the bytes are the
+    whole cache's; a capture *file* keeps the command's 64 held out for ``verify``); returns a
+    :class:`CompressResult` whose ``compressed`` is the
     :class:`~kvtool.formats.base.CompressedCache`, written to ``output`` only when one is given. A
     transformers cache: compressed in place into a live cache (each dense layer in the format's
     encoded tensors on its device, attending through the format's kernel; ``heldout`` does not
@@ -679,6 +681,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
             raise UsageError(f"param {item!r} is not key=value")
         values[key.strip().replace("-", "_")] = value.strip()
     spec = str(plan if plan is not None else format)
+    heldout = 0 if heldout is None else heldout
     if isinstance(cache, KVCache):
         from kvtool.formats.base import compress_cache, save_compressed  # deferred: start-up time (torch)
         from kvtool.formats.files import build_report  # deferred: start-up time (torch)

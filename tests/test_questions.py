@@ -31,9 +31,9 @@ def test_each_needle_shares_the_context_and_asks_each_key(tiny):
     assert [q.meta["question"] for q in qs] == [1, 2, 3, 4]
     assert qs[0].question == s.question and qs[0].answer == s.answer and qs[0].answers == s.answers
     assert all(q.context == s.context for q in qs)
-    assert sorted(q.meta["asked"] for q in qs) == [0, 1, 2, 3]
+    assert sorted(q.meta["asked"][0] for q in qs) == [0, 1, 2, 3]
     for q in qs:
-        key, number = s.meta["keys"][q.meta["asked"]], s.meta["numbers"][q.meta["asked"]]
+        key, number = s.meta["keys"][q.meta["asked"][0]], s.meta["numbers"][q.meta["asked"][0]]
         assert key in tok.decode(q.question) and q.answers == [number] and tok.decode(q.answer).strip() == number
         assert sum(q.scored) == sum(s.scored) or q.meta["question"] == 1
     with pytest.raises(UsageError, match="niah_multikey"):

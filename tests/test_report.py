@@ -177,7 +177,7 @@ def test_report_nll_in_nats_noise_flag_and_reproduce_line(tiny_capture, tiny_lla
     plan_row = re.search(r"<tr><td>plan @ 40%</td><td>[\d.]+%</td>(<td[^>]*>[^<]*</td>)", text).group(1)
     assert re.fullmatch(r'<td class="\w+">[+-]\d\.\d{4}\*?</td>', plan_row), plan_row  # signed nats/token, graded
     reproduce = text.split("Reproduce:")[1].split("Cases:")[0]
-    for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%", "--uniform-checks 1"):
+    for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%"):
         assert option in reproduce, option
     assert 'class="good"' in text or 'class="fair"' in text or 'class="poor"' in text  # graded cells
 

@@ -42,9 +42,11 @@ from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, model_shape
 
 # Shares of the prefix kept by the eviction candidates (SnapKV + sinks + recent), and by the eviction +
-# KIVI pipelines: shares, not token counts, so a plan fits captures of any length
+# KIVI 4 / 2-bit pipelines: shares, not token counts, so a plan fits captures of any length. The
+# smallest pipelines store 1-2% of the float16 bytes, so a plan at 5% can still keep a few heads whole
 EVICT_SHARES = (0.0625, 0.125, 0.25, 0.5)
-PIPELINE_SHARES = (0.125, 0.25, 0.5)
+PIPELINE_SHARES = (0.0625, 0.125, 0.25, 0.5)
+PIPELINE_SHARES_2BIT = (0.0625, 0.125, 0.25, 0.5)
 KIVI_STORE = "quant:bits={bits},group=32,residual=0,partial=true"
 # families whose files the paged layout (FlashInfer, vLLM) holds as they are: every head of a layer
 # keeps the same tokens count when the layer's candidates share one token share
@@ -66,7 +68,8 @@ def menu(prefix_tokens: int | None = None, families: list[str] | None = None) ->
         "signvq": ["signvq:bits=2", "signvq:bits=4"],
         "pagestat": ["pagestat:budget_ratio=0.25"],
         "evict": [f"snapstream:share={s:g}" for s in EVICT_SHARES],
-        "pipeline": [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=4) for s in PIPELINE_SHARES] + ["snapkv:share=0.5+" + KIVI_STORE.format(bits=2)],
+        "pipeline": [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=4) for s in PIPELINE_SHARES]
+                    + [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=2) for s in PIPELINE_SHARES_2BIT],
     }
     chosen = families or list(specs)
     unknown = [f for f in chosen if f not in specs]

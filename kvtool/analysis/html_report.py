@@ -577,7 +577,7 @@ def build_report(
     use_texts: bool = True,
     model: str | None = None,
     heldout: int = 64,
-    uniform_checks: int = 1,
+    uniform_checks: int | None = None,
     progress: Progress | None = None,
     command: str | None = None,
     device: str | None = "auto",
@@ -730,11 +730,11 @@ def _ci_text(iv: dict[str, Any], nll: bool) -> str:
 
 
 def reproduce(capture: Path, budgets: Any, eval_dir: Path | None, bench: list[Path] | None, use_model: bool, use_texts: bool,
-              model: str | None, heldout: int, uniform_checks: int) -> list[str]:
+              model: str | None, heldout: int, uniform_checks: int | None) -> list[str]:
     """The commands that make the same plans (one per budget) and compress with them, with every
     option this report used."""
     common = [f"--heldout {heldout}"] + ([f"--model {model}"] if model else []) + ([] if use_model else ["--no-model"]) + \
-             ([] if use_texts else ["--no-texts"]) + [f"--uniform-checks {uniform_checks}"]
+             ([] if use_texts else ["--no-texts"]) + ([] if uniform_checks is None else [f"--uniform-checks {uniform_checks}"])
     lines = []
     for b in budgets:
         plan = f"plan-{str(b).rstrip('%')}.json"

@@ -6,8 +6,9 @@ becomes a *setting*, one row of the results:
 | method | what runs |
 |---|---|
 | ``dense`` | the model's own cache: the ceiling |
-| ``FAMILY`` (``kivi``, ``rkivi`` (KIVI after a Walsh-Hadamard rotation), ``snapkv``, ``streaming``, ``snapkv+kivi4``, ``snapkv+kivi2``, ``bitmap``, ``bitmapq``, ``signvq``) | the family's uniform setting that fills the budget (:mod:`kvtool.analysis.fill`), the same on every layer and head |
-| ``press:NAME`` / ``press:NAME+kivi4`` | a kvpress press (:mod:`kvtool.hf.presses`) keeping the share of tokens that fills the budget, stored in float16 (or as KIVI 4-bit) |
+| ``FAMILY`` (``kivi``, ``rkivi`` (KIVI after a Walsh-Hadamard rotation), ``snapkv``, ``streaming``, ``streaming+kivi4g128``, ..., ``bitmap``, ``bitmapq``, ``signvq``: :data:`kvtool.analysis.menu.FAMILIES`) | the family's uniform setting that fills the budget (:mod:`kvtool.analysis.fill`), the same on every layer and head |
+| ``press:NAME`` / ``press:NAME+STORAGE`` | a kvpress press (:mod:`kvtool.hf.presses`) keeping the share of tokens that fills the budget, stored in float16 (or a storage of :data:`kvtool.analysis.menu.STORAGES`: ``+kivi4``, ``+kivi2g128``, ...) |
+| ``families`` / ``presses`` / ``menu`` | every family; every press x every storage; both (the whole uniform menu) |
 | ``plan:FILE`` | a plan (``kvtool recommend``), at the budget it was made for |
 | ``spec:SPEC`` | a fixed kvtool spec (``spec:quant:bits=4``) |
 
@@ -15,7 +16,9 @@ Each sample is prefilled once (:func:`kvtool.analysis.taskeval.prepare`), then e
 in ``samples.jsonl`` compresses its context and answers (:func:`kvtool.analysis.taskeval.answer`);
 a line is appended per (sample, setting), so an interrupted run resumes where it stopped. The
 summary gives, per setting and (task, length), the accuracy with its 95% Wilson interval, the share
-of the dense accuracy kept, and the bytes stored.
+of the dense accuracy kept, and the bytes stored; and per setting the accuracy by the depth of the
+needle asked for (first / middle / last third of the haystack, :func:`depth_profile`), which tells
+recency evictions (that keep the end) from the rest.
 
 With ``questions`` N > 1 (the four-needle tasks only) each setting compresses a sample's context
 once and answers N questions about N different needles from copies of that compressed cache
@@ -40,12 +43,12 @@ from kvtool.core.jsonio import to_json_text
 from kvtool.formats.base import compress_cache
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, compress_kept, compress_plan, load_plan
-from kvtool.analysis import fill, taskfiles
+from kvtool.analysis import fill, menu, taskfiles
 from kvtool.analysis.taskeval import SCORING, answer, answer_questions, prepare, wilson
 from kvtool.analysis.tasks import MULTI_QUESTION_TASKS, TaskSample, Tokens, each_needle, generate_sample
 from kvtool.hf import presses as hfpress
 
-PRESS_STORAGE = {"": "dense", "kivi4": "quant:bits=4,group=32,residual=0,partial=true", "kivi2": "quant:bits=2,group=32,residual=0,partial=true"}
+PRESS_STORAGE = {suffix: st.spec or "dense" for suffix, st in menu.STORAGES.items()}  # press:NAME+SUFFIX -> storage spec
 
 
 @dataclass
@@ -64,8 +67,7 @@ class Method:
         if self.kind == "uniform":
             return self.name
         if self.kind == "press":
-            suffix = next((k for k, v in PRESS_STORAGE.items() if v == self.storage and k), "")
-            return f"press:{self.name}" + (f"+{suffix}" if suffix else "")
+            return "press:" + menu.family_name(self.name, menu.press_suffix(self.storage))
         return f"{self.kind}:{self.name}"
 
     @property
@@ -74,7 +76,7 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``dense``, a family, ``press:NAME[+kivi4|+kivi2]``, ``plan:FILE`` or ``spec:SPEC``."""
+    """``dense``, a family, ``press:NAME[+STORAGE]``, ``plan:FILE`` or ``spec:SPEC``."""
     t = text.strip()
     if t == "dense":
         return Method("dense", "dense")
@@ -82,11 +84,13 @@ def parse_method(text: str) -> Method:
         return Method("uniform", t)
     if t.startswith("press:"):
         name, _, store = t[len("press:"):].partition("+")
-        if store not in PRESS_STORAGE:
-            raise UsageError(f"--methods {t}: a press's tokens are stored as float16, +kivi4 or +kivi2, not {store!r}")
+        try:
+            storage = menu.press_storage_spec(store)
+        except UsageError as exc:
+            raise UsageError(f"--methods {t}: {exc}") from None
         hfpress.parse_press(name, keep=0.5)  # the name and fields are checked now, the share per budget later
         hfpress.check_installed()  # before the model loads, not after the first samples
-        return Method("press", name, PRESS_STORAGE[store])
+        return Method("press", name, storage)
     if t.startswith("plan:"):
         path = Path(t[len("plan:"):])
         plan = load_plan(path)
@@ -96,7 +100,17 @@ def parse_method(text: str) -> Method:
         spec = t[len("spec:"):]
         resolve_spec(spec)
         return Method("spec", spec)
-    raise UsageError(f"unknown method {t!r}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME, plan:FILE or spec:SPEC")
+    raise UsageError(f"unknown method {t!r}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME[+STORAGE], plan:FILE, spec:SPEC, "
+                     f"or {', '.join(menu.ALIASES)}")
+
+
+def parse_methods(names: list[str]) -> list[Method]:
+    """Methods from ``--methods`` names, the aliases of :data:`kvtool.analysis.menu.ALIASES`
+    (``families``, ``presses``, ``menu``) expanded, each method once in the order given."""
+    expanded: list[str] = []
+    for n in names:
+        expanded += list(menu.ALIASES.get(n.strip(), (n,)))
+    return [parse_method(n) for n in dict.fromkeys(expanded)]
 
 
 def plan_budget(plan: Plan, name: str = "the plan") -> float | None:
@@ -185,6 +199,8 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
     prep.extra["nominal_tokens"] = nominal.setdefault((sample.task, sample.length), prep.prefix_tokens)
     base = {"sample": sample.key(), "task": sample.task, "length": sample.length, "seed": sample.seed, "index": sample.index,
             "prefix_tokens": prep.prefix_tokens}
+    if sample.needle_depth is not None:
+        base["depth"] = round(sample.needle_depth, 4)
     rows = []
     prefill_s = time.perf_counter() - start
     facts = prep.cache.facts
@@ -343,7 +359,7 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
     settings = list(dict.fromkeys(c["setting"] for c in out))
     tasks = sorted({(c["task"], c["length"]) for c in out}, key=lambda x: (x[1], x[0]))
     summary = {"run": identity or {}, "cells": out, "settings": settings, "tasks": [{"task": t, "length": n} for t, n in tasks],
-               "by_setting": _by_setting(out)}
+               "by_setting": _by_setting(out), "by_depth": depth_profile(rows)}
     if any("question" in c for c in out):
         summary["by_question"] = _by_question(out)
     return summary
@@ -364,6 +380,39 @@ def _by_question(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({"setting": s, "method": cs[0]["method"], "budget": cs[0]["budget"], "question": q, "accuracy": iv["mean"],
                     "lo": iv["lo"], "hi": iv["hi"], "n": iv["n"], "correct": iv["k"], "kept_of_dense": iv["mean"] / d if d else None})
     return sorted(out, key=lambda r: (r["setting"], r["question"]))
+
+
+THIRDS = ("first", "middle", "last")
+
+
+def third_of(depth: float) -> str:
+    """The third of the haystack a depth in [0, 1] falls in."""
+    return THIRDS[min(2, max(0, int(depth * 3)))]
+
+
+def depth_profile(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting and third of the haystack (``first`` / ``middle`` / ``last``) where the needle
+    the answer needs sits (the row's ``depth``, :attr:`kvtool.analysis.tasks.TaskSample.needle_depth`):
+    accuracy with its 95% Wilson interval, over every task and length. Rows without a depth (``cwe``,
+    or written before depths were recorded) are left out."""
+    counts: dict[tuple[str, str], list[int]] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r.get("unavailable") or r.get("depth") is None:
+            continue
+        c = counts.setdefault((r["setting"], third_of(float(r["depth"]))), [0, 0])
+        c[0] += int(bool(r.get("correct")))
+        c[1] += 1
+        meta.setdefault(r["setting"], {"method": r["method"], "budget": r.get("budget")})
+    out = []
+    for setting in dict.fromkeys(s for s, _ in counts):
+        for third in THIRDS:
+            if (setting, third) in counts:
+                k, n = counts[(setting, third)]
+                iv = wilson(k, n)
+                out.append({"setting": setting, **meta[setting], "third": third, "accuracy": iv["mean"], "lo": iv["lo"], "hi": iv["hi"],
+                            "n": n, "correct": k})
+    return out
 
 
 def _by_setting(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -102,6 +102,17 @@ class TaskSample:
     def key(self) -> str:
         return f"{self.task}:{self.length}:{self.seed}:{self.index}"
 
+    @property
+    def needle_depth(self) -> float | None:
+        """Where in the haystack (0 = its start, 1 = its end) the earliest piece the answer needs
+        sits: the asked needle(s), the first assignment of ``vt``, the quoted phrase of ``qa``;
+        None for ``cwe`` (its answer is spread over the whole list)."""
+        if "depths" in self.meta:
+            depths = self.meta["depths"]
+            asked = self.meta.get("asked", range(len(depths)))
+            return min(depths[j] for j in asked) if depths else None
+        return self.meta.get("depth")
+
 
 def sample_rng(task: str, length: int, seed: int, index: int) -> random.Random:
     """The random generator of one sample: a function of the task, length, seed and index only."""
@@ -318,11 +329,11 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         depths = [rng.random() for _ in range(n_needles)]
         needles = [tok(f" One of the special magic numbers for {k} is: {v}.") for k, v in zip(keys, numbers)]
         appear = sorted(range(n_needles), key=lambda j: depths[j])
+        ask = list(range(n_needles))  # the needles the answer needs (niah_multivalue: all)
         if task in ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay"):
             ask = [rng.randrange(n_needles)]
             q, prefix = NIAH_ASK[0].format(key=keys[ask[0]]), NIAH_ASK[1].format(key=keys[ask[0]])
             answers = [numbers[ask[0]]]
-            meta["asked"] = ask[0]
         elif task == "niah_multivalue":
             q = f"What are all the special magic numbers for {keys[0]} mentioned in the provided text?"
             prefix = f"The special magic numbers for {keys[0]} mentioned in the provided text are:"
@@ -337,6 +348,7 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         inserts = list(zip(depths, needles))
         meta["keys"] = keys
         meta["numbers"] = numbers
+        meta["asked"] = ask  # the needles the answer needs (indices into keys / numbers)
     elif task == "vt":
         used: set[str] = set()
         names = [_varname(rng, used) for _ in range(4)]
@@ -397,7 +409,7 @@ def each_needle(tokenizer: Any, sample: TaskSample, questions: int, tok: Tokens 
         raise UsageError(f"--questions must be 1 to {len(keys)} (the needles of {sample.task}), got {questions}")
     tok = tok or Tokens(tokenizer)
     _, after = chat_frame(tokenizer)
-    first = sample.meta["asked"]
+    first = sample.meta["asked"][0]
     out = [TaskSample(**{**sample.__dict__, "meta": {**sample.meta, "question": 1}})]
     for j in [j for j in range(len(keys)) if j != first][:questions - 1]:
         q, prefix = NIAH_ASK[0].format(key=keys[j]), NIAH_ASK[1].format(key=keys[j])
@@ -405,7 +417,7 @@ def each_needle(tokenizer: Any, sample: TaskSample, questions: int, tok: Tokens 
         answer = tok(" ") + tok(numbers[j])
         scored = [False] * len(tok(" ")) + [_content(tokenizer, i) for i in tok(numbers[j])]
         out.append(TaskSample(sample.task, sample.length, sample.seed, sample.index, sample.context, question, answer, scored,
-                              [numbers[j]], {**sample.meta, "asked": j, "question": len(out) + 1}))
+                              [numbers[j]], {**sample.meta, "asked": [j], "question": len(out) + 1}))
     return out
 
 

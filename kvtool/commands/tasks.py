@@ -11,16 +11,18 @@ from kvtool.core.errors import UsageError
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import DeviceOpt, console, example_epilog, make_table, show
 from kvtool.core.progress import Progress
+from kvtool.analysis.menu import ALIASES, FAMILIES, STORAGES
 
 ORDER = 56
 SHORT_HELP = "Long-context task accuracy, the question asked after compression"
 
-# the library's kvtool.analysis.tasks.TASKS and fill.FAMILIES, named here so that --help needs no
-# torch (tests/test_tasks.py checks they agree)
+# the library's kvtool.analysis.tasks.TASKS, named here so that --help needs no torch
+# (tests/test_tasks.py checks they agree); the families come from the torch-free menu module
 TASK_NAMES = ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa")
 MULTI_QUESTION_TASKS = ("niah_multikey", "niah_multikey_essay")
 DEFAULT_TASKS = "niah_single,niah_essay,niah_multikey,niah_multikey_essay"
-FAMILY_NAMES = ("kivi", "rkivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
+FAMILY_NAMES = FAMILIES
+STORAGE_SUFFIXES = ", ".join("+" + s for s in STORAGES if s)
 
 
 def parse_budgets(items: list[str] | None) -> list[float]:
@@ -96,6 +98,13 @@ def print_summary(summary: dict[str, Any]) -> None:
     na = sorted({c["setting"] for c in summary["cells"] if c.get("unavailable") and not c["n"]})
     if na:
         show("n/a: the family cannot store that little ({})", ", ".join(na))
+    depth = summary.get("by_depth") or []
+    if depth:
+        by = {(r["setting"], r["third"]): r for r in depth}
+        rows = [[s] + [cell_text(by[(s, t)]) + f" n={by[(s, t)]['n']}" if (s, t) in by else "-" for t in ("first", "middle", "last")]
+                for s in dict.fromkeys(r["setting"] for r in depth)]
+        console.print(make_table("accuracy by where the needle asked for sits in the haystack (every task with one; 95% Wilson interval)",
+                                 ["setting", "first third", "middle third", "last third"], rows))
 
 
 def print_tasks(outcome: Outcome) -> None:
@@ -108,19 +117,22 @@ def print_tasks(outcome: Outcome) -> None:
     help="Long-context tasks (RULER-style needles, variable tracking, common words, recall over the shipped texts), "
     "generated offline from a seed: each sample's context is captured and compressed before the question is seen, "
     "then the question and answer run through the compressed context. Methods: dense (the ceiling), kvtool's "
-    "format families filling each byte budget, kvpress presses (press:NAME, needs kvpress), plans (plan:FILE) "
-    "and fixed specs (spec:SPEC). Accuracy per task and length with 95% Wilson intervals; writes samples.jsonl "
-    "(a rerun resumes), tasks.json, tasks.csv and frontier.png into --out-dir.",
+    "format families filling each byte budget (each eviction x each storage, and the storages alone), kvpress presses "
+    "(press:NAME[+STORAGE], needs kvpress), plans (plan:FILE) and fixed specs (spec:SPEC); 'menu' is every family and "
+    "every press x storage. Accuracy per task and length with 95% Wilson intervals, and by the depth of the needle asked "
+    "for (first / middle / last third); writes samples.jsonl (a rerun resumes), tasks.json, tasks.csv and frontier.png "
+    "into --out-dir.",
     epilog=example_epilog(
         "kvtool tasks --tasks niah_single --lengths 1k --samples 10 --methods dense,kivi,snapkv --budgets 25%",
-        "kvtool tasks --lengths 1k --samples 50 --methods dense,kivi,snapkv+kivi4,press:snapkv,plan:plan15.json --budgets 10%,15%,25%,50%",
+        "kvtool tasks --lengths 1k --samples 50 --methods dense,kivi,streaming+kivi4g128,press:snapkv+kivi4g128,plan:plan15.json --budgets 10%,15%,25%,50%",
+        "kvtool tasks --lengths 1k --samples 50 --methods dense,menu,plan:plan15.json --budgets 10%,15%,25%,50%   # the whole uniform menu",
         "kvtool tasks --tasks niah_multikey --lengths 1k,2k,4k,8k --samples 20 --methods dense --json",
         "kvtool tasks --tasks niah_multikey --questions 4 --lengths 1k --samples 50 --methods dense,plan:plan10.json,rkivi --budgets 15%",
     ),
     render=print_tasks,
 )
 def tasks_cmd(
-    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+kivi4], plan:FILE; spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+STORAGE] (storages: " + STORAGE_SUFFIXES + "), plan:FILE, or " + ", ".join(ALIASES) + " (every family / every press x storage / both); spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
     tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + " (with --questions: " + ", ".join(MULTI_QUESTION_TASKS) + ").")] = DEFAULT_TASKS,
     lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
     samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,
@@ -147,7 +159,7 @@ def tasks_cmd(
     task_list = parse_tasks(tasks)
     length_list = parse_lengths(lengths)
     budget_list = parse_budgets(budgets)
-    method_list = [taskrun.parse_method(m) for m in split_methods(methods)]
+    method_list = taskrun.parse_methods(split_methods(methods))
     from kvtool.analysis import taskfiles  # deferred: start-up time
 
     taskfiles.check_folder(out_dir)  # before the model loads: no output is an input (a plan), no FIFO, a writable folder
@@ -162,7 +174,7 @@ def tasks_cmd(
         question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress, questions=questions))
     files = taskrun.write_outputs(summary, out_dir)
     data = {"run": summary["run"], "files": files, "cells": [json_names(c) for c in summary["cells"]],
-            "by_setting": [json_names(r) for r in summary["by_setting"]]}
+            "by_setting": [json_names(r) for r in summary["by_setting"]], "by_depth": summary["by_depth"]}
     if summary.get("by_question"):
         data["by_question"] = summary["by_question"]
     return Outcome(data, output=out_dir, view={"summary": summary, "files": files})
