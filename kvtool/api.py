@@ -47,7 +47,7 @@ from kvtool.commands._common import declare_files
 from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import envelope
-from kvtool.core.names import canonical_dtype
+from kvtool.core.names import RENAMED_KEYS, canonical_dtype
 from kvtool.core.progress import Progress, make_sink, stage_callback
 from kvtool.core.sample import SAMPLE_PATH, resolve_sample
 
@@ -135,6 +135,9 @@ class Result:
         return envelope(self.command, self.report, input=self.input, inputs=self.inputs, output=self.output)
 
     def __getitem__(self, key: str) -> Any:
+        if key not in self.report and key in RENAMED_KEYS:  # a key of an earlier version: its new name, with a warning
+            warnings.warn(f"result key {key!r} is now {RENAMED_KEYS[key]!r}", FutureWarning, stacklevel=2)
+            key = RENAMED_KEYS[key]
         return self.report[key]
 
     @classmethod
@@ -155,15 +158,21 @@ def _freeze(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class CompressResult(Result):
-    """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction).
+    """``storage_ratio``: ``stored_bytes`` / ``dense_bytes`` of the compressed tokens (a fraction).
     ``compressed``: the in-memory :class:`~kvtool.formats.base.CompressedCache` when a
     :class:`~kvtool.core.cache.KVCache` was compressed (None for files)."""
 
     format: str = ""
     storage_ratio: float = 0.0
-    compressed_bytes: int = 0
+    stored_bytes: int = 0
     dense_bytes: int = 0
     compressed: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def compressed_bytes(self) -> int:
+        """Deprecated name of :attr:`stored_bytes` (read until the next version)."""
+        warnings.warn("CompressResult.compressed_bytes is now stored_bytes", FutureWarning, stacklevel=2)
+        return self.stored_bytes
 
 
 @dataclass(frozen=True)
@@ -601,7 +610,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
             out = str(save_compressed(cc, Path(output), force=force))
             report["output"] = out
         return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["storage_ratio"],
-                              compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
+                              stored_bytes=report["stored_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
     if hasattr(cache, "layers") and hasattr(cache, "get_seq_length"):
         from kvtool.hf.live import compress_hf_cache  # deferred: transformers loads only when asked for
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.names import upgrade_keys
 from kvtool.core.io import atomic_write_text
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.jsonio import to_json_text
@@ -176,7 +177,7 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
         row = {**base, "setting": s.label, "method": s.method.label, "budget": s.budget}
         if s.method.kind == "dense":
             res = answer(model, tokenizer, prep, None, scoring)
-            row.update({"spec": "dense", "stored_ratio": 1.0})
+            row.update({"spec": "dense", "storage_ratio": 1.0})
         else:
             made = _compress(model, prep, s, facts, inputs)
             if made is None:
@@ -185,7 +186,7 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
                 continue
             cc, spec = made
             res = answer(model, tokenizer, prep, cc, scoring)
-            row.update({"spec": spec, "stored_ratio": cc.byte_report()["ratio"]})
+            row.update({"spec": spec, "storage_ratio": cc.byte_report()["storage_ratio"]})
         row.update({k: res[k] for k in ("correct", "part") if k in res})
         if "nll" in res:
             row["answer_nll"] = res["nll"]
@@ -221,7 +222,7 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         if key not in seen:
             seen.add(key)
             rows.append(row)
-    return rows
+    return upgrade_keys(rows, str(path))  # rows of an earlier kvtool: old key names
 
 
 def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], lengths: list[int], samples: int, seed: int,
@@ -298,7 +299,7 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
         c["n"] += 1
         c["k"] += int(bool(r.get("correct")))
         c["part"].append(float(r.get("part", 0.0)))
-        c["stored"].append(float(r.get("stored_ratio", 1.0)))
+        c["stored"].append(float(r.get("storage_ratio", 1.0)))
         c["specs"].add(r.get("spec", ""))
     out = []
     dense = {(c["task"], c["length"]): c for (s, _, _), c in cells.items() if s == "dense"}
@@ -311,8 +312,8 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
         out.append({"setting": c["setting"], "method": c["method"], "budget": c["budget"], "task": c["task"], "length": c["length"],
                     "accuracy": iv["mean"], "lo": iv["lo"], "hi": iv["hi"], "n": iv["n"], "correct": iv["k"],
                     "part": sum(c["part"]) / len(c["part"]) if c["part"] else None,
-                    "stored_ratio": sum(c["stored"]) / len(c["stored"]) if c["stored"] else None,
-                    "stored_max": max(c["stored"]) if c["stored"] else None,
+                    "storage_ratio": sum(c["stored"]) / len(c["stored"]) if c["stored"] else None,
+                    "storage_ratio_max": max(c["stored"]) if c["stored"] else None,
                     "specs": sorted(c["specs"]), "kept_of_dense": kept, "unavailable": c["unavailable"] if not c["n"] else None})
     settings = list(dict.fromkeys(c["setting"] for c in out))
     tasks = sorted({(c["task"], c["length"]) for c in out}, key=lambda x: (x[1], x[0]))
@@ -335,7 +336,7 @@ def _by_setting(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         iv = wilson(k, n)
         out.append({"setting": s, "method": cs[0]["method"], "budget": cs[0]["budget"], "accuracy": iv["mean"], "lo": iv["lo"], "hi": iv["hi"],
                     "n": n, "kept_of_dense": sum(kept) / len(kept) if kept else None,
-                    "stored_ratio": sum(c["stored_ratio"] for c in cs) / len(cs)})
+                    "storage_ratio": sum(c["storage_ratio"] for c in cs) / len(cs)})
     return out
 
 
@@ -349,7 +350,7 @@ def with_threads(threads: int | None, fn: Callable[[], Any]) -> Any:
         torch.set_num_threads(before)
 
 
-CSV_FIELDS = ("setting", "method", "budget", "task", "length", "accuracy", "lo", "hi", "n", "correct", "part", "stored_ratio", "stored_max",
+CSV_FIELDS = ("setting", "method", "budget", "task", "length", "accuracy", "lo", "hi", "n", "correct", "part", "storage_ratio", "storage_ratio_max",
               "kept_of_dense", "specs", "unavailable")
 
 
@@ -371,7 +372,7 @@ def write_outputs(summary: dict[str, Any], out_dir: Path) -> dict[str, str]:
         w.writerow({**c, "specs": ";".join(c.get("specs") or [])})
     atomic_write_text(out_dir / "tasks.csv", buf.getvalue(), force=True)
     points = [{"format": r["method"], "params_text": "" if r["budget"] is None else f"{100 * r['budget']:g}%",
-               "storage_ratio": r["stored_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r["accuracy"] is not None]
+               "storage_ratio": r["storage_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r["accuracy"] is not None]
     if points:
         tasks = ", ".join(f"{t['task']} {t['length']}" for t in summary["tasks"])
         plot_frontier(points, out_dir / "frontier.png", "task_accuracy", title=f"task accuracy, mean over {tasks}")

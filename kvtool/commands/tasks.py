@@ -55,13 +55,6 @@ def cell_text(c: dict[str, Any]) -> str:
     return f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]"
 
 
-def json_names(row: dict[str, Any]) -> dict[str, Any]:
-    """A summary row in the JSON contract's names (docs/cli.md): ``stored_ratio`` -> ``storage_ratio``,
-    ``stored_max`` -> ``storage_ratio_max``."""
-    names = {"stored_ratio": "storage_ratio", "stored_max": "storage_ratio_max"}
-    return {names.get(k, k): v for k, v in row.items()}
-
-
 def print_summary(summary: dict[str, Any]) -> None:
     tasks = [(t["task"], t["length"]) for t in summary["tasks"]]
     cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
@@ -70,7 +63,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     rows = []
     for s in summary["settings"]:
         first = next((cells[(s, t, n)] for t, n in tasks if (s, t, n) in cells), None)
-        stored = by.get(s, {}).get("stored_ratio")
+        stored = by.get(s, {}).get("storage_ratio")
         kept = by.get(s, {}).get("kept_of_dense")
         rows.append([s, "-" if stored is None else f"{100 * stored:.1f}"] + [cell_text(cells[(s, t, n)]) if (s, t, n) in cells else "-" for t, n in tasks]
                     + ["-" if kept is None else f"{100 * kept:.0f}%"])
@@ -143,8 +136,8 @@ def tasks_cmd(
         mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
         question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress))
     files = taskrun.write_outputs(summary, out_dir)
-    data = {"run": summary["run"], "files": files, "cells": [json_names(c) for c in summary["cells"]],
-            "by_setting": [json_names(r) for r in summary["by_setting"]]}
+    data = {"run": summary["run"], "files": files, "cells": summary["cells"],
+            "by_setting": summary["by_setting"]}
     return Outcome(data, output=out_dir, view={"summary": summary, "files": files})
 
 

@@ -322,7 +322,7 @@ class CompressedCache:
 
     def byte_report(self) -> dict[str, Any]:
         """Bytes by part over all layers, the float16 bytes of the same prefix's keys and values
-        (whatever the capture's dtype), and the ratio."""
+        (whatever the capture's dtype), and ``storage_ratio`` (stored / dense bytes, a fraction)."""
         fmt = self.fmt
         parts: dict[str, int] = {}
         for enc in self.layers.values():
@@ -331,7 +331,7 @@ class CompressedCache:
         f = self.facts
         dense = dense_reference_bytes(self.token_ids.shape[0], f.num_kv_heads, self.prefix_tokens, f.head_dim, len(self.layers))
         total = sum(parts.values())
-        return {"parts": parts, "compressed_bytes": total, "dense_bytes": dense, "ratio": total / dense if dense else float("nan")}
+        return {"parts": parts, "stored_bytes": total, "dense_bytes": dense, "storage_ratio": total / dense if dense else float("nan")}
 
 
 def compress_cache(cache: KVCache, fmt: Format, params: FormatParams, heldout: int = 0, progress=None) -> CompressedCache:
