@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.core.errors import BadDataError, UsageError
-from kvtool.core.names import upgrade_keys
+from kvtool.core.names import FORMAT_ALIASES, closest, upgrade_keys
 from kvtool.core.io import atomic_write_text
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.jsonio import to_json_text
@@ -41,6 +41,7 @@ from kvtool.analysis.taskeval import SCORING, answer, prepare, wilson
 from kvtool.analysis.tasks import TaskSample, Tokens, generate_sample
 from kvtool.hf import presses as hfpress
 
+FAMILY_ALIASES = {"quant": "kivi"}  # the budget-filling family of the quant format is KIVI's
 PRESS_STORAGE = {"": "dense", "kivi4": "quant:bits=4,group=32,residual=0,partial=true", "kivi2": "quant:bits=2,group=32,residual=0,partial=true"}
 
 
@@ -70,10 +71,13 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``dense``, a family, ``press:NAME[+kivi4|+kivi2]``, ``plan:FILE`` or ``spec:SPEC``."""
+    """``dense``, a family (``quant`` is the ``kivi`` family: KIVI is quant's scheme), ``press:NAME[+kivi4|+kivi2]``,
+    ``plan:FILE``, ``spec:SPEC`` or a spec without ``spec:`` (``quant:bits=4``, ``snapkv:budget=128+kivi4``;
+    read as ``kvtool compress --format`` reads it)."""
     t = text.strip()
     if t == "dense":
         return Method("dense", "dense")
+    t = FAMILY_ALIASES.get(t, t)
     if t in fill.FAMILIES:
         return Method("uniform", t)
     if t.startswith("press:"):
@@ -89,7 +93,12 @@ def parse_method(text: str) -> Method:
         spec = t[len("spec:"):]
         resolve_spec(spec)
         return Method("spec", spec)
-    raise UsageError(f"unknown method {t!r}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME, plan:FILE or spec:SPEC")
+    if ":" in t or "+" in t or t in FORMAT_ALIASES:
+        resolve_spec(t)  # a format spec given without spec: (an unknown name is refused here, with the closest known one)
+        return Method("spec", t)
+    known = ["dense", *fill.FAMILIES, *FAMILY_ALIASES, "press:", "plan:", "spec:"]
+    raise UsageError(f"unknown method {t!r}{closest(t, known)}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME, plan:FILE "
+                     "or a format spec (spec:SPEC or SPEC: quant:bits=4, snapkv:budget=128+kivi4)")
 
 
 def plan_budget(plan: Plan) -> float | None:

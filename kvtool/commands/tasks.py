@@ -40,12 +40,13 @@ def parse_budgets(items: list[str] | None) -> list[float]:
 
 
 def split_methods(items: list[str] | None) -> list[str]:
-    """``["dense,kivi", "spec:quant:bits=4,group=128"]`` -> each method once; commas separate
-    methods except inside a ``spec:`` (whose parameters hold commas: give it its own --methods)."""
+    """``["dense,kivi", "spec:quant:bits=4,group=128", "snapkv:budget=128"]`` -> each method once; commas
+    separate methods except inside a spec with parameters (``spec:...`` or ``NAME:key=value,...``, whose
+    parameters hold commas: give it as its own value)."""
     out: list[str] = []
     for item in items or ["dense"]:
         item = item.strip()
-        out += [item] if item.startswith("spec:") else [m.strip() for m in item.split(",") if m.strip()]
+        out += [item] if item.startswith("spec:") or "=" in item else [m.strip() for m in item.split(",") if m.strip()]
     return list(dict.fromkeys(out))
 
 
@@ -96,7 +97,7 @@ def print_tasks(outcome: Outcome) -> None:
     render=print_tasks,
 )
 def tasks_cmd(
-    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+kivi4], plan:FILE; spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Methods, comma- or space-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "; quant is kivi), press:NAME[+kivi4], plan:FILE, or a format spec as --format takes it (quant:bits=4, snapkv:budget=128+kivi4; one with parameters as a value of its own). Several after one --methods, or repeated; default: dense.")] = None,
     tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + ".")] = "niah_single,niah_essay,niah_multikey,niah_multikey_essay",
     lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
     samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,

@@ -73,3 +73,39 @@ def _upgrade(obj: Any, found: set[str]) -> Any:
             key = new
         out[key] = _upgrade(value, found)
     return out
+
+
+# ----------------------------------------------------------------------------- method names
+# Names for a way to compress that are not registered formats: each stands for a registered format with
+# some parameters fixed (the format registry stays the one list of formats). ``kivi`` is the quant
+# format's KIVI scheme; ``kivi4`` / ``kivi2`` are the KIVI settings the task families and presses store
+# tokens with (groups of 32, the partial group quantised, no full-precision residual).
+FORMAT_ALIASES: dict[str, tuple[str, dict[str, str]]] = {
+    "kivi": ("quant", {"scheme": "kivi"}),
+    "kivi4": ("quant", {"scheme": "kivi", "bits": "4", "group": "32", "residual": "0", "partial": "true"}),
+    "kivi2": ("quant", {"scheme": "kivi", "bits": "2", "group": "32", "residual": "0", "partial": "true"}),
+}
+
+
+def unalias(name: str, values: dict[str, str], spec: str = "") -> tuple[str, dict[str, str]]:
+    """``("kivi", {"bits": "2"})`` -> ``("quant", {"scheme": "kivi", "bits": "2"})``; other names come
+    back as given. An alias fixes its parameters: giving one of them another value is a UsageError."""
+    if name not in FORMAT_ALIASES:
+        return name, values
+    from kvtool.core.errors import UsageError
+
+    base, fixed = FORMAT_ALIASES[name]
+    for key, value in values.items():
+        k = key.strip().replace("-", "_")
+        if k in fixed and str(value).strip().lower() != fixed[k]:
+            text = ",".join(f"{a}={b}" for a, b in fixed.items())
+            raise UsageError(f"{spec or name}: {name} is {base}:{text}; {k}={value} contradicts it (name {base} to choose {k})")
+    return base, {**fixed, **{k: v for k, v in values.items() if k.strip().replace('-', '_') not in fixed}}
+
+
+def closest(name: str, known: "list[str] | tuple[str, ...] | set[str]") -> str:
+    """`` (did you mean 'quant'?)`` when a known name is close to ``name`` (difflib), else ``""``."""
+    import difflib
+
+    match = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.core.errors import UsageError
+from kvtool.core.names import unalias
 
 
 def _key(name: str) -> str:
@@ -14,7 +15,8 @@ def _key(name: str) -> str:
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"quant:bits=4,group=32"`` -> ``("quant", {"bits": "4", "group": "32"})``. A parameter given
     twice (``quant:bits=4,bits=2``, or ``key-sparsity`` and ``key_sparsity``) is a UsageError: which
-    one was meant is not for kvtool to guess."""
+    one was meant is not for kvtool to guess. A name of :data:`kvtool.core.names.FORMAT_ALIASES`
+    comes back as the format it stands for (``"kivi:bits=2"`` -> ``("quant", {"scheme": "kivi", "bits": "2"})``)."""
     name, _, rest = spec.partition(":")
     values: dict[str, str] = {}
     for item in filter(None, (p.strip() for p in rest.split(","))):
@@ -26,7 +28,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         if twin is not None:
             raise UsageError(f"{name.strip()}: parameter {key!r} is given twice in {spec!r} ({values[twin]} and {value.strip()}); give it once")
         values[key] = value.strip()
-    return name.strip(), values
+    return unalias(name.strip(), values, spec)
 
 
 def _same(a: Any, b: Any) -> bool:

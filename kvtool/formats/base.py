@@ -35,6 +35,7 @@ from kvtool.core.attention import attend_partial
 from kvtool.core.cache import KVCache, LayerKV, ModelFacts, dense_reference_bytes
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
+from kvtool.core.names import FORMAT_ALIASES, closest
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
@@ -225,7 +226,12 @@ def load_all() -> dict[str, Format]:
 def get_format(name: str) -> Format:
     load_all()
     if name not in FORMATS:
-        raise UsageError(f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
+        from kvtool.methods.evict import POLICIES  # deferred: only to word the error
+        from kvtool.methods.prune import METHODS
+
+        known = [*FORMATS, *FORMAT_ALIASES, *POLICIES, *METHODS]
+        raise UsageError(f"unknown format {name!r}{closest(name, known)}; known formats: {', '.join(sorted(FORMATS))} "
+                         f"(also {', '.join(FORMAT_ALIASES)}; eviction and pruning steps chain with +: snapkv:budget=256+quant:bits=4)")
     return FORMATS[name]
 
 
