@@ -115,3 +115,15 @@ def test_bench_decode_runs_two_formats_after_one_option(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     providers = {r["provider"] for r in json.loads(res.stdout)["records"]}
     assert {"kivi:bits=4", "snapkv:budget=32"} <= providers, providers
+
+
+def test_plans_take_the_same_names():
+    import kvtool
+    from kvtool.core import io
+    from kvtool.formats.plan import Plan, compress_plan
+
+    cache = io.load(kvtool.sample_path(), layers=[7, 15])
+    short = Plan({7: ["kivi:bits=2"], 15: ["snapkv:budget=64", "kivi4", "quant:bits=4"]})
+    spelled = Plan({7: ["quant:scheme=kivi,bits=2"], 15: ["snapkv:budget=64+dense", "quant:scheme=kivi,bits=4,group=32,residual=0,partial=true", "quant:bits=4"]})
+    a, b = (compress_plan(cache, p, heldout=16).byte_report() for p in (short, spelled))
+    assert a == b

@@ -242,3 +242,17 @@ def test_byte_report_plan_and_results(tmp_path):
     assert "stored_bytes" not in predicted(shares, [1, 0])  # shares of the dense bytes are not bytes
     plan = Plan({0: ["quant:bits=4"]}, default="dense", extra={"predicted": pred, "uniform": uniform_options(sens)})
     assert value_problems({k: v for k, v in plan.to_dict().items() if k != "layers"}) == []
+
+
+def test_result_fields_are_named_as_their_json_keys():
+    """A typed field of a Python result reads the JSON key of its own name (or a dotted path ending in it)."""
+    from dataclasses import fields
+
+    import kvtool.api as api
+
+    for cls in vars(api).values():
+        if isinstance(cls, type) and issubclass(cls, api.Result) and cls is not api.Result:
+            for f in fields(cls):
+                key = f.metadata.get("key", f.name)
+                if f.name not in api._BASE and f.name != "compressed":
+                    assert key.split(".")[-1] == f.name or key.endswith(f".{f.name}"), (cls.__name__, f.name, key)
