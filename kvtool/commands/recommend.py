@@ -223,7 +223,7 @@ def recommend(
     calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
     no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
-    uniform_checks: Annotated[int, typer.Option(help="Budget-filling uniform families checked on the model (those with the lowest predicted loss; default: all of them).", min=1)] = 10,
+    uniform_checks: Annotated[int, typer.Option(help="Budget-filling uniform families checked on the model: those with the lowest predicted loss (10, the default, is every family).", min=1)] = 10,
     objective: Annotated[str, typer.Option(help="nll: calibrate on the capture's prompt, check NLL/top-1/KL on its continuation and texts; tasks: calibrate on long-context task samples (question after compression), check task accuracy.")] = "nll",
     servable: Annotated[str | None, typer.Option(help="paged: one token budget per layer across its KV heads (KIVI / eviction only), so `kvtool export --to paged` takes the plan.")] = None,
     score_tokens: Annotated[int, typer.Option(help="Continuation tokens scored on each held-out text (NLL, top-1, KL).", min=1)] = 256,
