@@ -6,6 +6,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from kvtool.core.errors import UsageError
+
 # every accepted spelling -> the canonical torch name
 DTYPE_ALIASES = {
     "fp16": "float16", "float16": "float16", "half": "float16",
@@ -92,8 +94,6 @@ def unalias(name: str, values: dict[str, str], spec: str = "") -> tuple[str, dic
     back as given. An alias fixes its parameters: giving one of them another value is a UsageError."""
     if name not in FORMAT_ALIASES:
         return name, values
-    from kvtool.core.errors import UsageError
-
     base, fixed = FORMAT_ALIASES[name]
     for key, value in values.items():
         k = key.strip().replace("-", "_")

@@ -227,7 +227,7 @@ def get_format(name: str) -> Format:
     load_all()
     if name not in FORMATS:
         from kvtool.methods.evict import POLICIES  # deferred: only to word the error
-        from kvtool.methods.prune import METHODS
+        from kvtool.methods.prune import METHODS  # deferred: only to word the error
 
         known = [*FORMATS, *FORMAT_ALIASES, *POLICIES, *METHODS]
         raise UsageError(f"unknown format {name!r}{closest(name, known)}; known formats: {', '.join(sorted(FORMATS))} "
