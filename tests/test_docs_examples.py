@@ -71,6 +71,7 @@ PARSE_ONLY: list[tuple[Callable[[list[str], Path], bool], str]] = [
     (lambda a, d: a[0] in ("capture", "generate", "tasks"), "runs a language model (the real one or a download)"),
     (lambda a, d: a[0] == "bench" and "report" not in a, "times GPU kernels (tests/test_bench.py runs the suites on the CPU interpreter)"),
     (lambda a, d: any(v.startswith("cuda") for v in a) or "--device-map" in a, "needs a CUDA device"),
+    (lambda a, d: "--build-kernels" in a, "builds the CUDA extensions (needs the CUDA toolchain and a GPU)"),
     (lambda a, d: a[0] in ("verify", "eval", "recommend", "report") and "--no-model" not in a, "scores continuations with the model"),
     (lambda a, d: a[0] == "export" and "hf" in a, "a transformers cache needs all the model's layers; the seeded capture holds 4"),
     (lambda a, d: bool(_missing_inputs(a, d)), "reads a file no earlier example of its page makes (a GPU-sized capture, a model folder, a bench file)"),

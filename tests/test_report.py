@@ -200,7 +200,7 @@ def test_model_cost_figure_ticks_in_nats():
 def test_model_cost_marker_sits_at_the_centre_of_its_own_bar():
     from kvtool.analysis.html_report import model_cost_figure
 
-    cases = [{"stored_ratio": 0.15, "nll_increase": v} for v in (0.05, 0.001, 0.002, 0.003)]  # the capture's case far from the mean
+    cases = [{"storage_ratio": 0.15, "nll_increase": v} for v in (0.05, 0.001, 0.002, 0.003)]  # the capture's case far from the mean
     iv = {"mean": 0.014, "lo": 0.0, "hi": 0.04, "n": 4}
     budgets = [{"budget": "15%", "plan_label": "plan @ 15%", "check": {"plan @ 15%": {"cases": cases, "nll_increase": iv}}}]
     ax = model_cost_figure(budgets).axes[0]
