@@ -47,7 +47,7 @@ from kvtool.commands._common import declare_files
 from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import envelope
-from kvtool.core.names import canonical_dtype
+from kvtool.core.names import RENAMED_KEYS, canonical_dtype
 from kvtool.core.progress import Progress, make_sink, stage_callback
 from kvtool.core.sample import SAMPLE_PATH, resolve_sample
 
@@ -135,6 +135,9 @@ class Result:
         return envelope(self.command, self.report, input=self.input, inputs=self.inputs, output=self.output)
 
     def __getitem__(self, key: str) -> Any:
+        if key not in self.report and key in RENAMED_KEYS:  # a key of an earlier version: its new name, with a warning
+            warnings.warn(f"result key {key!r} is now {RENAMED_KEYS[key]!r}", FutureWarning, stacklevel=2)
+            key = RENAMED_KEYS[key]
         return self.report[key]
 
     @classmethod
@@ -155,15 +158,21 @@ def _freeze(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class CompressResult(Result):
-    """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction).
+    """``storage_ratio``: ``stored_bytes`` / ``dense_bytes`` of the compressed tokens (a fraction).
     ``compressed``: the in-memory :class:`~kvtool.formats.base.CompressedCache` when a
     :class:`~kvtool.core.cache.KVCache` was compressed (None for files)."""
 
     format: str = ""
     storage_ratio: float = 0.0
-    compressed_bytes: int = 0
+    stored_bytes: int = 0
     dense_bytes: int = 0
     compressed: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def compressed_bytes(self) -> int:
+        """Deprecated name of :attr:`stored_bytes` (read until the next version)."""
+        warnings.warn("CompressResult.compressed_bytes is now stored_bytes", FutureWarning, stacklevel=2)
+        return self.stored_bytes
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,15 @@ class EvalResult(Result):
 
 @dataclass(frozen=True)
 class ExportResult(Result):
-    target: str = _at("to", "")
+    """``to``: the layout written (``--to``)."""
+
+    to: str = ""
+
+    @property
+    def target(self) -> str:
+        """Deprecated name of :attr:`to` (read until the next version)."""
+        warnings.warn("ExportResult.target is now to", FutureWarning, stacklevel=2)
+        return self.to
 
 
 @dataclass(frozen=True)
@@ -280,6 +297,18 @@ def _coerce(annotation: Any, value: Any) -> Any:
     return value
 
 
+def _api_type(base: Any, capture: bool = False) -> Any:
+    """The annotation a declared type has in Python: a path is ``str | Path`` (``"sample:"`` too); a
+    ``capture`` also takes a :class:`kvtool.KVCache`."""
+    if base is Path:
+        return "str | Path | kvtool.KVCache" if capture else PathLike
+    args = typing.get_args(base)
+    if not args or not any(_is_path(a) or a is Path for a in args):
+        return base
+    swapped = tuple(_api_type(a) for a in args)
+    return list[swapped[0]] if typing.get_origin(base) is list else typing.Union[swapped]
+
+
 def api_signature(fn: Callable[..., Outcome]) -> tuple[inspect.Signature, dict[str, Any], dict[str, Any]]:
     """The Python signature of a declared command (arguments positional, options keyword-only unless
     marked ``Api(positional=True)``, hidden and ``Api(skip=True)`` parameters left out, ``progress``
@@ -293,7 +322,7 @@ def api_signature(fn: Callable[..., Outcome]) -> tuple[inspect.Signature, dict[s
             continue
         is_arg = type(info).__name__ == "ArgumentInfo"
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if is_arg or api.positional else inspect.Parameter.KEYWORD_ONLY
-        param = inspect.Parameter(p.name, kind, default=p.default, annotation=api.type if api.type is not None else base)
+        param = inspect.Parameter(p.name, kind, default=p.default, annotation=api.type if api.type is not None else _api_type(base, p.name == "capture"))
         (positional if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else keyword).append(param)
     keyword.append(inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=ProgressArg))
     return inspect.Signature(positional + keyword), types, skipped
@@ -309,7 +338,7 @@ def api_doc(fn: Callable[..., Outcome], signature: inspect.Signature) -> str:
         if name == "progress":
             text = "'auto' (a bar in a terminal, lines on stderr elsewhere), False, a callable (stage, done, total) or a Progress"
         else:
-            text = (helps.get(name) or "").replace("\\[", "[")
+            text = python_message((helps.get(name) or "").replace("\\[", "["))
         default = "" if p.default is inspect.Parameter.empty else f" (default {p.default!r})"
         lines.append(f"    {name}: {text}{default}")
     return "\n".join(lines)
@@ -702,7 +731,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
             out = str(save_compressed(cc, Path(output), force=force))
             report["output"] = out
         return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["storage_ratio"],
-                              compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
+                              stored_bytes=report["stored_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
     if hasattr(cache, "layers") and hasattr(cache, "get_seq_length"):
         from kvtool.hf.live import compress_hf_cache  # deferred: transformers loads only when asked for
 
@@ -720,5 +749,9 @@ def _compress_handler(capture: Any, **values: Any) -> Any:
 
 OBJECT_HANDLERS["compress"] = _compress_handler
 compress.__doc__ = (compress.__doc__ or "") + (
-    "\n\nIn-memory caches too: a kvtool KVCache (the result's ``compressed`` holds the CompressedCache) or a transformers "
-    "cache (compressed in place into a live cache, returned); see :func:`kvtool.api._compress_in_memory`.")
+    "\n\n``capture`` may also be a cache in memory: a kvtool KVCache (its first ``T - heldout`` tokens encoded as the command "
+    "encodes a file; the result's ``compressed`` holds the CompressedCache, written only with ``output=``) or a transformers "
+    "cache (compressed in place into a live cache, which is returned; the format's parameters go inside the spec, no output).")
+compress.__signature__ = compress.__signature__.replace(parameters=[  # type: ignore[attr-defined]
+    p.replace(annotation="str | Path | kvtool.KVCache | transformers.Cache") if p.name == "capture" else p
+    for p in compress.__signature__.parameters.values()])  # type: ignore[attr-defined]

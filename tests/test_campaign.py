@@ -313,8 +313,8 @@ def test_d18_outputs_on_a_read_only_or_pseudo_file_system_are_refused_up_front(t
 
 def tasks_summary(**change) -> dict:
     cell = {"setting": "dense", "method": "dense", "budget": None, "task": "niah_single", "length": 1024, "accuracy": 1.0, "lo": 0.5,
-            "hi": 1.0, "n": 2, "correct": 2, "stored_ratio": 1.0}
-    by = {"setting": "dense", "method": "dense", "budget": None, "accuracy": 1.0, "lo": 0.5, "hi": 1.0, "n": 2, "stored_ratio": 1.0}
+            "hi": 1.0, "n": 2, "correct": 2, "storage_ratio": 1.0}
+    by = {"setting": "dense", "method": "dense", "budget": None, "accuracy": 1.0, "lo": 0.5, "hi": 1.0, "n": 2, "storage_ratio": 1.0}
     data = {"run": {}, "cells": [cell], "by_setting": [by], "tasks": [{"task": "niah_single", "length": 1024}], "settings": ["dense"]}
     for key, value in change.items():
         part, field = key.split("__")
@@ -322,7 +322,7 @@ def tasks_summary(**change) -> dict:
     return data
 
 
-@pytest.mark.parametrize("change", [{"by_setting__accuracy": "high"}, {"by_setting__stored_ratio": "x"}, {"cells__lo": [1]},
+@pytest.mark.parametrize("change", [{"by_setting__accuracy": "high"}, {"by_setting__storage_ratio": "x"}, {"cells__lo": [1]},
                                     {"cells__n": "2"}, {"tasks__length": "1k"}, {"by_setting__n": None}])
 def test_d19_report_tasks_with_bad_cells_is_bad_data(tiny_capture, tmp_path, change):
     folder = tmp_path / "t"

@@ -105,8 +105,8 @@ def test_every_way_in_generates_the_file_paths_tokens(spec, tiny, cap, plan_file
     ring = not spec.endswith(".json") and resolve(spec)[0].appends_tokens
     # kvtool generate of a compressed file, and kvtool.to_hf_cache
     path = save_compressed(_compressed(cap, spec, 12), tmp_path / "c.safetensors")
-    ref = generate(path, "", max_new_tokens=STEPS, loaded=(model, tok), mode="ring" if ring else "attend")["new_tokens"]
-    assert generate(path, "", max_new_tokens=STEPS, loaded=(model, tok))["new_tokens"] == ref, "kvtool generate"
+    ref = generate(path, "", max_new_tokens=STEPS, loaded=(model, tok), mode="ring" if ring else "attend")["new_token_ids"]
+    assert generate(path, "", max_new_tokens=STEPS, loaded=(model, tok))["new_token_ids"] == ref, "kvtool generate"
     cache = kvtool.to_hf_cache(path, model, hold_last=True)
     assert is_live(cache)
     assert [_greedy(model, cap.token_ids, **cache_kwargs(model, cache))] == ref, "to_hf_cache"

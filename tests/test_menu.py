@@ -86,9 +86,9 @@ def test_best_uniform_is_the_best_of_what_was_checked():
     check = {"plan @ 15%": {"relative_nll_increase": {"mean": 0.001}},
              "a": {"relative_nll_increase": {"mean": 0.3}}, "b": {"relative_nll_increase": {"mean": 0.05}}}
     assert best_uniform(check, ["a", "b"]) == "b" and best_uniform(check, []) is None
-    rows = {"streaming+kivi4g128 @ 15%": {"accuracy": 0.5, "lo": 0.3, "stored_ratio": 0.15},
-            "press:knorm+kivi4g128 @ 15%": {"accuracy": 0.5, "lo": 0.35, "stored_ratio": 0.15},
-            "kivi @ 15%": {"accuracy": 0.05, "lo": 0.0, "stored_ratio": 0.15}, "signvq @ 15%": {"accuracy": None}}
+    rows = {"streaming+kivi4g128 @ 15%": {"accuracy": 0.5, "lo": 0.3, "storage_ratio": 0.15},
+            "press:knorm+kivi4g128 @ 15%": {"accuracy": 0.5, "lo": 0.35, "storage_ratio": 0.15},
+            "kivi @ 15%": {"accuracy": 0.05, "lo": 0.0, "storage_ratio": 0.15}, "signvq @ 15%": {"accuracy": None}}
     assert best_uniform(rows, list(rows), "tasks") == "press:knorm+kivi4g128 @ 15%"
     with pytest.raises(UsageError):
         best_uniform(rows, list(rows), "bytes")
@@ -215,8 +215,8 @@ def test_recommend_checks_presses_in_every_storage(tiny_capture, tiny_llama_dir,
     assert set(labels) <= set(b["check"])
     for label in labels:
         row = b["check"][label]["cases"][0]
-        assert row["stored_ratio"] <= 0.4 + 1e-9 and row["kl"] >= 0
-    assert b["check"]["press:knorm"]["cases"][0]["stored_ratio"] > 0.35  # float16: the kept share fills the budget
+        assert row["storage_ratio"] <= 0.4 + 1e-9 and row["kl"] >= 0
+    assert b["check"]["press:knorm"]["cases"][0]["storage_ratio"] > 0.35  # float16: the kept share fills the budget
     every = list(b["uniform_fills"].values()) + labels
     assert b["best_uniform"] == best_uniform(b["check"], every)
     # fewer uniform checks (a shortlist by predicted loss): no presses, which have no predicted loss

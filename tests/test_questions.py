@@ -91,9 +91,9 @@ def test_summary_per_question():
     for i in range(4):
         for q in (1, 2):
             rows.append({"sample": f"niah_multikey:900:0:{i}", "task": "niah_multikey", "length": 900, "setting": "dense", "method": "dense",
-                         "budget": None, "question": q, "correct": True, "stored_ratio": 1.0})
+                         "budget": None, "question": q, "correct": True, "storage_ratio": 1.0})
             rows.append({"sample": f"niah_multikey:900:0:{i}", "task": "niah_multikey", "length": 900, "setting": "kivi @ 15%", "method": "kivi",
-                         "budget": 0.15, "question": q, "correct": q == 1 or i == 0, "stored_ratio": 0.15})
+                         "budget": 0.15, "question": q, "correct": q == 1 or i == 0, "storage_ratio": 0.15})
     s = taskrun.summarize(rows)
     by = {(r["setting"], r["question"]): r for r in s["by_question"]}
     assert by[("kivi @ 15%", 1)]["accuracy"] == 1.0 and by[("kivi @ 15%", 2)]["accuracy"] == 0.25

@@ -151,9 +151,9 @@ def test_frontier_labels_are_nearest_their_own_point_and_the_log_axis_is_readabl
 def test_report_attention_frontier_labels_are_nearest_their_own_point():
     from kvtool.analysis.html_report import attention_frontier_figure
 
-    uniform = [{"spec": f"{f}:x={k}", "ratio": 0.1 + 0.07 * k + 0.01 * n, "loss": (0.5 - 0.05 * k) ** 2 * 4}
+    uniform = [{"spec": f"{f}:x={k}", "storage_ratio": 0.1 + 0.07 * k + 0.01 * n, "loss": (0.5 - 0.05 * k) ** 2 * 4}
                for n, f in enumerate(("quant", "bitmap", "signvq", "snapstream")) for k in range(6)]
-    fig = attention_frontier_figure(uniform, [{"ratio": 0.15, "loss": 0.2, "budget": "15%"}], n_layers=4)
+    fig = attention_frontier_figure(uniform, [{"storage_ratio": 0.15, "loss": 0.2, "budget": "15%"}], n_layers=4)
     ax = fig.axes[0]
     labels = _label_points(ax)
     assert labels
@@ -186,7 +186,7 @@ def test_model_cost_figure_ticks_in_nats():
     from kvtool.analysis.html_report import model_cost_figure
 
     def setting(ratio, nll):
-        return {"cases": [{"stored_ratio": ratio, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": None, "hi": None, "n": 1}}
+        return {"cases": [{"storage_ratio": ratio, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": None, "hi": None, "n": 1}}
 
     budgets = [{"budget": "40%", "plan_label": "plan @ 40%",
                 "check": {"plan @ 40%": setting(0.38, 0.0086), "quant:bits=2": setting(0.29, 0.0084), "signvq:bits=4": setting(0.41, -0.0056)}}]
@@ -200,7 +200,7 @@ def test_model_cost_figure_ticks_in_nats():
 def test_model_cost_marker_sits_at_the_centre_of_its_own_bar():
     from kvtool.analysis.html_report import model_cost_figure
 
-    cases = [{"stored_ratio": 0.15, "nll_increase": v} for v in (0.05, 0.001, 0.002, 0.003)]  # the capture's case far from the mean
+    cases = [{"storage_ratio": 0.15, "nll_increase": v} for v in (0.05, 0.001, 0.002, 0.003)]  # the capture's case far from the mean
     iv = {"mean": 0.014, "lo": 0.0, "hi": 0.04, "n": 4}
     budgets = [{"budget": "15%", "plan_label": "plan @ 15%", "check": {"plan @ 15%": {"cases": cases, "nll_increase": iv}}}]
     ax = model_cost_figure(budgets).axes[0]

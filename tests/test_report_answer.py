@@ -60,11 +60,11 @@ def test_decode_speed_matches_plan_by_its_budget_and_uniform_by_spec(tmp_path):
 
 
 def _budget(check: bool):
-    b = {"budget": "15%", "fraction": 0.15, "predicted": {"exact_ratio": 0.149, "loss": 0.01},
-         "uniform": [{"spec": "quant:bits=2", "ratio": 0.14, "loss": 0.5}, {"spec": "bitmap:sparsity=0.9", "ratio": 0.12, "loss": 0.3}],
+    b = {"budget": "15%", "fraction": 0.15, "predicted": {"exact_storage_ratio": 0.149, "loss": 0.01},
+         "uniform": [{"spec": "quant:bits=2", "storage_ratio": 0.14, "loss": 0.5}, {"spec": "bitmap:sparsity=0.9", "storage_ratio": 0.12, "loss": 0.3}],
          "check": None, "best_uniform": None}
     if check:
-        row = lambda nll: {"cases": [{"stored_ratio": 0.148, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": nll, "hi": nll, "n": 1},  # noqa: E731
+        row = lambda nll: {"cases": [{"storage_ratio": 0.148, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": nll, "hi": nll, "n": 1},  # noqa: E731
                            "agreement": {"mean": 0.9}, "kl": {"mean": 0.01}}
         b.update(check={"plan @ 15%": row(0.01), "snapkv:share=0.5+quant:bits=4": row(0.02)}, best_uniform="snapkv:share=0.5+quant:bits=4",
                  plan_label="plan @ 15%")
@@ -84,7 +84,7 @@ def test_frontier_reading_names_the_same_best_uniform():
         b["plan"] = Plan({})
         rec = {"menu": ["x"], "budgets": [b], "sensitivity": {"uniform": b["uniform"]}}
         assert A.best_uniform(b)["spec"] in reading_frontier(rec)
-    numbered = region_points(_budget(False)["uniform"] + [{"spec": "dense", "ratio": 0.1, "loss": 0.0}, {"spec": "q8", "ratio": 0.5, "loss": 0.1}], 0.15)
+    numbered = region_points(_budget(False)["uniform"] + [{"spec": "dense", "storage_ratio": 0.1, "loss": 0.0}, {"spec": "q8", "storage_ratio": 0.5, "loss": 0.1}], 0.15)
     assert [(r["number"], r["spec"]) for r in numbered] == [(1, "bitmap:sparsity=0.9"), (2, "quant:bits=2")]
 
 
@@ -92,10 +92,10 @@ def test_every_dot_of_the_decision_region_is_labelled_without_overlap():
     from kvtool.analysis.html_report import attention_frontier_figure, region_points
 
     # 24 settings crowded at 5-20%, as the sample's menu is
-    uniform = [{"spec": f"{f}:x={k}", "ratio": 0.05 + 0.025 * k + 0.006 * n, "loss": (0.6 - 0.06 * k + 0.02 * n) ** 2 * 4}
+    uniform = [{"spec": f"{f}:x={k}", "storage_ratio": 0.05 + 0.025 * k + 0.006 * n, "loss": (0.6 - 0.06 * k + 0.02 * n) ** 2 * 4}
                for n, f in enumerate(("quant", "bitmap", "signvq", "snapstream")) for k in range(6)]
     region = 0.2
-    fig = attention_frontier_figure(uniform, [{"ratio": 0.15, "loss": 0.4, "budget": "15%"}], 4, region)
+    fig = attention_frontier_figure(uniform, [{"storage_ratio": 0.15, "loss": 0.4, "budget": "15%"}], 4, region)
     ax = fig.axes[0]
     from matplotlib.text import Text
 
@@ -110,7 +110,7 @@ def test_every_dot_of_the_decision_region_is_labelled_without_overlap():
     for t in ax.texts:  # a numbered label without a leader line sits nearest its own dot
         if t.get_text().isdigit() and t.arrow_patch is None:
             r = want[int(t.get_text()) - 1]
-            own = ax.transData.transform((100 * r["ratio"], math.sqrt(r["loss"] / 4)))
+            own = ax.transData.transform((100 * r["storage_ratio"], math.sqrt(r["loss"] / 4)))
             assert tuple(ax.transData.transform(t.xy)) == pytest.approx(tuple(own))
 
 

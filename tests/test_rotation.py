@@ -193,7 +193,7 @@ def test_live_tokens_equal_the_file_path(spec, tiny, tmp_path):
     path = save_compressed(cc, tmp_path / "r.safetensors")
     live = generate(path, "", max_new_tokens=8, loaded=(model, tok))
     ref = generate(path, "", max_new_tokens=8, loaded=(model, tok), mode="attend")
-    assert live["mode"] == "live" and live["new_tokens"] == ref["new_tokens"]
+    assert live["mode"] == "live" and live["new_token_ids"] == ref["new_token_ids"]
 
 
 def test_press_with_rotation_equals_compressing_the_prefilled_cache(tiny):

@@ -305,19 +305,25 @@ def plan_of(sens: Sensitivity, choice: list[int], facts, extra: dict[str, Any] |
     return Plan(layers, default="dense", model=model_shape(facts), extra=more)
 
 
+def _sizes(sens: Sensitivity, nbytes: float) -> dict[str, Any]:
+    """``stored_bytes`` (whole bytes; absent where the sensitivity counts shares of the dense bytes,
+    ``calibrate="tasks"``) and ``storage_ratio`` (a fraction of the dense bytes)."""
+    ratio = {"storage_ratio": nbytes / sens.dense_bytes}
+    return ratio if sens.calibrate == "tasks" else {"stored_bytes": round(nbytes), **ratio}
+
+
 def predicted(sens: Sensitivity, choice: list[int]) -> dict[str, float]:
+    """A choice's predicted ``stored_bytes``, ``storage_ratio`` (:func:`_sizes`) and ``loss``."""
     idx = torch.arange(len(choice))
     col = torch.tensor(choice)
-    nbytes = float(sens.bytes[idx, col].sum())
-    return {"bytes": nbytes, "ratio": nbytes / sens.dense_bytes, "loss": float(sens.loss[idx, col].sum())}
+    return {**_sizes(sens, float(sens.bytes[idx, col].sum())), "loss": float(sens.loss[idx, col].sum())}
 
 
 def uniform_options(sens: Sensitivity) -> list[dict[str, Any]]:
-    """Every candidate applied to every layer: ``spec``, ``bytes``, ``ratio`` and predicted ``loss``,
-    cheapest first."""
-    rows = [{"spec": s, "bytes": float(sens.bytes[:, c].sum()), "ratio": float(sens.bytes[:, c].sum()) / sens.dense_bytes,
-             "loss": float(sens.loss[:, c].sum())} for c, s in enumerate(sens.specs)]
-    return sorted(rows, key=lambda r: r["bytes"])
+    """Every candidate applied to every layer: ``spec``, predicted ``stored_bytes`` and
+    ``storage_ratio`` (:func:`_sizes`) and ``loss``, cheapest first."""
+    rows = [{"spec": s, **_sizes(sens, float(sens.bytes[:, c].sum())), "loss": float(sens.loss[:, c].sum())} for c, s in enumerate(sens.specs)]
+    return sorted(rows, key=lambda r: r["storage_ratio"])
 
 
 def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
@@ -328,7 +334,7 @@ def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000, ser
     budget = fraction * sens.dense_bytes
     choice = solve_knapsack(sens.bytes, sens.loss, budget, buckets)
     if choice is None:
-        cheapest = min(r["ratio"] for r in uniform_options(sens))
+        cheapest = min(r["storage_ratio"] for r in uniform_options(sens))
         raise UsageError(f"no plan fits {100 * fraction:.1f}% of the dense bytes: the cheapest candidate takes {100 * cheapest:.1f}% (raise --budget)")
     pred = predicted(sens, choice)
     return plan_of(sens, choice, facts), pred

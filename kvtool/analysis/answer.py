@@ -163,7 +163,7 @@ def best_uniform(b: dict[str, Any]) -> dict[str, Any] | None:
     if not fit:
         return None
     best = min(fit, key=lambda r: r["loss"])
-    return {"spec": best["spec"], "ratio": best["ratio"], "how": "lowest predicted attention error among the menu settings that fit"}
+    return {"spec": best["spec"], "ratio": best["storage_ratio"], "how": "lowest predicted attention error among the menu settings that fit"}
 
 
 # ----------------------------------------------------------------------------- GiB, speed, fidelity
@@ -311,7 +311,7 @@ def first_screen(rec: dict[str, Any], facts: Any, capture: Path | str, batch: in
     answers, rows = [], []
     for b in rec["budgets"]:
         tag = b["budget"].rstrip("%")
-        ratio = b["predicted"]["exact_ratio"]
+        ratio = b["predicted"]["exact_storage_ratio"]
         words = plan_words(b["plan"], facts.num_kv_heads)
         gib = kv_gib(facts, ratio, batch, context)
         speed = decode_speed(records, b["fraction"]) if records else None

@@ -338,8 +338,8 @@ def model_fidelity(model: Any, cc: CompressedCache, reference: DenseReference, g
     if generate:
         result["generate"] = generate
         result["first_divergence"] = first_divergence(reference.generated, gen)
-        result["generated_dense"] = reference.generated.tolist()
-        result["generated_lossy"] = gen.tolist()
+        result["generated_dense_ids"] = reference.generated.tolist()
+        result["generated_lossy_ids"] = gen.tolist()
     return result
 
 

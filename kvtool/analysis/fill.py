@@ -34,6 +34,7 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
+from kvtool.core.names import closest
 from kvtool.formats.base import get_format
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.pipeline import encode_kept
@@ -119,7 +120,7 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
             if ratio(spec) <= fraction:
                 return spec
         return None
-    raise UsageError(f"unknown family {family!r}; families: {', '.join(FAMILIES)}")  # pragma: no cover - split_family refuses it
+    raise UsageError(f"unknown family {family!r}{closest(family, FAMILIES)}; families: {', '.join(FAMILIES)}")
 
 
 def press_keep(fraction: float, tokens: int, head_dim: int, storage: str = "dense", kv_heads: int = 1, heads: int = 1) -> float | None:

@@ -33,6 +33,7 @@ from kvtool.core.documents import check_eval_points, read_bench_document
 from kvtool.analysis.taskfiles import check_summary
 from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
+from kvtool.core.names import upgrade_keys
 from kvtool.analysis.palette import format_color, spec_format
 from kvtool.analysis.bands import grade
 from kvtool.analysis.frontier import place_labels, readable_log_axis
@@ -105,7 +106,7 @@ def region_points(uniform: list[dict[str, Any]], region: float | None) -> list[d
     table lists. Settings with no error (dense) are not drawn, so not numbered."""
     if region is None:
         return []
-    rows = sorted((r for r in uniform if r["loss"] > 1e-10 and r["ratio"] <= region), key=lambda r: (r["ratio"], r["loss"]))
+    rows = sorted((r for r in uniform if r["loss"] > 1e-10 and r["storage_ratio"] <= region), key=lambda r: (r["storage_ratio"], r["loss"]))
     return [{**r, "number": n + 1} for n, r in enumerate(rows)]
 
 
@@ -120,9 +121,9 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     rows = [r for r in uniform if r["loss"] > 1e-10]
     for fmt in sorted({spec_format(r["spec"]) for r in rows}):
         mine = [r for r in rows if spec_format(r["spec"]) == fmt]
-        ax.scatter([100 * r["ratio"] for r in mine], [math.sqrt(r["loss"] / n_layers) for r in mine], color=format_color(fmt), s=36, label=fmt, zorder=3)
+        ax.scatter([100 * r["storage_ratio"] for r in mine], [math.sqrt(r["loss"] / n_layers) for r in mine], color=format_color(fmt), s=36, label=fmt, zorder=3)
     if plans:
-        ax.scatter([100 * p["ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
+        ax.scatter([100 * p["storage_ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
                    color=format_color("mixed"), edgecolors="black", linewidths=0.6, label="recommended plan", zorder=4)
     if region is not None:
         ax.axvspan(0, 100 * region, color="#0072B2", alpha=0.05, zorder=1, label="decision region (numbered)")
@@ -134,10 +135,10 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.canvas.draw()  # final layout first: labels are placed in pixels
     numbered = region_points(uniform, region)
-    plan_labels = [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
-    place_labels(ax, plan_labels + [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), str(r["number"])) for r in numbered], fontsize=7, leader=True)
-    ids = {id(r) for r in rows if region is not None and r["ratio"] <= region}
-    place_labels(ax, [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows if id(r) not in ids])
+    plan_labels = [(100 * p["storage_ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
+    place_labels(ax, plan_labels + [(100 * r["storage_ratio"], math.sqrt(r["loss"] / n_layers), str(r["number"])) for r in numbered], fontsize=7, leader=True)
+    ids = {id(r) for r in rows if region is not None and r["storage_ratio"] <= region}
+    place_labels(ax, [(100 * r["storage_ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows if id(r) not in ids])
     return fig
 
 
@@ -153,7 +154,7 @@ def region_table(numbered: list[dict[str, Any]], rec: dict[str, Any], n_layers: 
             best.setdefault(u["spec"], []).append(b["budget"])
     marked = any(r["spec"] in best for r in numbered)
     body = "".join(f'<tr><td>{r["number"]}</td><td class="spec" title="{html.escape(r["spec"])}">{html.escape(answering.uniform_words(r["spec"]))}</td>'
-                   f'<td>{pct(r["ratio"])}</td><td>{math.sqrt(r["loss"] / n_layers):.3g}</td>'
+                   f'<td>{pct(r["storage_ratio"])}</td><td>{math.sqrt(r["loss"] / n_layers):.3g}</td>'
                    + (f'<td>{html.escape(", ".join(best.get(r["spec"], [])))}</td>' if marked else "") + "</tr>" for r in numbered)
     head = "<tr><th>#</th><th>uniform setting</th><th>stored</th><th>error</th>" + ("<th>best uniform at</th>" if marked else "") + "</tr>"
     return f'<table class="numbered">{head}{body}</table>'
@@ -339,7 +340,8 @@ def read_tasks(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "tasks.json"
     if not path.is_file():
         raise UsageError(f"--tasks {folder}: no tasks.json there (run kvtool tasks --out-dir {folder} first)")
-    return check_summary(read_json_input(path, f"--tasks {path}"), f"--tasks {path}")
+    # a summary of an earlier kvtool: old key names read under the current ones, then every field checked
+    return check_summary(upgrade_keys(read_json_input(path, f"--tasks {path}"), f"--tasks {path}"), f"--tasks {path}")
 
 
 def reading_tasks(summary: dict[str, Any]) -> str:
@@ -352,14 +354,14 @@ def reading_tasks(summary: dict[str, Any]) -> str:
         text += f" The dense model answers {100 * dense['accuracy']:.0f}% (n={dense['n']})."
     if others:
         best = others[0]
-        text += f" Best compressed setting: {best['setting']} at {100 * best['stored_ratio']:.1f}% of the float16 bytes, {100 * best['accuracy']:.0f}% [{100 * best['lo']:.0f}, {100 * best['hi']:.0f}]."
+        text += f" Best compressed setting: {best['setting']} at {100 * best['storage_ratio']:.1f}% of the float16 bytes, {100 * best['accuracy']:.0f}% [{100 * best['lo']:.0f}, {100 * best['hi']:.0f}]."
     return text
 
 
 def tasks_section(summary: dict[str, Any]) -> tuple[str, int]:
     """The tasks section's body (frontier figure and table) and its figure count."""
     points = [{"format": r["method"], "params_text": "" if r["budget"] is None else f"{100 * r['budget']:g}%",
-               "storage_ratio": r["stored_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r.get("accuracy") is not None]
+               "storage_ratio": r["storage_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r.get("accuracy") is not None]
     body, figures = "", 0
     if points:
         fig, ax = _figure(8.5, 5.2)
@@ -370,7 +372,7 @@ def tasks_section(summary: dict[str, Any]) -> tuple[str, int]:
     cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
     rows = []
     for r in sorted(summary["by_setting"], key=lambda r: (r["budget"] or 0, -(r["accuracy"] or 0))):
-        row = [r["setting"], pct(r["stored_ratio"])]
+        row = [r["setting"], pct(r["storage_ratio"])]
         for t, n in tasks:
             c = cells.get((r["setting"], t, n))
             row.append("-" if c is None or not c["n"] else f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]")
@@ -440,12 +442,12 @@ def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
     check = b.get("check")
     if not check:
         best = answering.best_uniform(b)
-        return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_ratio'])}; it was not checked on the model "
+        return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_storage_ratio'])}; it was not checked on the model "
                 "(no model for this capture, or --no-model)" + (f"; the best uniform setting by predicted attention error is {best['spec']} "
                                                                   f"({pct(best['ratio'])})." if best else "."))
     plan = check[b["plan_label"]]
     p0 = plan["cases"][0]
-    text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
+    text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['storage_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
             f"({grade('agreement', p0['agreement'])}) with an NLL increase of {nll_text(p0['nll_increase'])} on the capture's continuation")
     if plan["agreement"]["n"] > 1:
         a, r = plan["agreement"], plan["nll_increase"]
@@ -628,7 +630,7 @@ def build_report(
         body += _img(fig_png(head_importance_figure(cut["attention"][mid], facts, mid)), f"head importance, layer {mid}"); figures += 1
     sections.append(_section("cut", "Where the cache can be cut", reading_cut(cut), body))
     n_layers = len(cache.layers)
-    plans_pts = [{"ratio": b["predicted"]["exact_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
+    plans_pts = [{"storage_ratio": b["predicted"]["exact_storage_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
     region = max((b["fraction"] for b in rec["budgets"]), default=None)
     body = ('<div class="beside">' + _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers, region)), "attention-level frontier")
             + region_table(region_points(rec["sensitivity"]["uniform"], region), rec, n_layers) + "</div>"); figures += 1
@@ -657,7 +659,7 @@ def build_report(
         for label, sc in (b.get("check") or {}).items():
             c0 = sc["cases"][0]
             row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best uniform)" if label == b["best_uniform"] else ""),
-                   pct(c0["stored_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
+                   pct(c0["storage_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
                    Cell.of("agreement", c0["agreement"], f"{c0['agreement']:.4f}"), Cell.of("kl", c0["kl"], f"{c0['kl']:.4f}")]
             if many:
                 iv, ag = sc["nll_increase"], sc["agreement"]
@@ -714,7 +716,7 @@ def build_report(
            f"<span class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s</span></h1><nav>{nav}</nav>"
            + "".join(sections) + "</body></html>\n")
     summary = {"sections": list(SECTIONS), "figures": figures, "seconds": rec["seconds"], "cases": rec["cases"],
-               "budgets": [{"budget": b["budget"], "stored_ratio": b["predicted"]["exact_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)],
+               "budgets": [{"budget": b["budget"], "storage_ratio": b["predicted"]["exact_storage_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)],
                "answers": answers}
     return doc, summary
 

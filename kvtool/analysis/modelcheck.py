@@ -126,7 +126,7 @@ def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, hel
 
 def score_case(model: Any, case: Case, plan: Plan) -> dict[str, Any]:
     """Compress the case's prefix with ``plan`` and score its continuation: ``nll_dense``,
-    ``nll_increase``, ``relative_nll_increase``, ``agreement``, ``kl``, ``stored_ratio``."""
+    ``nll_increase``, ``relative_nll_increase``, ``agreement``, ``kl``, ``storage_ratio``, ``stored_bytes``."""
     cache = case.compressible()
     heldout = cache.num_tokens - case.prefix_tokens  # the capture case keeps its tail; text cases have none
     return _scores(model, case, compress_plan(cache, plan, heldout=heldout))
@@ -167,8 +167,8 @@ def _scores(model: Any, case: Case, cc: Any) -> dict[str, Any]:
         "relative_nll_increase": res["nll_increase"] / res["nll_dense"] if res["nll_dense"] else None,
         "agreement": res["agreement"],
         "kl": res["kl"],
-        "stored_ratio": rep["ratio"],
-        "stored_bytes": rep["compressed_bytes"],
+        "storage_ratio": rep["storage_ratio"],
+        "stored_bytes": rep["stored_bytes"],
     }
 
 

@@ -84,24 +84,24 @@ def layer_weights(model: Any, cache, sens, heldout: int, probe: str = WEIGHT_PRO
 def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000, tries: int = 4, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
     """:func:`~kvtool.analysis.allocation.allocate`, then compress the plan and count its bytes exactly (a KV
     head's bytes in the sensitivity table are its share of the layer's); when they exceed the budget,
-    solve again with the budget lowered by the excess. ``predicted`` gains ``exact_bytes`` and
-    ``exact_ratio``."""
+    solve again with the budget lowered by the excess. ``predicted`` gains ``exact_stored_bytes`` and
+    ``exact_storage_ratio``."""
     target = fraction
     for _ in range(tries):
         plan, pred = allocate(sens, target, cache.facts, buckets, servable)
         rep = compress_plan(cache, plan, heldout).byte_report()
-        pred.update({"exact_bytes": rep["compressed_bytes"], "exact_ratio": rep["ratio"]})
-        if rep["ratio"] <= fraction + 1e-12 or fraction >= 1:
+        pred.update({"exact_stored_bytes": rep["stored_bytes"], "exact_storage_ratio": rep["storage_ratio"]})
+        if rep["storage_ratio"] <= fraction + 1e-12 or fraction >= 1:
             return plan, pred
-        target -= rep["ratio"] - fraction + 1e-4
-    raise UsageError(f"no plan's exact bytes fit {100 * fraction:.2f}% after {tries} tries (the last took {100 * rep['ratio']:.2f}%); raise --budget slightly")
+        target -= rep["storage_ratio"] - fraction + 1e-4
+    raise UsageError(f"no plan's exact bytes fit {100 * fraction:.2f}% after {tries} tries (the last took {100 * rep['storage_ratio']:.2f}%); raise --budget slightly")
 
 
 def _allocate_all(result: dict[str, Any], parsed: list[dict[str, Any]], cache, sens, heldout: int, buckets: int, capture: Path | str,
                   servable: str | None = None) -> None:
     for b in parsed:
         plan, pred = fit_exactly(cache, sens, b["fraction"], heldout, buckets, servable=servable)
-        fitting = [r for r in uniform_options(sens) if r["ratio"] <= b["fraction"] + 1e-12]
+        fitting = [r for r in uniform_options(sens) if r["storage_ratio"] <= b["fraction"] + 1e-12]
         plan.extra.update({"budget": {"text": b["budget"], "fraction": b["fraction"], "how": b["how"], "of": "float16 keys and values of the context (a share: the plan fits any length)"},
                            "predicted": pred, "capture": str(capture), "heldout": heldout, "calibrate": sens.calibrate})
         result["budgets"].append({**b, "plan": plan, "predicted": pred, "uniform": fitting, "check": None, "best_uniform": None})
@@ -365,7 +365,7 @@ def best_uniform(check: dict[str, Any], labels: list[str], objective: str = "nll
     ``objective="nll"``: ``check`` maps a label to its model check over the cases
     (``{"relative_nll_increase": {"mean", ...}, ...}``); the best has the lowest mean relative NLL
     increase. ``objective="tasks"``: ``check`` maps a setting to its ``by_setting`` row of a task
-    check (``{"accuracy", "lo", "stored_ratio", ...}``); the best has the highest accuracy (ties:
+    check (``{"accuracy", "lo", "storage_ratio", ...}``); the best has the highest accuracy (ties:
     the higher interval low end, then the fewer bytes). None when no label was checked."""
     present = [s for s in labels if s in check]
     if not present:
@@ -376,7 +376,7 @@ def best_uniform(check: dict[str, Any], labels: list[str], objective: str = "nll
         rows = [s for s in present if check[s].get("accuracy") is not None]
         if not rows:
             return None
-        return max(rows, key=lambda s: (check[s]["accuracy"], check[s].get("lo") or 0.0, -(check[s].get("stored_ratio") or 0.0)))
+        return max(rows, key=lambda s: (check[s]["accuracy"], check[s].get("lo") or 0.0, -(check[s].get("storage_ratio") or 0.0)))
     raise UsageError(f"objective must be nll or tasks, got {objective!r}")
 
 

@@ -235,7 +235,7 @@ def move_aside(path: Path) -> Path | None:
 _NUMBER, _OPT_NUMBER, _INT, _STR, _OPT_STR = "number", "number or null", "integer", "text", "text or null"
 SUMMARY_FIELDS = {
     "by_setting": {"setting": _STR, "method": _STR, "budget": _OPT_NUMBER, "accuracy": _OPT_NUMBER, "lo": _OPT_NUMBER, "hi": _OPT_NUMBER,
-                   "n": _INT, "stored_ratio": _OPT_NUMBER},
+                   "n": _INT, "storage_ratio": _OPT_NUMBER},
     "cells": {"setting": _STR, "task": _STR, "length": _INT, "n": _INT, "accuracy": _OPT_NUMBER, "lo": _OPT_NUMBER, "hi": _OPT_NUMBER},
     "tasks": {"task": _STR, "length": _INT},
 }

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.names import FORMAT_ALIASES, closest, upgrade_keys
 from kvtool.core.io import atomic_write_text
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.jsonio import to_json_text
@@ -48,6 +49,7 @@ from kvtool.analysis.taskeval import SCORING, answer, answer_questions, prepare,
 from kvtool.analysis.tasks import MULTI_QUESTION_TASKS, TaskSample, Tokens, each_needle, generate_sample
 from kvtool.hf import presses as hfpress
 
+FAMILY_ALIASES = {"quant": "kivi"}  # the budget-filling family of the quant format is KIVI's
 PRESS_STORAGE = {suffix: st.spec or "dense" for suffix, st in menu.STORAGES.items()}  # press:NAME+SUFFIX -> storage spec
 
 
@@ -76,10 +78,13 @@ class Method:
 
 
 def parse_method(text: str) -> Method:
-    """``dense``, a family, ``press:NAME[+STORAGE]``, ``plan:FILE`` or ``spec:SPEC``."""
+    """``dense``, a family (``quant`` is the ``kivi`` family: KIVI is quant's scheme), ``press:NAME[+STORAGE]``,
+    ``plan:FILE``, ``spec:SPEC`` or a spec without ``spec:`` (``quant:bits=4``, ``snapkv:budget=128+kivi4``;
+    read as ``kvtool compress --format`` reads it)."""
     t = text.strip()
     if t == "dense":
         return Method("dense", "dense")
+    t = FAMILY_ALIASES.get(t, t)
     if t in fill.FAMILIES:
         return Method("uniform", t)
     if t.startswith("press:"):
@@ -100,8 +105,12 @@ def parse_method(text: str) -> Method:
         spec = t[len("spec:"):]
         resolve_spec(spec)
         return Method("spec", spec)
-    raise UsageError(f"unknown method {t!r}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME[+STORAGE], plan:FILE, spec:SPEC, "
-                     f"or {', '.join(menu.ALIASES)}")
+    if ":" in t or "+" in t or t in FORMAT_ALIASES:
+        resolve_spec(t)  # a format spec given without spec: (an unknown name is refused here, with the closest known one)
+        return Method("spec", t)
+    known = ["dense", *fill.FAMILIES, *FAMILY_ALIASES, *menu.ALIASES, "press:", "plan:", "spec:"]
+    raise UsageError(f"unknown method {t!r}{closest(t, known)}: give dense, a family ({', '.join(fill.FAMILIES)}), press:NAME[+STORAGE], plan:FILE, "
+                     f"{', '.join(menu.ALIASES)}, or a format spec (spec:SPEC or SPEC: quant:bits=4, snapkv:budget=128+kivi4)")
 
 
 def parse_methods(names: list[str]) -> list[Method]:
@@ -209,7 +218,7 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
         row = {**base, "setting": s.label, "method": s.method.label, "budget": s.budget}
         cc = None
         if s.method.kind == "dense":
-            row.update({"spec": "dense", "stored_ratio": 1.0})
+            row.update({"spec": "dense", "storage_ratio": 1.0})
         else:
             made = _compress(model, prep, s, facts, inputs)
             if made is None:
@@ -217,7 +226,7 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
                 rows += [{**row, "question": j + 1} for j in range(len(asks))] if asks else [row]
                 continue
             cc, spec = made
-            row.update({"spec": spec, "stored_ratio": cc.byte_report()["ratio"]})
+            row.update({"spec": spec, "storage_ratio": cc.byte_report()["storage_ratio"]})
         results = answer_questions(model, tokenizer, prep, cc, asks, scoring) if asks else [answer(model, tokenizer, prep, cc, scoring)]
         seconds = round((time.perf_counter() - t0) / len(results), 3)
         for j, res in enumerate(results):
@@ -238,8 +247,8 @@ def run_sample(model: Any, tokenizer: Any, sample: TaskSample, todo: list[Settin
 
 def read_rows(path: Path, note: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
     """The rows of ``samples.jsonl``, the first of each (sample, setting, question)
-    (:func:`kvtool.analysis.taskfiles.read_rows`)."""
-    return taskfiles.read_rows(path, note)
+    (:func:`kvtool.analysis.taskfiles.read_rows`), old key names read under the current ones."""
+    return upgrade_keys(taskfiles.read_rows(path, note), str(path))  # rows of an earlier kvtool: old key names
 
 
 def run_tasks(model: Any, tokenizer: Any, model_name: str, tasks: list[str], lengths: list[int], samples: int, seed: int,
@@ -338,7 +347,7 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
         c["n"] += 1
         c["k"] += int(bool(r.get("correct")))
         c["part"].append(float(r.get("part", 0.0)))
-        c["stored"].append(float(r.get("stored_ratio", 1.0)))
+        c["stored"].append(float(r.get("storage_ratio", 1.0)))
         c["specs"].add(r.get("spec", ""))
     out = []
     dense = {(c["task"], c["length"], c["question"]): c for (s, _, _, _), c in cells.items() if s == "dense"}
@@ -351,8 +360,8 @@ def summarize(rows: list[dict[str, Any]], identity: dict[str, Any] | None = None
         out.append({"setting": c["setting"], "method": c["method"], "budget": c["budget"], "task": c["task"], "length": c["length"],
                     "accuracy": iv["mean"], "lo": iv["lo"], "hi": iv["hi"], "n": iv["n"], "correct": iv["k"],
                     "part": sum(c["part"]) / len(c["part"]) if c["part"] else None,
-                    "stored_ratio": sum(c["stored"]) / len(c["stored"]) if c["stored"] else None,
-                    "stored_max": max(c["stored"]) if c["stored"] else None,
+                    "storage_ratio": sum(c["stored"]) / len(c["stored"]) if c["stored"] else None,
+                    "storage_ratio_max": max(c["stored"]) if c["stored"] else None,
                     "specs": sorted(c["specs"]), "kept_of_dense": kept, "unavailable": c["unavailable"] if not c["n"] else None})
         if c["question"] is not None:
             out[-1]["question"] = c["question"]
@@ -430,7 +439,7 @@ def _by_setting(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
         iv = wilson(k, n)
         out.append({"setting": s, "method": cs[0]["method"], "budget": cs[0]["budget"], "accuracy": iv["mean"], "lo": iv["lo"], "hi": iv["hi"],
                     "n": n, "kept_of_dense": sum(kept) / len(kept) if kept else None,
-                    "stored_ratio": sum(c["stored_ratio"] for c in cs) / len(cs)})
+                    "storage_ratio": sum(c["storage_ratio"] for c in cs) / len(cs)})
     return out
 
 
@@ -444,7 +453,7 @@ def with_threads(threads: int | None, fn: Callable[[], Any]) -> Any:
         torch.set_num_threads(before)
 
 
-CSV_FIELDS = ("setting", "method", "budget", "task", "length", "accuracy", "lo", "hi", "n", "correct", "part", "stored_ratio", "stored_max",
+CSV_FIELDS = ("setting", "method", "budget", "task", "length", "accuracy", "lo", "hi", "n", "correct", "part", "storage_ratio", "storage_ratio_max",
               "kept_of_dense", "specs", "unavailable")
 
 
@@ -467,7 +476,7 @@ def write_outputs(summary: dict[str, Any], out_dir: Path) -> dict[str, str]:
         w.writerow({**c, "specs": ";".join(c.get("specs") or [])})
     atomic_write_text(out_dir / "tasks.csv", buf.getvalue(), force=True)
     points = [{"format": r["method"], "params_text": "" if r["budget"] is None else f"{100 * r['budget']:g}%",
-               "storage_ratio": r["stored_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r["accuracy"] is not None]
+               "storage_ratio": r["storage_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r["accuracy"] is not None]
     if points:
         tasks = ", ".join(f"{t['task']} {t['length']}" for t in summary["tasks"])
         plot_frontier(points, out_dir / "frontier.png", "task_accuracy", title=f"task accuracy, mean over {tasks}")

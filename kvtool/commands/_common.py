@@ -81,7 +81,7 @@ CaptureArg = Annotated[Path, typer.Argument(help="A capture file made by `kvtool
 LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to use, e.g. 0,5,10-12 (default: all).")]
 HeadsOpt = Annotated[str | None, typer.Option("--heads", help="KV heads to use, e.g. 0,2 (default: all).")]
 # --model / --no-model of the commands that run the model; in the Python API ``model=False`` is --no-model
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded one when the capture came from it; False in Python: none).", autocompletion=complete_model),
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded one when the capture came from it; --no-model: none).", autocompletion=complete_model),
                      Api(type=str | bool | None)]
 NoModelOpt = Annotated[bool, typer.Option("--no-model", help="Do not run the model (attention-level results only; much faster)."), Api(skip=True)]
 

@@ -41,7 +41,7 @@ def print_report(report: dict[str, Any]) -> None:
     show("[bold]{}[/bold] ({})  layers {}, {} tokens compressed, {} held out dense", report["format"], params,
          len(report["layers"]), report["prefix_tokens"], report["heldout"])
     rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}") for part, n in report["bytes_by_part"].items()]
-    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{100 * report['storage_ratio']:.2f}"))
+    rows.append(("total", fmt_bytes(report["stored_bytes"]), f"{100 * report['storage_ratio']:.2f}"))
     rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00"))
     console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense %"], rows))
     details = report.get("details") or {}

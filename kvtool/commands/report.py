@@ -87,8 +87,7 @@ def report(
     io.atomic_write_text(output, text, force=True)
     summary["bytes"] = len(text.encode())
     summary.pop("answers", None)  # the first screen's per-budget answers stay in the Python result (no --json keys for them yet)
-    names = {"budget": "budget_spec", "stored_ratio": "storage_ratio"}
-    summary["budgets"] = [{names.get(k, k): v for k, v in b.items()} for b in summary.get("budgets", [])]
+    summary["budgets"] = [{("budget_spec" if k == "budget" else k): v for k, v in b.items()} for b in summary.get("budgets", [])]
     return Outcome(summary, input=capture, output=output)
 
 def register(app: typer.Typer) -> None:

@@ -44,12 +44,13 @@ def parse_budgets(items: list[str] | None) -> list[float]:
 
 
 def split_methods(items: list[str] | None) -> list[str]:
-    """``["dense,kivi", "spec:quant:bits=4,group=128"]`` -> each method once; commas separate
-    methods except inside a ``spec:`` (whose parameters hold commas: give it its own --methods)."""
+    """``["dense,kivi", "spec:quant:bits=4,group=128", "snapkv:budget=128"]`` -> each method once; commas
+    separate methods except inside a spec with parameters (``spec:...`` or ``NAME:key=value,...``, whose
+    parameters hold commas: give it as its own value)."""
     out: list[str] = []
     for item in items or ["dense"]:
         item = item.strip()
-        out += [item] if item.startswith("spec:") else [m.strip() for m in item.split(",") if m.strip()]
+        out += [item] if item.startswith("spec:") or "=" in item else [m.strip() for m in item.split(",") if m.strip()]
     return list(dict.fromkeys(out))
 
 
@@ -57,13 +58,6 @@ def cell_text(c: dict[str, Any]) -> str:
     if c.get("unavailable") and not c["n"]:
         return "n/a"
     return f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]"
-
-
-def json_names(row: dict[str, Any]) -> dict[str, Any]:
-    """A summary row in the JSON contract's names (docs/cli.md): ``stored_ratio`` -> ``storage_ratio``,
-    ``stored_max`` -> ``storage_ratio_max``."""
-    names = {"stored_ratio": "storage_ratio", "stored_max": "storage_ratio_max"}
-    return {names.get(k, k): v for k, v in row.items()}
 
 
 def print_questions(summary: dict[str, Any]) -> None:
@@ -88,7 +82,7 @@ def print_summary(summary: dict[str, Any]) -> None:
     rows = []
     for s in summary["settings"]:
         first = next((cells[(s, t, n)] for t, n in tasks if (s, t, n) in cells), None)
-        stored = by.get(s, {}).get("stored_ratio")
+        stored = by.get(s, {}).get("storage_ratio")
         kept = by.get(s, {}).get("kept_of_dense")
         rows.append([s, "-" if stored is None else f"{100 * stored:.1f}"] + [cell_text(cells[(s, t, n)]) if (s, t, n) in cells else "-" for t, n in tasks]
                     + ["-" if kept is None else f"{100 * kept:.0f}%"])
@@ -132,7 +126,7 @@ def print_tasks(outcome: Outcome) -> None:
     render=print_tasks,
 )
 def tasks_cmd(
-    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Comma-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "), press:NAME[+STORAGE] (storages: " + STORAGE_SUFFIXES + "), plan:FILE, or " + ", ".join(ALIASES) + " (every family / every press x storage / both); spec:SPEC in its own --methods (repeatable; default: dense).")] = None,
+    methods: Annotated[list[str] | None, typer.Option("--methods", "-M", help="Methods, comma- or space-separated: dense, a family (" + ", ".join(FAMILY_NAMES) + "; quant is kivi), press:NAME[+STORAGE] (storages: " + STORAGE_SUFFIXES + "), plan:FILE, " + ", ".join(ALIASES) + " (every family / every press x storage / both), or a format spec as --format takes it (quant:bits=4, snapkv:budget=128+kivi4; one with parameters as a value of its own). Several after one --methods, or repeated; default: dense.")] = None,
     tasks: Annotated[str, typer.Option("--tasks", "-t", help="Tasks, comma-separated, or all: " + ", ".join(TASK_NAMES) + " (with --questions: " + ", ".join(MULTI_QUESTION_TASKS) + ").")] = DEFAULT_TASKS,
     lengths: Annotated[str, typer.Option("--lengths", "-l", help="Prompt lengths in tokens, comma-separated (1k = 1024).")] = "1k",
     samples: Annotated[int, typer.Option("--samples", "-n", help="Samples per task and length.", min=1)] = 50,
@@ -173,8 +167,7 @@ def tasks_cmd(
         mdl, tok, source.name, task_list, length_list, samples, seed, method_list, budget_list, out_dir,
         question_aware=question_aware, scoring=scoring, force=force, start=start, progress=progress, questions=questions))
     files = taskrun.write_outputs(summary, out_dir)
-    data = {"run": summary["run"], "files": files, "cells": [json_names(c) for c in summary["cells"]],
-            "by_setting": [json_names(r) for r in summary["by_setting"]], "by_depth": summary["by_depth"]}
+    data = {"run": summary["run"], "files": files, "cells": summary["cells"], "by_setting": summary["by_setting"], "by_depth": summary["by_depth"]}
     if summary.get("by_question"):
         data["by_question"] = summary["by_question"]
     return Outcome(data, output=out_dir, view={"summary": summary, "files": files})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.core.errors import UsageError
+from kvtool.core.names import unalias
 
 
 def _key(name: str) -> str:
@@ -14,7 +15,8 @@ def _key(name: str) -> str:
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"quant:bits=4,group=32"`` -> ``("quant", {"bits": "4", "group": "32"})``. A parameter given
     twice (``quant:bits=4,bits=2``, or ``key-sparsity`` and ``key_sparsity``) is a UsageError: which
-    one was meant is not for kvtool to guess."""
+    one was meant is not for kvtool to guess. A name of :data:`kvtool.core.names.FORMAT_ALIASES`
+    comes back as the format it stands for (``"kivi:bits=2"`` -> ``("quant", {"scheme": "kivi", "bits": "2"})``)."""
     name, _, rest = spec.partition(":")
     values: dict[str, str] = {}
     spelled: dict[str, str] = {}  # the canonical name (_key) -> the spelling given: one lookup per parameter
@@ -29,7 +31,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
                              f"({_short(values[twin])} and {_short(value.strip())}); give it once")
         spelled[_key(key)] = key
         values[key] = value.strip()
-    return name.strip(), values
+    return unalias(name.strip(), values, spec)
 
 
 def _short(text: str, limit: int = 80) -> str:

@@ -372,7 +372,7 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         "cached_tokens": int(obj.token_ids.shape[1]),
         "prompt": prompt,
         "prompt_tokens": len(new_ids),
-        "new_tokens": generated.tolist(),
+        "new_token_ids": generated.tolist(),
         "text": [tokenizer.decode(row, skip_special_tokens=True) if tokenizer is not None else "" for row in generated],
         "seconds": round(seconds, 3),
         "model_device": model_device_text(mdl),
