@@ -17,11 +17,9 @@ function loads what it needs when called:
 See :class:`kvtool.core.cache.KVCache` for the container.
 """
 
-from __future__ import annotations
-
-import sys
-import types
-from typing import Any
+import sys as _sys
+import types as _types
+from typing import Any as _Any
 
 from kvtool._version import __version__
 from kvtool.core.errors import BadDataError, KvtoolError, UsageError
@@ -47,25 +45,25 @@ _LAZY = {
 __all__ = ["__version__", "KvtoolError", "BadDataError", "UsageError", *_LAZY]
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """The ``kvtool`` module: ``kvtool.export`` is the API function even after the subpackage
     ``kvtool.export`` (export layouts) is imported, which would otherwise replace the attribute with
     the subpackage (``import kvtool.export.convert`` still works: it goes through ``sys.modules``)."""
 
     @property
-    def export(self) -> Any:
+    def export(self) -> _Any:
         return __getattr__("export")
 
     @export.setter
-    def export(self, value: Any) -> None:
-        if not isinstance(value, types.ModuleType):  # the import system sets the subpackage here: ignore it
+    def export(self, value: _Any) -> None:
+        if not isinstance(value, _types.ModuleType):  # the import system sets the subpackage here: ignore it
             raise AttributeError("kvtool.export is the API function")
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kvtool' has no attribute {name!r}")
@@ -77,4 +75,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public API only (``__all__``): no imports, helpers or subpackages."""
+    return sorted(__all__)

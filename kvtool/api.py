@@ -47,7 +47,7 @@ from kvtool.commands._common import declare_files
 from kvtool.core import outputs
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import envelope
-from kvtool.core.names import canonical_dtype
+from kvtool.core.names import RENAMED_KEYS, canonical_dtype
 from kvtool.core.progress import Progress, make_sink, stage_callback
 from kvtool.core.sample import SAMPLE_PATH, resolve_sample
 
@@ -135,6 +135,9 @@ class Result:
         return envelope(self.command, self.report, input=self.input, inputs=self.inputs, output=self.output)
 
     def __getitem__(self, key: str) -> Any:
+        if key not in self.report and key in RENAMED_KEYS:  # a key of an earlier version: its new name, with a warning
+            warnings.warn(f"result key {key!r} is now {RENAMED_KEYS[key]!r}", FutureWarning, stacklevel=2)
+            key = RENAMED_KEYS[key]
         return self.report[key]
 
     @classmethod
@@ -155,15 +158,21 @@ def _freeze(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class CompressResult(Result):
-    """``storage_ratio``: compressed bytes / dense bytes of the compressed tokens (a fraction).
+    """``storage_ratio``: ``stored_bytes`` / ``dense_bytes`` of the compressed tokens (a fraction).
     ``compressed``: the in-memory :class:`~kvtool.formats.base.CompressedCache` when a
     :class:`~kvtool.core.cache.KVCache` was compressed (None for files)."""
 
     format: str = ""
     storage_ratio: float = 0.0
-    compressed_bytes: int = 0
+    stored_bytes: int = 0
     dense_bytes: int = 0
     compressed: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def compressed_bytes(self) -> int:
+        """Deprecated name of :attr:`stored_bytes` (read until the next version)."""
+        warnings.warn("CompressResult.compressed_bytes is now stored_bytes", FutureWarning, stacklevel=2)
+        return self.stored_bytes
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,15 @@ class EvalResult(Result):
 
 @dataclass(frozen=True)
 class ExportResult(Result):
-    target: str = _at("to", "")
+    """``to``: the layout written (``--to``)."""
+
+    to: str = ""
+
+    @property
+    def target(self) -> str:
+        """Deprecated name of :attr:`to` (read until the next version)."""
+        warnings.warn("ExportResult.target is now to", FutureWarning, stacklevel=2)
+        return self.to
 
 
 @dataclass(frozen=True)
@@ -280,6 +297,18 @@ def _coerce(annotation: Any, value: Any) -> Any:
     return value
 
 
+def _api_type(base: Any, capture: bool = False) -> Any:
+    """The annotation a declared type has in Python: a path is ``str | Path`` (``"sample:"`` too); a
+    ``capture`` also takes a :class:`kvtool.KVCache`."""
+    if base is Path:
+        return "str | Path | kvtool.KVCache" if capture else PathLike
+    args = typing.get_args(base)
+    if not args or not any(_is_path(a) or a is Path for a in args):
+        return base
+    swapped = tuple(_api_type(a) for a in args)
+    return list[swapped[0]] if typing.get_origin(base) is list else typing.Union[swapped]
+
+
 def api_signature(fn: Callable[..., Outcome]) -> tuple[inspect.Signature, dict[str, Any], dict[str, Any]]:
     """The Python signature of a declared command (arguments positional, options keyword-only unless
     marked ``Api(positional=True)``, hidden and ``Api(skip=True)`` parameters left out, ``progress``
@@ -293,7 +322,7 @@ def api_signature(fn: Callable[..., Outcome]) -> tuple[inspect.Signature, dict[s
             continue
         is_arg = type(info).__name__ == "ArgumentInfo"
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if is_arg or api.positional else inspect.Parameter.KEYWORD_ONLY
-        param = inspect.Parameter(p.name, kind, default=p.default, annotation=api.type if api.type is not None else base)
+        param = inspect.Parameter(p.name, kind, default=p.default, annotation=api.type if api.type is not None else _api_type(base, p.name == "capture"))
         (positional if kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else keyword).append(param)
     keyword.append(inspect.Parameter("progress", inspect.Parameter.KEYWORD_ONLY, default="auto", annotation=ProgressArg))
     return inspect.Signature(positional + keyword), types, skipped
@@ -309,7 +338,7 @@ def api_doc(fn: Callable[..., Outcome], signature: inspect.Signature) -> str:
         if name == "progress":
             text = "'auto' (a bar in a terminal, lines on stderr elsewhere), False, a callable (stage, done, total) or a Progress"
         else:
-            text = (helps.get(name) or "").replace("\\[", "[")
+            text = python_message((helps.get(name) or "").replace("\\[", "["))
         default = "" if p.default is inspect.Parameter.empty else f" (default {p.default!r})"
         lines.append(f"    {name}: {text}{default}")
     return "\n".join(lines)
@@ -492,11 +521,24 @@ def capture(
     (e.g. ``input_ids``) go to :func:`kvtool.hf.capture.capture`.
     """
     from kvtool.core import io  # deferred: start-up time (torch)
+
+    with outputs.command_inputs():  # as the CLI: the output is never one of the model's files
+        if isinstance(model, (str, Path)):
+            outputs.note_input(model, folder=True)
+        if output is not None:
+            io.check_output(Path(output), force)
+        return _capture(prompt, model, output, random_tokens, layers, queries, query_layers, hidden, generate, chat, max_tokens, truncate,
+                        align, chunk_size, dtype, device, device_map, cache_dir, force, progress, kwargs)
+
+
+def _capture(prompt: Any, model: Any, output: Any, random_tokens: Any, layers: Any, queries: bool, query_layers: Any, hidden: bool,
+             generate: int, chat: bool, max_tokens: Any, truncate: bool, align: str, chunk_size: Any, dtype: Any, device: str,
+             device_map: Any, cache_dir: Any, force: bool, progress: Any, kwargs: dict[str, Any]) -> "KVCache":
+    """The body of :func:`capture` (inside its inputs scope)."""
+    from kvtool.core import io  # deferred: start-up time (torch)
     from kvtool.hf.capture import capture as run_capture  # deferred: transformers loads only when a capture is asked for
     from kvtool.hf.prompts import DEFAULT_PROMPT  # deferred: start-up time
 
-    if output is not None:
-        io.check_output(Path(output), force)
     sink = make_sink(progress, "capture")
     try:
         cache = run_capture(
@@ -550,13 +592,15 @@ def load_model(model: str | PathLike | None = None, *, device: str = "cpu", dtyp
     ``dtype``: float16/fp16, bfloat16/bf16, float32/fp32 (default: the checkpoint's)."""
     import torch  # deferred: start-up time
 
-    from kvtool.hf.models import load  # deferred: transformers loads only when asked for
+    from kvtool.hf.models import check_dtype, load  # deferred: transformers loads only when asked for
 
     name = canonical_dtype(dtype)
+    check_dtype(name)  # a name torch does not have is a UsageError naming dtype=, not an AttributeError
     mdl, tok, _ = load(None if model is None else str(model), device=device, device_map=device_map, torch_dtype=getattr(torch, name) if name else None)
     return mdl, tok
 
 
+@_python_errors
 def press(spec: Any, model: Any = None):
     """A context manager that compresses prompts' caches in place as a model fills them, then decodes
     through the live cache (kvpress-style)::
@@ -570,11 +614,12 @@ def press(spec: Any, model: Any = None):
     that model's attention implementation to kvtool's explicitly (needed only for models that do not
     dispatch attention by name). Presses in several threads are independent; transformers' own
     attention functions come back when the last one exits. See :func:`kvtool.hf.live.press`."""
-    from kvtool.hf.live import press as _press  # deferred: transformers loads only when asked for
+    from kvtool.hf.live import press as _press, resolve_layer_specs  # deferred: transformers loads only when asked for
     from kvtool.presses import spec_of  # deferred: start-up time
 
     spec = spec_of(spec)
     spec = _path(spec) if str(spec).endswith(".json") else spec
+    resolve_layer_specs(spec)  # a bad spec or plan is refused here, naming this API's parameters, not when the block is entered
     return _press(spec, model)
 
 
@@ -639,11 +684,13 @@ _COMPRESS_OPTIONS = ("sparsity", "key_sparsity", "value_sparsity", "method", "de
 
 
 @_python_errors
-def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int = 64, plan: PathLike | None = None,
+def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | None = None, *, heldout: int | None = None, plan: PathLike | None = None,
                           param: Sequence[str] | None = None, force: bool = False, progress: Any = None, **options: Any) -> Any:
     """:func:`compress` of an in-memory cache. A :class:`~kvtool.core.cache.KVCache`: its first
     ``T - heldout`` tokens encoded as the command does a file (``format`` or ``plan``, the same format
-    options); returns a :class:`CompressResult` whose ``compressed`` is the
+    options; ``heldout`` None or 0, the default here: every token is encoded, so the bytes are the
+    whole cache's; a capture *file* keeps the command's 64 held out for ``verify``); returns a
+    :class:`CompressResult` whose ``compressed`` is the
     :class:`~kvtool.formats.base.CompressedCache`, written to ``output`` only when one is given. A
     transformers cache: compressed in place into a live cache (each dense layer in the format's
     encoded tensors on its device, attending through the format's kernel; ``heldout`` does not
@@ -663,6 +710,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
             raise UsageError(f"param {item!r} is not key=value")
         values[key.strip().replace("-", "_")] = value.strip()
     spec = str(plan if plan is not None else format)
+    heldout = 0 if heldout is None else heldout
     if isinstance(cache, KVCache):
         from kvtool.formats.base import compress_cache, save_compressed  # deferred: start-up time (torch)
         from kvtool.formats.files import build_report  # deferred: start-up time (torch)
@@ -683,7 +731,7 @@ def _compress_in_memory(cache: Any, format: str = "dense", output: PathLike | No
             out = str(save_compressed(cc, Path(output), force=force))
             report["output"] = out
         return CompressResult("compress", report, input="<memory>", output=out, format=report["format"], storage_ratio=report["storage_ratio"],
-                              compressed_bytes=report["compressed_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
+                              stored_bytes=report["stored_bytes"], dense_bytes=report["dense_bytes"], compressed=cc)
     if hasattr(cache, "layers") and hasattr(cache, "get_seq_length"):
         from kvtool.hf.live import compress_hf_cache  # deferred: transformers loads only when asked for
 
@@ -701,5 +749,9 @@ def _compress_handler(capture: Any, **values: Any) -> Any:
 
 OBJECT_HANDLERS["compress"] = _compress_handler
 compress.__doc__ = (compress.__doc__ or "") + (
-    "\n\nIn-memory caches too: a kvtool KVCache (the result's ``compressed`` holds the CompressedCache) or a transformers "
-    "cache (compressed in place into a live cache, returned); see :func:`kvtool.api._compress_in_memory`.")
+    "\n\n``capture`` may also be a cache in memory: a kvtool KVCache (its first ``T - heldout`` tokens encoded as the command "
+    "encodes a file; the result's ``compressed`` holds the CompressedCache, written only with ``output=``) or a transformers "
+    "cache (compressed in place into a live cache, which is returned; the format's parameters go inside the spec, no output).")
+compress.__signature__ = compress.__signature__.replace(parameters=[  # type: ignore[attr-defined]
+    p.replace(annotation="str | Path | kvtool.KVCache | transformers.Cache") if p.name == "capture" else p
+    for p in compress.__signature__.parameters.values()])  # type: ignore[attr-defined]

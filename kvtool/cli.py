@@ -57,6 +57,34 @@ def _bench_json_alias(argv: list[str]) -> list[str]:
     return argv
 
 
+# Options that take several values after one flag, the way `eval --formats a b` does (eval reads the
+# words after its captures itself): in these commands, which take no positional argument after their
+# options, `--formats a b` is `--formats a --formats b`.
+MULTI_VALUE = {"bench": ("--formats",), "tasks": ("--methods", "-M")}
+
+
+def _multi_values(argv: list[str]) -> list[str]:
+    """``kvtool bench decode --formats a b --plan p.json`` -> ``... --formats a --formats b --plan p.json``
+    for the options of :data:`MULTI_VALUE`; every other command line is returned unchanged."""
+    at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if at is None or argv[at] not in MULTI_VALUE:
+        return argv
+    flags = MULTI_VALUE[argv[at]]
+    out, flag, taken = argv[: at + 1], None, False
+    for word in argv[at + 1:]:
+        if word == "--":
+            flag = None
+        elif word.startswith("-"):
+            name = word.partition("=")[0]
+            flag, taken = (name, "=" in word) if name in flags else (None, False)
+        elif flag is not None:
+            if taken:
+                out.append(flag)
+            taken = True
+        out.append(word)
+    return out
+
+
 class KvtoolGroup(TyperGroup):
     """The root group: a usage error Click finds (a bad option value, a missing argument) is one
     ``error:`` line on stderr like every other error, and with ``--json`` on the command line also
@@ -64,7 +92,7 @@ class KvtoolGroup(TyperGroup):
 
     def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
-        argv = _bench_json_alias(list(args) if args is not None else sys.argv[1:])
+        argv = _multi_values(_bench_json_alias(list(args) if args is not None else sys.argv[1:]))
         if not standalone_mode:
             return super().main(args=argv, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         try:

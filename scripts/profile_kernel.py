@@ -1,6 +1,6 @@
 """Run one kernel once at a given shape (for ncu): python scripts/profile_kernel.py KERNEL BATCH SEQ [PARAM].
 
-KERNEL: attention (layout-v2 bitmap attention, PARAM = sparsity; a 5th argument ``fp16`` for fp16
+KERNEL: kivi (the KIVI decode kernel, PARAM = bits, a 5th argument the group), attention (layout-v2 bitmap attention, PARAM = sparsity; a 5th argument ``fp16`` for fp16
 per-word sums, ``scalar`` / ``tensor_cores`` to force a walk), heads (PARAM = k, grouped choice), compress /
 compress_values (keys / values, PARAM = sparsity; launches: pass 1, pass 2, pass 1, pass 2),
 prune_encode / prune_encode_values (the one-launch CUDA prune + encode of the layout-v2 keys /
@@ -44,6 +44,17 @@ def main() -> None:
         keep = keep_count(128, 0.7 if param is None else param)
         x, kind = (k, "values") if kernel == "prune_encode" else (v, "keys")  # layout v2 orientations
         fn = lambda: bitmap_prune_encode.prune_encode(x, kind, keep, backend="cuda")  # noqa: E731
+    elif kernel == "kivi":  # PARAM = bits; a 5th argument: the group (default 32; residual 32, or 0 from group 128)
+        from kvtool.core.cache import LayerKV
+        from kvtool.formats.quant import QuantFormat, QuantParams
+        from kvtool.kernels.kivi_attention import cache_from_encoded, kivi_attention
+
+        group = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else 32
+        enc = QuantFormat().encode(LayerKV(k, v), QuantParams(bits=int(param or 4), group=group, residual=0 if group >= 128 else 32))
+        cache = cache_from_encoded(enc)
+        del enc
+        q4 = q[:, :, None]
+        fn = lambda: kivi_attention(q4, cache)  # noqa: E731
     elif kernel == "signvq":
         q4, enc = make_signvq_inputs(batch, 32, 8, seq, 128, device="cuda", budget=int(param or 2048))
         fn = lambda: signvq_decode(q4, enc)  # noqa: E731

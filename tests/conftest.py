@@ -116,9 +116,21 @@ def synthetic_cache(batch=1, heads=4, kv_heads=2, tokens=80, head_dim=16, layers
     return KVCache(facts, out, ids, {"prefill_tokens": tokens, "generated_tokens": 0})
 
 
+# every gpu test runs under a timeout where pytest-timeout is installed (the dev extra): a kernel that
+# hangs becomes a failure with the stacks of all threads instead of a stalled run. The thread method,
+# since a hung kernel blocks the main thread inside a CUDA call, where no signal handler runs (it
+# ends the process: scripts/gpu_suite.sh records the test as a timeout and goes on after it).
+GPU_TEST_TIMEOUT = float(os.environ.get("KVTOOL_GPU_TEST_TIMEOUT") or 120)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip ``gpu`` tests without CUDA, and under the interpreter (set above only where there is no
-    CUDA; a GPU machine that exports TRITON_INTERPRET=1 runs the CPU suite)."""
+    CUDA; a GPU machine that exports TRITON_INTERPRET=1 runs the CPU suite). Give each ``gpu`` test
+    a timeout (``GPU_TEST_TIMEOUT``) unless it has its own or ``--timeout`` was given."""
+    if config.pluginmanager.hasplugin("timeout") and not config.getoption("timeout", None):
+        for item in items:
+            if "gpu" in item.keywords and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT, method="thread"))
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU and TRITON_INTERPRET=0")

@@ -203,7 +203,7 @@ def test_compress_and_decompress_commands(tmp_path):
     assert set(rep["bytes_by_part"]) == {"nonzeros", "bitmaps", "offsets", "padding", "dense_window"}
     d = rep["details"]
     assert d["achieved_key_sparsity"] == 0.5 and d["achieved_value_sparsity"] == pytest.approx(1 - 19 / 64)
-    assert rep["compressed_bytes"] < rep["dense_bytes"] and d["paper_layout_bytes"] > rep["compressed_bytes"]
+    assert rep["stored_bytes"] < rep["dense_bytes"] and d["paper_layout_bytes"] > rep["stored_bytes"]
     dense = tmp_path / "d.safetensors"
     res = runner.invoke(app, ["decompress", str(out), "-o", str(dense)])
     assert res.exit_code == 0, res.output
@@ -229,7 +229,7 @@ def test_bytes_on_the_real_sample(sample_capture):
         cc = compress_cache(cache, FMT, make_params(FMT, {"sparsity": str(s)}), heldout=64)
         rep = cc.byte_report()
         details = FMT.report(cc)
-        rates[s] = 100 * rep["ratio"]
+        rates[s] = 100 * rep["storage_ratio"]
         assert rep["parts"]["dense_window"] / rep["dense_bytes"] == pytest.approx(32 / 448)
         assert details["paper_layout_rate_percent"] > rates[s] + 4
     assert rates[0.5] <= 60.0

@@ -160,9 +160,26 @@ def test_cuda_backend_at_llama3_8b_shapes(dtype, tq):
             torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
 
 
+# B, Hkv, G, T, D, window, splits. The first eight are the original odd shapes; (1, 1, 7, 2049, 64, 130, 5)
+# hung on the H200 (its last pair holds 127 tokens: an 8-byte-row bulk copy of 1016 bytes, which is
+# not a 16-byte multiple, never completed its mbarrier). Then a grid at head_dim 64 and 128 with G 1-12,
+# compressed token counts (T - window) around the 64-token block and 128-token pair edges (63, 64, 65,
+# 127, 128, 129, 255, 257, 383, 640, 641, 642), splits that leave a lone block or a pair in the last
+# split, windows past a block and a pair (65, 130, 200), and batch 2 (variable counts, odd KV heads).
+ODD_SHAPES = [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None),
+              (1, 3, 3, 333, 128, 7, 3), (1, 1, 12, 100, 128, 100, None), (2, 1, 1, 1, 128, 0, 1), (1, 2, 9, 4100, 128, 200, 7)]
+EDGE_SHAPES = [
+    (1, 1, 1, 63, 64, 0, None), (1, 2, 2, 64 + 65, 64, 65, 1), (2, 1, 3, 65 + 1, 64, 1, None), (1, 1, 4, 127 + 130, 64, 130, 2),
+    (1, 3, 5, 128 + 200, 64, 200, 2), (1, 1, 6, 129 + 64, 64, 64, 2), (2, 2, 7, 255, 64, 0, 3), (1, 1, 8, 257 + 130, 64, 130, None),
+    (1, 1, 9, 641 + 65, 64, 65, 3), (1, 2, 10, 640 + 1, 64, 1, 3), (1, 1, 11, 383 + 200, 64, 200, 4), (1, 1, 12, 642 + 129, 64, 129, 5),
+    (1, 1, 12, 63 + 1, 128, 1, 1), (2, 1, 11, 64, 128, 0, None), (1, 2, 10, 65 + 130, 128, 130, 2), (1, 1, 9, 127 + 65, 128, 65, 2),
+    (1, 3, 8, 128 + 1, 128, 1, 3), (2, 2, 7, 129 + 200, 128, 200, 2), (1, 1, 6, 255 + 64, 128, 64, 3), (1, 1, 5, 257, 128, 0, 2),
+    (1, 1, 4, 641 + 130, 128, 130, 3), (1, 2, 3, 640 + 65, 128, 65, 3), (1, 1, 2, 383 + 200, 128, 200, 4), (2, 1, 1, 1919 + 130, 128, 130, 5),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", [(1, 3, 5, 333, 80, 0, 3), (3, 2, 1, 77, 192, 11, None), (1, 1, 7, 2049, 64, 130, 5), (2, 8, 4, 1000, 128, 32, None),
-                                                   (1, 3, 3, 333, 128, 7, 3), (1, 1, 12, 100, 128, 100, None), (2, 1, 1, 1, 128, 0, 1), (1, 2, 9, 4100, 128, 200, 7)])
+@pytest.mark.parametrize("b,hkv,g,t,d,w,splits", ODD_SHAPES + EDGE_SHAPES)
 def test_cuda_backend_odd_shapes(b, hkv, g, t, d, w, splits):
     cache, _, _ = make_cache(b, hkv, t, d, 0.6, torch.float16, w, device="cuda", backend="triton")
     if b == 2:  # variable counts per key row and per value tile
@@ -186,6 +203,8 @@ def test_bulk_copies_on_sm90_in_long_launches():
     assert use_bulk_copies(64 * 256, (9, 0)) and not use_bulk_copies(64 * 256, (8, 0))  # batch 8 / 32k
     assert not use_bulk_copies(64 * 32, (9, 0)) and not use_bulk_copies(8 * 256, (9, 0))  # batch 8 / 4k, batch 1 / 32k
     assert use_bulk_copies(1, (9, 0), bulk_copies=True) and not use_bulk_copies(10**6, (9, 0), bulk_copies=False)
+    # key bits of a KV head that are not a multiple of 16 bytes (head_dim 64, an odd token count) cannot be bulk copied
+    assert not use_bulk_copies(64 * 256, (9, 0), key_rows_16=False) and not use_bulk_copies(1, (9, 0), bulk_copies=True, key_rows_16=False)
     with pytest.raises(UsageError, match="sm_90"):
         use_bulk_copies(1, (8, 6), bulk_copies=True)
 
@@ -390,3 +409,25 @@ def test_growable_cache_on_cuda_grows_under_one_cuda_graph(d, dtype):
         for knobs in (dict(tensor_cores=False), dict(tensor_cores=True, bulk_copies=False), dict(tensor_cores=True, bulk_copies=True)):
             out, lse = _tuned_attention(q, grow, **knobs)
             assert rel_l2(out, ref_out) < 1e-2, (upto, wlen, knobs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_growable_cache_with_an_odd_length_in_use(d):
+    """lengths[0] is device data: an odd count of compressed tokens (here 5 blocks less one token)
+    makes the last pair's key bits at head_dim 64 an odd number of 8-byte rows, which the bulk copy
+    rounds up to 16 bytes (one row of the capacity past the tail) instead of hanging."""
+    b, hkv, g, w, tc = 2, 3, 5, 9, 5 * 64
+    keys = random_pruned(b, hkv, tc + w, d, 0.6, dtype=torch.float16, device="cuda", seed=3, window=w)
+    values = bernoulli_pruned(b, hkv, tc + w, d, 0.5, torch.float16, device="cuda", seed=4) + 0.0
+    keys[:, :, tc - 1] = 0  # the token left out of use stores nothing, so the in-use view is exact
+    values[:, :, tc - 1] = 0
+    grow = _grow(keys, values, w, 64 * d, device="cuda")
+    grow.lengths[0] = tc - 1
+    q = (torch.randn(b, hkv * g, 1, d, device="cuda") * 2).half()
+    ref_out, ref_lse = sparse_attention_reference(q, grow)
+    for knobs in (dict(tensor_cores=False), dict(tensor_cores=True, bulk_copies=False), dict(tensor_cores=True, bulk_copies=True)):
+        for splits in (1, 2):
+            out, lse = _tuned_attention(q, grow, backend="cuda", num_splits=splits, **knobs)
+            assert rel_l2(out, ref_out) < 1e-2, (knobs, splits)
+            torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)

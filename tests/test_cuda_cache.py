@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtool.core import settings
-from kvtool.core.errors import BadDataError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.kernels import common
 
 SOURCE = Path(common.__file__).with_name("bitmap_prune_encode.cu")
@@ -156,3 +156,108 @@ def test_a_failed_build_is_one_line_and_leaves_no_library(fake, monkeypatch):
     folder, module = folder_of()
     assert "identifier undefined" in (folder / "kvtool-build-error.log").read_text()
     assert not (folder / common.MANIFEST).exists()
+
+
+def test_the_cache_key_follows_every_source_and_the_toolchain(tmp_path, monkeypatch):
+    """A new kernel version (any .cu / .cuh of the extension, headers included), another torch or
+    CUDA, or another GPU architecture is a new folder: never a stale library."""
+    import shutil
+
+    kernels = Path(common.__file__).parent
+    for f in kernels.glob("bitmap_sparse_attention*.cu*"):
+        shutil.copy(f, tmp_path / f.name)
+    sources = [tmp_path / "bitmap_sparse_attention.cu", tmp_path / "bitmap_sparse_attention_f16.cu", tmp_path / "bitmap_sparse_attention_bf16.cu"]
+    flags = ["-O3", "--use_fast_math"]
+    key = common.build_inputs("bitmap_sparse_attention", sources, flags, "90")
+    header = tmp_path / "bitmap_sparse_attention_mma.cuh"  # not listed: found beside the first source
+    text = header.read_text()
+    header.write_text(text + "\n// one more line\n")
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags, "90") != key
+    header.write_text(text)
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags, "90") == key
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags, "100") != key
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags + ["-G"], "90") != key
+    monkeypatch.setattr(torch.version, "cuda", "99.9")
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags, "90") != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert common.build_inputs("bitmap_sparse_attention", sources, flags, "90") != key
+
+
+def test_a_builder_killed_mid_build_leaves_the_next_one_free_to_build(fake, tmp_path):
+    """SIGKILL in the middle of a build (the kernel releases the flock with the process): the next
+    process takes the lock at once, clears the half-built folder and builds afresh."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, torch\n"
+        "from pathlib import Path\n"
+        "from kvtool.kernels import common\n"
+        "torch.cuda.get_device_capability = lambda *a: (9, 0)\n"
+        "def slow(module, sources, flags, folder):\n"
+        "    (Path(folder) / 'half-built.o').write_bytes(b'partial')\n"
+        "    print('building', flush=True); time.sleep(120)\n"
+        "common._build = slow\n"
+        f"common.cuda_extension('bitmap_prune_encode', [Path({str(SOURCE)!r})])\n")],
+        stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(Path(common.__file__).parents[2])))
+    try:
+        assert child.stdout.readline().strip() == "building"
+        folder, module = folder_of()
+        assert (folder / "half-built.o").exists()
+        os.kill(child.pid, 9)
+        child.wait()
+        started = time.monotonic()
+        assert common.cuda_extension("bitmap_prune_encode", [SOURCE]) == ("built", module)
+        assert time.monotonic() - started < 5 and fake["builds"] == 1
+        assert not (folder / "half-built.o").exists() and (folder / common.MANIFEST).exists()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_env_build_kernels_says_what_is_missing(monkeypatch):
+    """`kvtool env --build-kernels` where nothing can be built: exit 2 and one line naming why."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["env", "--help"])
+    assert res.exit_code == 0 and "--build-kernels" in res.output and "kvtool env --build-kernels --json" in res.output
+    monkeypatch.setattr(torch.version, "cuda", None)
+    res = runner.invoke(app, ["env", "--build-kernels", "--json"])
+    assert res.exit_code == 2, res.output
+    err = json.loads(res.stdout)["error"]
+    assert err["type"] == "UsageError" and err["message"].startswith("no CUDA toolchain: torch") and "CPU build" in err["message"]
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = runner.invoke(app, ["env", "--build-kernels"])
+    assert res.exit_code == 2 and "no CUDA device" in res.stderr and "Traceback" not in res.output
+    res = runner.invoke(app, ["env", "--json"])  # without the flag env reports, builds nothing
+    assert res.exit_code == 0 and "kernels" not in json.loads(res.stdout)
+
+
+def test_build_extensions_runs_the_builds_at_once_and_names_a_failure(monkeypatch):
+    """kvtool env --build-kernels: one process per extension, all started before any is waited for;
+    a failed build is one line naming the extension (the builds themselves need a GPU: stand-ins here)."""
+    from kvtool.kernels import extensions as ext
+
+    real_popen = subprocess.Popen
+    outcome = {"a": "ok", "b": "ok"}
+
+    def popen(cmd, **kw):
+        name = cmd[-1]
+        body = (f"import json, time; time.sleep(1); print(json.dumps({{'name': {name!r}, 'status': 'built', 'seconds': 1.0}}))" if outcome[name] == "ok"
+                else "import sys; print('RuntimeError: nvcc failed', file=sys.stderr); sys.exit(1)")
+        return real_popen([sys.executable, "-c", body], **kw)
+
+    monkeypatch.setattr(ext, "toolchain_problem", lambda: None)
+    monkeypatch.setattr(ext, "known_extensions", lambda: {"a": None, "b": None})
+    monkeypatch.setattr(ext.subprocess, "Popen", popen)
+    started = time.monotonic()
+    got = ext.build_extensions()
+    assert [g["name"] for g in got] == ["a", "b"] and time.monotonic() - started < 1.9  # together, not one after the other
+    outcome["b"] = "fail"
+    with pytest.raises(BadDataError, match="building the CUDA extension b failed: RuntimeError: nvcc failed"):
+        ext.build_extensions()
+    with pytest.raises(UsageError, match="unknown CUDA extension 'c'"):
+        ext.build_extensions(["c"])

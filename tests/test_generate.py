@@ -74,7 +74,7 @@ def test_generate_library_and_empty_prompt(tiny, tiny_cap):
     result = generate(tiny_cap, "", max_new_tokens=6, loaded=(model, tok))
     # no prompt: the last cached token is fed again, so this is the live continuation of the capture
     ref = model.generate(cap.token_ids, attention_mask=torch.ones_like(cap.token_ids), max_new_tokens=6, do_sample=False)
-    assert result["new_tokens"][0] == ref[0, cap.num_tokens :].tolist()
+    assert result["new_token_ids"][0] == ref[0, cap.num_tokens :].tolist()
     assert result["mode"] == "dense" and result["prompt_tokens"] == 0
 
 
@@ -144,7 +144,7 @@ def test_generate_cli_json(tiny_cap):
     assert res.exit_code == 0, res.output
     assert "loading model " in res.stderr  # the file chose the model: stderr names it
     data = json.loads(res.stdout)
-    assert len(data["new_tokens"][0]) == 4 and data["prompt_tokens"] == 3 and data["mode"] == "dense"
+    assert len(data["new_token_ids"][0]) == 4 and data["prompt_tokens"] == 3 and data["mode"] == "dense"
 
 
 def test_a_model_without_a_tokenizer_continues_the_cached_tokens(tmp_path):
@@ -157,9 +157,9 @@ def test_a_model_without_a_tokenizer_continues_the_cached_tokens(tmp_path):
         res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "-n", "5", "--device", dev, "--json"])
         assert res.exit_code == 0, res.output
         runs.append(json.loads(res.stdout))
-    assert runs[0]["mode"] == "live" and runs[0]["text"] == [""] and len(runs[0]["new_tokens"][0]) == 5
+    assert runs[0]["mode"] == "live" and runs[0]["text"] == [""] and len(runs[0]["new_token_ids"][0]) == 5
     assert runs[0]["model_device"] == runs[1]["model_device"] == "cpu" and runs[0]["seconds"] >= 0
-    assert runs[0]["new_tokens"] == runs[1]["new_tokens"]
+    assert runs[0]["new_token_ids"] == runs[1]["new_token_ids"]
     res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "--prompt", "hi"])
     assert res.exit_code == 2 and "has no tokenizer: --prompt needs one" in res.output
     res = runner.invoke(app, ["generate", str(packed), "--model", "random:tiny", "-n", "3"])
@@ -296,9 +296,9 @@ def test_generate_through_the_ring(tiny, ring_file, tmp_path):
     cc, path = ring_file
     assert export_file(path, "hf", tmp_path / "ring.hf.safetensors")["mode"] == "ring"
     result = generate(tmp_path / "ring.hf.safetensors", " x", max_new_tokens=5, loaded=(model, tok))
-    assert result["mode"] == "ring" and len(result["new_tokens"][0]) == 5
+    assert result["mode"] == "ring" and len(result["new_token_ids"][0]) == 5
     empty = generate(path, "", max_new_tokens=3, loaded=(model, tok))  # the last held-out token is fed again
-    assert empty["mode"] == "ring" and len(empty["new_tokens"][0]) == 3
+    assert empty["mode"] == "ring" and len(empty["new_token_ids"][0]) == 3
 
 
 def test_snapstream_continues_through_its_ring(tiny, tiny_cap, tmp_path):
@@ -329,5 +329,5 @@ def test_snapstream_continues_through_its_ring(tiny, tiny_cap, tmp_path):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert int(cache.layers[0].live.enc.tensors["positions"][0, 0, victim]) == t and cache.layers[0].live.tokens == 40
     result = generate(path, "", max_new_tokens=4, loaded=(model, tok))
-    assert result["mode"] == "live" and len(result["new_tokens"][0]) == 4
-    assert generate(path, "", max_new_tokens=4, loaded=(model, tok), mode="ring")["new_tokens"] == result["new_tokens"]
+    assert result["mode"] == "live" and len(result["new_token_ids"][0]) == 4
+    assert generate(path, "", max_new_tokens=4, loaded=(model, tok), mode="ring")["new_token_ids"] == result["new_token_ids"]

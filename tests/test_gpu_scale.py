@@ -128,7 +128,7 @@ def test_model_level_fidelity_gpu_matches_cpu(tiny_llama_dir, tmp_path):
         assert res.exit_code == 0, res.output
         out[device] = json.loads(res.output)
     assert out["cuda"]["attention"]["device"].startswith("cuda") and out["cpu"]["attention"]["device"] == "cpu"
-    gpu, cpu = out["cuda"]["model"], out["cpu"]["model"]
+    gpu, cpu = out["cuda"]["model_fidelity"], out["cpu"]["model_fidelity"]  # verify --json names it model_fidelity
     for key in ("nll_dense", "nll_lossy"):
         assert abs(gpu[key] - cpu[key]) < 1e-3, (key, gpu[key], cpu[key])
     # one near-tied argmax may flip between devices

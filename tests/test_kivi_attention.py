@@ -252,3 +252,31 @@ def test_live_bytes_are_the_tensors_held():
     # 4-bit codes and 1/32 room to grow (0.27), scales and zero points of 16 elements (0.13), 96 residual slots (0.1)
     assert held < 0.55 * dense
     assert live.workspace_bytes(4) > 0 and live.join_bytes() > 0
+
+
+@pytest.mark.parametrize("bits,group,block", [(4, 32, 32), (4, 32, 64), (2, 16, 64), (2, 32, 128), (8, 64, 16), (4, 128, 128), (4, 8, 16)])
+def test_packed_kernel_blocks(bits, group, block):
+    """The packed-codes kernel (float16, power-of-two groups) at several blocks and splits equals
+    the references; its tail (codes and residual tokens mixed) runs in the generic kernel."""
+    from kvtool.kernels.kivi_attention import packed_path
+
+    k, v = tensors(1, 2, 260, 64, F16, seed=5)
+    enc = encode(k, v, bits, group, 9)
+    cache = cache_from_encoded(enc)
+    q = query(1, 8, 1, 64, F16)
+    assert packed_path(q, cache)
+    ref = kivi_attention_reference(q, cache)
+    for splits in (1, 3):
+        close(kivi_attention(q, cache, block=block, splits=splits), ref, F16)
+    with pytest.raises(UsageError, match="block"):
+        kivi_attention(q, cache, block=24)
+
+
+def test_packed_path_is_float16_power_of_two_groups():
+    from kvtool.kernels.kivi_attention import packed_path
+
+    k, v = tensors(1, 2, 100, 16, BF16)
+    assert not packed_path(query(1, 4, 1, 16, BF16), cache_from_encoded(encode(k, v, 4, 32, 8)))
+    k, v = tensors(1, 2, 100, 16, F16)
+    assert not packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 5, 8)))
+    assert packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 32, 8)))

@@ -66,7 +66,7 @@ def test_live_tokens_equal_the_file_path(name, tiny, long_cap, tmp_path):
     live = generate(path, "", max_new_tokens=8, loaded=(model, tok))
     ref = generate(path, "", max_new_tokens=8, loaded=(model, tok), mode="ring" if fmt.appends_tokens else "attend")
     assert live["mode"] == "live"
-    assert live["new_tokens"] == ref["new_tokens"]
+    assert live["new_token_ids"] == ref["new_token_ids"]
     cache = to_hf_cache(path, model)
     assert is_live(cache) and stored_bytes(cache) > 0
 

@@ -105,8 +105,8 @@ def test_every_way_in_generates_the_file_paths_tokens(spec, tiny, cap, plan_file
     ring = not spec.endswith(".json") and resolve(spec)[0].appends_tokens
     # kvtool generate of a compressed file, and kvtool.to_hf_cache
     path = save_compressed(_compressed(cap, spec, 12), tmp_path / "c.safetensors")
-    ref = generate(path, "", max_new_tokens=STEPS, loaded=(model, tok), mode="ring" if ring else "attend")["new_tokens"]
-    assert generate(path, "", max_new_tokens=STEPS, loaded=(model, tok))["new_tokens"] == ref, "kvtool generate"
+    ref = generate(path, "", max_new_tokens=STEPS, loaded=(model, tok), mode="ring" if ring else "attend")["new_token_ids"]
+    assert generate(path, "", max_new_tokens=STEPS, loaded=(model, tok))["new_token_ids"] == ref, "kvtool generate"
     cache = kvtool.to_hf_cache(path, model, hold_last=True)
     assert is_live(cache)
     assert [_greedy(model, cap.token_ids, **cache_kwargs(model, cache))] == ref, "to_hf_cache"
@@ -297,7 +297,7 @@ def test_a_files_share_does_not_depend_on_the_captures_dtype(spec):
     narrow = synthetic_cache(tokens=120, head_dim=32, dtype=torch.float16)
     a = compress_cache(wide, fmt, params, heldout=8).byte_report()
     b = compress_cache(narrow, fmt, params, heldout=8).byte_report()
-    assert a["dense_bytes"] == b["dense_bytes"] and a["ratio"] == pytest.approx(b["ratio"], abs=0.01)
+    assert a["dense_bytes"] == b["dense_bytes"] and a["storage_ratio"] == pytest.approx(b["storage_ratio"], abs=0.01)
 
 
 def test_live_kivi_and_bitmap_at_4096_tokens_hold_their_share():

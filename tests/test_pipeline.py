@@ -172,7 +172,7 @@ def test_cli_pipeline_info_and_errors(tmp_path):
     rep = json.loads(res.output)
     assert rep["format"] == "pipeline" and rep["params"]["format"] == "quant:bits=2"
     assert rep["details"]["pipeline"] == "snapkv:budget=64 -> per-token:k=0.5,v=0.7 -> quant:bits=2" and rep["details"]["storage"] == "bitmapq"
-    assert rep["compressed_bytes"] == sum(rep["bytes_by_part"].values())
+    assert rep["stored_bytes"] == sum(rep["bytes_by_part"].values())
     res = runner.invoke(app, ["info", str(out), "--json"])
     assert res.exit_code == 0
     info = json.loads(res.output)

@@ -353,4 +353,4 @@ def test_gpu_verify_with_the_model_spread_over_two_gpus_equals_one(tmp_path, mon
         torch.cuda.empty_cache()
     assert reports[0]["device"] == "cuda:0" and reports[1]["device"].startswith("cuda:0 0-") and "; cuda:1 " in reports[1]["device"]
     assert reports[0]["nll_increase"] == pytest.approx(reports[1]["nll_increase"], rel=1e-3, abs=1e-4)
-    assert reports[0]["generated_lossy"] == reports[1]["generated_lossy"]
+    assert reports[0]["generated_lossy_ids"] == reports[1]["generated_lossy_ids"]

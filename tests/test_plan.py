@@ -50,7 +50,7 @@ def test_plan_round_trips_and_bytes_add_up(tmp_path):
         f, p = resolve_spec(spec)
         want += sum(f.nbytes(f.encode(slice_heads(head, [h]), p)).values())
     assert sum(mixed.nbytes(back.layers[1]).values()) == want
-    assert back.byte_report()["compressed_bytes"] == sum(sum(mixed.nbytes(e).values()) for e in back.layers.values())
+    assert back.byte_report()["stored_bytes"] == sum(sum(mixed.nbytes(e).values()) for e in back.layers.values())
 
 
 def test_mixed_attention_is_each_groups_attention():
@@ -130,7 +130,7 @@ def test_plan_file_exports_and_generates(tiny_capture, tiny_llama_dir, tmp_path)
     assert res.exit_code == 0, res.output
     res = r.invoke(app, ["generate", str(out), "--prompt", " hi", "-n", "3", "--json"])
     assert res.exit_code == 0, res.output
-    assert len(json.loads(res.stdout)["new_tokens"][0]) == 3
+    assert len(json.loads(res.stdout)["new_token_ids"][0]) == 3
     res = r.invoke(app, ["export", str(out), "--to", "hf", "-o", str(tmp_path / "hf.safetensors")])
     assert res.exit_code == 0, res.output
     res = r.invoke(app, ["verify", str(out), "--json", "--generate", "2", "--model", str(tiny_llama_dir)])

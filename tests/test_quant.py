@@ -159,8 +159,8 @@ def test_scheme_bits_and_reported_bits_per_element():
         cc = compress_cache(cache, fmt, p, heldout=16)
         rep, details = cc.byte_report(), fmt.report(cc)
         elements = 2 * sum(e.meta["shape"][0] * e.meta["shape"][1] * e.meta["shape"][2] * e.meta["shape"][3] for e in cc.layers.values())
-        assert details["bits_per_element"] == pytest.approx(8 * rep["compressed_bytes"] / elements)
-        assert rep["compressed_bytes"] == sum(e.tensor_bytes() for e in cc.layers.values())
+        assert details["bits_per_element"] == pytest.approx(8 * rep["stored_bytes"] / elements)
+        assert rep["stored_bytes"] == sum(e.tensor_bytes() for e in cc.layers.values())
         d = fmt.decode(cc.layers[0])
         src = cache.layers[0].slice_tokens(0, 80)
         errs[p.scheme + str(p.bits)] = float((d.keys.float() - src.keys.float()).norm() / src.keys.float().norm())
@@ -279,7 +279,7 @@ def test_sample_bits_order_and_ratio(sample_capture):
         fmt, p = quant(**spec)
         cc = compress_cache(cache, fmt, p, heldout=64)
         key = f"{p.scheme}{p.bits}"
-        errors[key], ratios[key] = heldout_error(fmt, cc, cache, 7, 64), cc.byte_report()["ratio"]
+        errors[key], ratios[key] = heldout_error(fmt, cc, cache, 7, 64), cc.byte_report()["storage_ratio"]
     assert errors["kivi2"] > errors["kivi4"] > errors["kivi8"]
     assert errors["kivi4"] < 0.1 and errors["kivi8"] < 0.01
     # 448 tokens, 32 residual, group 32: codes + 2 float16 per 32 elements + residual share

@@ -90,11 +90,11 @@ def test_sensitivity_and_allocation_on_the_sample(sample_capture):
     assert float(sens.loss[:, 0].max()) < 1e-6  # dense loses nothing
     assert (sens.loss[:, 2] > sens.loss[:, 1]).all()  # 2-bit worse than 4-bit on every head
     rows = {r["spec"]: r for r in uniform_options(sens)}
-    assert rows["dense"]["ratio"] == pytest.approx(1.0)
+    assert rows["dense"]["storage_ratio"] == pytest.approx(1.0)
     plan, pred = allocate(sens, 0.3, cache.facts)
-    assert pred["ratio"] <= 0.3
+    assert pred["storage_ratio"] <= 0.3
     # the plan is at least as good as every uniform setting that fits
-    assert pred["loss"] <= min(r["loss"] for r in rows.values() if r["ratio"] <= 0.3) + 1e-12
+    assert pred["loss"] <= min(r["loss"] for r in rows.values() if r["storage_ratio"] <= 0.3) + 1e-12
     assert set(plan.layers) == {7, 15}
     assert "snapstream:share=0.5" in menu(448) and "dense" in menu(448, ["quant"])  # budgets are shares: plans fit any length
 
@@ -134,9 +134,9 @@ def test_recommend_with_model_checks_a_budget_filling_uniform(sample_capture, tm
     check = b["check"]
     plan = check[b["plan_label"]]["cases"][0]
     best = check[b["best_uniform"]]["cases"][0]
-    assert plan["stored_ratio"] <= 0.2 and best["stored_ratio"] <= 0.2
+    assert plan["storage_ratio"] <= 0.2 and best["storage_ratio"] <= 0.2
     # the uniform baseline fills the budget (its parameter searched), it is not a menu point that fits
-    assert best["stored_ratio"] >= 0.19 and b["best_uniform"] in b["uniform_fills"].values()
+    assert best["storage_ratio"] >= 0.19 and b["best_uniform"] in b["uniform_fills"].values()
     assert plan["kl"] >= 0 and best["kl"] > 0
     assert set(res["layer_weights"]) == {0, 7, 15, 23}
 

@@ -9,6 +9,7 @@ import json
 from html.parser import HTMLParser
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app
@@ -68,6 +69,21 @@ def test_report_sections_and_images(sample_capture, tmp_path):
         assert img.size[0] > 300 and img.size[1] > 200
     text = out.read_text()
     assert "At 15% of the bytes" in text and "test GPU" in text and "bitmap_attention" in text
+    # the first screen comes first, and names the same best uniform setting as the frontier section
+    assert text.index('id="answer"') < text.index('id="model"')
+    frontier = text.split('<section id="frontier">')[1].split("</section>")[0]
+    import html as _html
+    import re
+
+    first = text.split('<section id="answer">')[1].split("</section>")[0]
+    from kvtool.analysis.answer import capture_arg
+    assert re.findall(r'<tr class="plan"><td><b>([^<]+)</b>', first) == ["15%", "40%"]
+    uniforms = [_html.unescape(u) for u in re.findall(r'<tr class="uniform"><td>uniform</td><td class="words" title="([^"]+)"', first)]
+    assert len(uniforms) == 2
+    for budget, spec in zip(("15", "40"), uniforms):
+        assert f"kvtool compress {capture_arg(sample_capture)} --plan plan-{budget}.json" in first
+        assert f'download="plan-{budget}.json" href="data:application/json;base64,' in first
+        assert spec in frontier  # one best uniform per budget, the same in the frontier section
     res = CliRunner().invoke(app, ["report", str(sample_capture), "--no-model", "-o", str(out)])
     assert res.exit_code == 2 and "exists" in res.output
     res = CliRunner().invoke(app, ["report", str(sample_capture), "--no-model", "--eval", str(tmp_path / "none"), "-o", str(tmp_path / "r2.html")])
@@ -135,9 +151,9 @@ def test_frontier_labels_are_nearest_their_own_point_and_the_log_axis_is_readabl
 def test_report_attention_frontier_labels_are_nearest_their_own_point():
     from kvtool.analysis.html_report import attention_frontier_figure
 
-    uniform = [{"spec": f"{f}:x={k}", "ratio": 0.1 + 0.07 * k + 0.01 * n, "loss": (0.5 - 0.05 * k) ** 2 * 4}
+    uniform = [{"spec": f"{f}:x={k}", "storage_ratio": 0.1 + 0.07 * k + 0.01 * n, "loss": (0.5 - 0.05 * k) ** 2 * 4}
                for n, f in enumerate(("quant", "bitmap", "signvq", "snapstream")) for k in range(6)]
-    fig = attention_frontier_figure(uniform, [{"ratio": 0.15, "loss": 0.2, "budget": "15%"}], n_layers=4)
+    fig = attention_frontier_figure(uniform, [{"storage_ratio": 0.15, "loss": 0.2, "budget": "15%"}], n_layers=4)
     ax = fig.axes[0]
     labels = _label_points(ax)
     assert labels
@@ -161,7 +177,7 @@ def test_report_nll_in_nats_noise_flag_and_reproduce_line(tiny_capture, tiny_lla
     plan_row = re.search(r"<tr><td>plan @ 40%</td><td>[\d.]+%</td>(<td[^>]*>[^<]*</td>)", text).group(1)
     assert re.fullmatch(r'<td class="\w+">[+-]\d\.\d{4}\*?</td>', plan_row), plan_row  # signed nats/token, graded
     reproduce = text.split("Reproduce:")[1].split("Cases:")[0]
-    for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%", "--uniform-checks 1"):
+    for option in ("--budgets 40%", "--heldout 16", f"--model {tiny_llama_dir}", "--no-texts", "--budget 40%"):
         assert option in reproduce, option
     assert 'class="good"' in text or 'class="fair"' in text or 'class="poor"' in text  # graded cells
 
@@ -170,7 +186,7 @@ def test_model_cost_figure_ticks_in_nats():
     from kvtool.analysis.html_report import model_cost_figure
 
     def setting(ratio, nll):
-        return {"cases": [{"stored_ratio": ratio, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": None, "hi": None, "n": 1}}
+        return {"cases": [{"storage_ratio": ratio, "nll_increase": nll}], "nll_increase": {"mean": nll, "lo": None, "hi": None, "n": 1}}
 
     budgets = [{"budget": "40%", "plan_label": "plan @ 40%",
                 "check": {"plan @ 40%": setting(0.38, 0.0086), "quant:bits=2": setting(0.29, 0.0084), "signvq:bits=4": setting(0.41, -0.0056)}}]
@@ -179,3 +195,30 @@ def test_model_cost_figure_ticks_in_nats():
     labels = [ax.yaxis.get_major_formatter()(t, 0) for t in ax.get_yticks() if lo <= t <= hi]
     assert len(labels) >= 4 and "0" in labels and all("%" not in t for t in labels), labels
     assert "nats/token" in ax.get_ylabel()
+
+
+def test_model_cost_marker_sits_at_the_centre_of_its_own_bar():
+    from kvtool.analysis.html_report import model_cost_figure
+
+    cases = [{"storage_ratio": 0.15, "nll_increase": v} for v in (0.05, 0.001, 0.002, 0.003)]  # the capture's case far from the mean
+    iv = {"mean": 0.014, "lo": 0.0, "hi": 0.04, "n": 4}
+    budgets = [{"budget": "15%", "plan_label": "plan @ 15%", "check": {"plan @ 15%": {"cases": cases, "nll_increase": iv}}}]
+    ax = model_cost_figure(budgets).axes[0]
+    from matplotlib.collections import LineCollection, PathCollection
+
+    (x, y), = next(c for c in ax.collections if isinstance(c, PathCollection)).get_offsets()  # the marker
+    bar = next(c for c in ax.collections if isinstance(c, LineCollection))
+    (_, lo), (_, hi) = sorted(bar.get_segments()[0], key=lambda p: p[1])
+    assert (x, y) == pytest.approx((15.0, 0.014)) and lo == pytest.approx(0.0) and hi == pytest.approx(0.04)
+    assert "mean of 4 cases" in ax.get_ylabel()
+
+
+def test_eval_points_of_another_capture_are_left_out(tmp_path):
+    from kvtool.analysis.html_report import read_eval_of
+
+    (tmp_path / "ev").mkdir()
+    points = [{"format": "quant", "capture": "/x/other.safetensors", "storage_ratio": 0.3},
+              {"format": "bitmap", "capture": str(tmp_path / "mine.safetensors"), "storage_ratio": 0.4}]
+    (tmp_path / "ev" / "eval.json").write_text(json.dumps({"points": points}))
+    mine, others = read_eval_of(tmp_path / "ev", tmp_path / "mine.safetensors")
+    assert [p["format"] for p in mine] == ["bitmap"] and others == ["other.safetensors"]

@@ -64,7 +64,7 @@ def test_needles_sit_at_their_depths(tok):
 def test_task_and_family_names_agree_with_the_cli():
     from kvtool.commands import tasks as cmd
 
-    assert cmd.TASK_NAMES == T.TASKS and cmd.FAMILY_NAMES == fill.FAMILIES
+    assert cmd.TASK_NAMES == T.TASKS and cmd.FAMILY_NAMES == fill.FAMILIES and cmd.MULTI_QUESTION_TASKS == T.MULTI_QUESTION_TASKS
 
 
 def test_parse_lengths_and_tasks():
@@ -120,7 +120,7 @@ def test_compressed_answer_through_dense_spec_matches_dense(tiny):
 def test_filled_families_fit_and_fill_the_budget(family, fraction):
     spec = fill.fill_spec(family, fraction, 300, 2, 4, 64)
     if spec is None:
-        assert family in ("kivi", "signvq", "bitmap", "bitmapq")  # bitmap keeps 32 recent tokens dense: too many of 300
+        assert family in ("kivi", "rkivi", "signvq", "bitmap", "bitmapq")  # bitmap keeps 32 recent tokens dense: too many of 300
         return
     r = fill.spec_ratio(spec, 300, 2, 4, 64)
     assert r <= fraction + 1e-12
@@ -157,9 +157,9 @@ def test_ratios_are_over_float16_whatever_the_capture_dtype():
     fmt, params = resolve_spec("quant:bits=4")
     r32 = compress_cache(c32, fmt, params).byte_report()
     r16 = compress_cache(c16, fmt, params).byte_report()
-    assert r32["dense_bytes"] == r16["dense_bytes"] and r32["compressed_bytes"] == r16["compressed_bytes"]
+    assert r32["dense_bytes"] == r16["dense_bytes"] and r32["stored_bytes"] == r16["stored_bytes"]
     dense = compress_cache(c32, *resolve_spec("dense")).byte_report()
-    assert math.isclose(dense["ratio"], 1.0)  # full-precision parts count in float16, the denominator's dtype
+    assert math.isclose(dense["storage_ratio"], 1.0)  # full-precision parts count in float16, the denominator's dtype
 
 
 def test_eviction_share_fits_any_length():
@@ -192,7 +192,7 @@ def test_kept_tokens_become_a_real_file(tmp_path):
     assert cc.format == "mixed"
     rep = cc.byte_report()
     per_token = 2 * 16 * 2 + 2  # keys + values float16, one int16 position
-    assert rep["compressed_bytes"] == len(cache.layers) * (4 + 6) * per_token
+    assert rep["stored_bytes"] == len(cache.layers) * (4 + 6) * per_token
     path = save_compressed(cc, tmp_path / "kept.safetensors")
     back = load_compressed(path)
     q = torch.randn(1, 4, 2, 16, dtype=torch.float16)
@@ -204,7 +204,7 @@ def test_kept_tokens_become_a_real_file(tmp_path):
         p = torch.softmax(q[:, :2].float() @ k.transpose(-1, -2) / 4.0, -1)
         assert torch.allclose(out[:, :2], p @ v, atol=1e-3)
     quant = compress_kept(cache, kept, "quant:bits=4,group=32,residual=0,partial=true", "hand-made")
-    assert quant.byte_report()["compressed_bytes"] < rep["compressed_bytes"]
+    assert quant.byte_report()["stored_bytes"] < rep["stored_bytes"]
 
 
 def test_kept_positions_are_checked():
@@ -301,7 +301,7 @@ def test_real_kvpress_presses_become_files(tiny):
         press = hfpress.reuse_scores(hfpress.make_press(spec))
         kept = hfpress.press_kept(model, press, inputs)
         cc = compress_kept(cache, kept, "dense", spec.label)
-        assert 0.5 < cc.byte_report()["ratio"] < 0.7  # 30% of the tokens, stored in float32: twice the float16 bytes
+        assert 0.25 < cc.byte_report()["storage_ratio"] < 0.45  # 30% of the tokens (float32 counted in float16) and their positions
         hfpress.set_keep(press, 0.6)  # the same press again at another share reuses its scores
         again = hfpress.press_kept(model, press, inputs)
         assert sum(len(p[0]) for p in again[0]) > sum(len(p[0]) for p in kept[0])
@@ -326,7 +326,7 @@ def test_tasks_cli_runs_resumes_and_writes(tiny_llama_dir, tmp_path):
     lines = (out / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 2 * 3
     for r in map(json.loads, lines):
-        assert r["stored_ratio"] <= (1.0 if r["setting"] == "dense" else 0.25 + 1e-9)
+        assert r["storage_ratio"] <= (1.0 if r["setting"] == "dense" else 0.25 + 1e-9)
     res = CliRunner().invoke(app, args)  # a rerun reads every row back, computes nothing
     assert res.exit_code == 0 and len((out / "samples.jsonl").read_text().splitlines()) == len(lines)
     assert (out / "tasks.csv").exists() and (out / "frontier.png").exists()
@@ -336,7 +336,7 @@ def test_summary_marks_budgets_a_family_cannot_reach():
     rows = [{"sample": "a", "task": "niah_single", "length": 1024, "setting": "signvq @ 10%", "method": "signvq", "budget": 0.1,
              "unavailable": "cannot"},
             {"sample": "a", "task": "niah_single", "length": 1024, "setting": "dense", "method": "dense", "budget": None, "correct": True,
-             "part": 1.0, "stored_ratio": 1.0, "spec": "dense"}]
+             "part": 1.0, "storage_ratio": 1.0, "spec": "dense"}]
     s = taskrun.summarize(rows)
     cell = next(c for c in s["cells"] if c["setting"] == "signvq @ 10%")
     assert cell["n"] == 0 and cell["unavailable"]
@@ -353,7 +353,7 @@ def test_recommend_tasks_objective_and_servable_plan(tiny_llama_dir, tmp_path):
     assert plan.extra["budget"]["fraction"] == 0.3 and plan.extra["servable"] == "paged"
     for specs in plan.layers.values():
         assert len({token_share(s) for s in specs}) == 1  # one token budget per layer
-    assert b["predicted"]["exact_ratio"] <= 0.3 + 1e-9
+    assert b["predicted"]["exact_storage_ratio"] <= 0.3 + 1e-9
     assert {"dense", "plan:recommended @ 30%"} <= {r["setting"] for r in b["task_check"]["by_setting"]}
     with pytest.raises(UsageError):
         recommend_tasks(["30%"], ["niah_single"], [400], calib_seed=2, check_seed=2, model=str(tiny_llama_dir))
@@ -385,7 +385,7 @@ def test_report_takes_a_tasks_folder(tiny_capture, tmp_path):
     for i in range(3):
         for setting, method, budget, ok, stored in (("dense", "dense", None, True, 1.0), ("kivi @ 25%", "kivi", 0.25, i == 0, 0.248)):
             rows.append({"sample": f"niah_single:400:0:{i}", "task": "niah_single", "length": 400, "setting": setting, "method": method,
-                         "budget": budget, "correct": ok, "part": float(ok), "stored_ratio": stored, "spec": method})
+                         "budget": budget, "correct": ok, "part": float(ok), "storage_ratio": stored, "spec": method})
     out = tmp_path / "t"
     out.mkdir()
     taskrun.write_outputs(taskrun.summarize(rows), out)
@@ -437,5 +437,5 @@ def test_tasks_on_cuda_score_as_on_the_cpu(tiny_llama_dir, tmp_path, methods):
         if "unavailable" in cpu:  # a family that cannot reach the budget: the same on both
             assert gpu.get("unavailable") == cpu["unavailable"], key
             continue
-        assert gpu["stored_ratio"] == pytest.approx(cpu["stored_ratio"], rel=1e-6), key
+        assert gpu["storage_ratio"] == pytest.approx(cpu["storage_ratio"], rel=1e-6), key
         assert gpu["answer_nll"] == pytest.approx(cpu["answer_nll"], rel=2e-2, abs=2e-2), key

@@ -129,6 +129,34 @@ def test_verify_triton_backend_agrees_with_torch(tiny_capture, tiny_llama_dir, t
     assert rep["model_fidelity"]["agreement"] == 1.0 and abs(rep["model_fidelity"]["nll_increase"]) < 1e-4
 
 
+@pytest.mark.slow
+def test_verify_triton_backend_on_a_float16_capture_runs_the_model_check(tiny_llama_dir, tmp_path, monkeypatch):
+    """The model computes in float32 on the CPU, the capture (and so the cache) is float16: the model
+    check casts the query to the cache's dtype for the kernel (it failed with "q is torch.float32 but
+    the cache is torch.float16", issue 44), and agrees with the torch backend."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cap = tmp_path / "cap16.safetensors"
+    res = runner.invoke(app, ["capture", "--model", str(tiny_llama_dir), "--prompt", "kvtool in half precision " * 4, "--dtype", "float16", "-o", str(cap)])
+    assert res.exit_code == 0, res.output
+    comp = tmp_path / "cap16.bitmap.safetensors"
+    assert runner.invoke(app, ["compress", str(cap), "--format", "bitmap", "--heldout", "16", "-o", str(comp)]).exit_code == 0
+    reps = {}
+    for backend in ("triton", "torch"):
+        res = runner.invoke(app, ["verify", str(comp), "--backend", backend, "--model", str(tiny_llama_dir), "--generate", "0", "--json"])
+        assert res.exit_code == 0, res.output
+        reps[backend] = json.loads(res.output)
+    tri, ref = reps["triton"]["model_fidelity"], reps["torch"]["model_fidelity"]
+    assert reps["triton"]["model_facts"]["dtype"] == "float16" and tri is not None
+    assert abs(tri["nll_lossy"] - ref["nll_lossy"]) < 1e-2 and abs(tri["agreement"] - ref["agreement"]) <= 1.0 / tri["positions"]
+
+
+def test_kernel_query_takes_the_encoded_layers_dtype():
+    q = torch.randn(1, 2, 3, 4)
+    assert hfattn.kernel_query(q, Encoded({}, {"dtype": "float16"})).dtype == torch.float16
+    assert hfattn.kernel_query(q, Encoded({}, {"dtype": "float32"})) is q
+    assert hfattn.kernel_query(q, Encoded({}, {})) is q  # a format that names no dtype: as it is
+
+
 def test_verify_bad_input(tiny_capture, tiny_llama_dir, tmp_path):
     moved = tmp_path / "moved.safetensors"
     shutil.copy(tiny_capture, moved)

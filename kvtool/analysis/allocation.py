@@ -42,9 +42,11 @@ from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.plan import Plan, model_shape
 
 # Shares of the prefix kept by the eviction candidates (SnapKV + sinks + recent), and by the eviction +
-# KIVI pipelines: shares, not token counts, so a plan fits captures of any length
+# KIVI 4 / 2-bit pipelines: shares, not token counts, so a plan fits captures of any length. The
+# smallest pipelines store 1-2% of the float16 bytes, so a plan at 5% can still keep a few heads whole
 EVICT_SHARES = (0.0625, 0.125, 0.25, 0.5)
-PIPELINE_SHARES = (0.125, 0.25, 0.5)
+PIPELINE_SHARES = (0.0625, 0.125, 0.25, 0.5)
+PIPELINE_SHARES_2BIT = (0.0625, 0.125, 0.25, 0.5)
 KIVI_STORE = "quant:bits={bits},group=32,residual=0,partial=true"
 # families whose files the paged layout (FlashInfer, vLLM) holds as they are: every head of a layer
 # keeps the same tokens count when the layer's candidates share one token share
@@ -59,13 +61,15 @@ def menu(prefix_tokens: int | None = None, families: list[str] | None = None) ->
     specs = {
         "dense": ["dense"],
         "quant": ["quant:bits=8", "quant:bits=4", "quant:bits=4,group=128,residual=0,partial=true",
-                  "quant:bits=2", "quant:bits=2,group=64,residual=0,partial=true", "quant:bits=2,group=128,residual=0,partial=true"],
+                  "quant:bits=2", "quant:bits=2,group=64,residual=0,partial=true", "quant:bits=2,group=128,residual=0,partial=true",
+                  "quant:bits=2,group=64,residual=0,partial=true,rotate=hadamard", "quant:bits=2,group=128,residual=0,partial=true,rotate=hadamard"],
         "bitmap": ["bitmap:sparsity=0.5", "bitmap:sparsity=0.7", "bitmap:sparsity=0.9"],
         "bitmapq": ["bitmapq:sparsity=0.5,bits=4", "bitmapq:sparsity=0.7,bits=4", "bitmapq:sparsity=0.5,bits=2"],
         "signvq": ["signvq:bits=2", "signvq:bits=4"],
         "pagestat": ["pagestat:budget_ratio=0.25"],
         "evict": [f"snapstream:share={s:g}" for s in EVICT_SHARES],
-        "pipeline": [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=4) for s in PIPELINE_SHARES] + ["snapkv:share=0.5+" + KIVI_STORE.format(bits=2)],
+        "pipeline": [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=4) for s in PIPELINE_SHARES]
+                    + [f"snapkv:share={s:g}+" + KIVI_STORE.format(bits=2) for s in PIPELINE_SHARES_2BIT],
     }
     chosen = families or list(specs)
     unknown = [f for f in chosen if f not in specs]
@@ -301,19 +305,25 @@ def plan_of(sens: Sensitivity, choice: list[int], facts, extra: dict[str, Any] |
     return Plan(layers, default="dense", model=model_shape(facts), extra=more)
 
 
+def _sizes(sens: Sensitivity, nbytes: float) -> dict[str, Any]:
+    """``stored_bytes`` (whole bytes; absent where the sensitivity counts shares of the dense bytes,
+    ``calibrate="tasks"``) and ``storage_ratio`` (a fraction of the dense bytes)."""
+    ratio = {"storage_ratio": nbytes / sens.dense_bytes}
+    return ratio if sens.calibrate == "tasks" else {"stored_bytes": round(nbytes), **ratio}
+
+
 def predicted(sens: Sensitivity, choice: list[int]) -> dict[str, float]:
+    """A choice's predicted ``stored_bytes``, ``storage_ratio`` (:func:`_sizes`) and ``loss``."""
     idx = torch.arange(len(choice))
     col = torch.tensor(choice)
-    nbytes = float(sens.bytes[idx, col].sum())
-    return {"bytes": nbytes, "ratio": nbytes / sens.dense_bytes, "loss": float(sens.loss[idx, col].sum())}
+    return {**_sizes(sens, float(sens.bytes[idx, col].sum())), "loss": float(sens.loss[idx, col].sum())}
 
 
 def uniform_options(sens: Sensitivity) -> list[dict[str, Any]]:
-    """Every candidate applied to every layer: ``spec``, ``bytes``, ``ratio`` and predicted ``loss``,
-    cheapest first."""
-    rows = [{"spec": s, "bytes": float(sens.bytes[:, c].sum()), "ratio": float(sens.bytes[:, c].sum()) / sens.dense_bytes,
-             "loss": float(sens.loss[:, c].sum())} for c, s in enumerate(sens.specs)]
-    return sorted(rows, key=lambda r: r["bytes"])
+    """Every candidate applied to every layer: ``spec``, predicted ``stored_bytes`` and
+    ``storage_ratio`` (:func:`_sizes`) and ``loss``, cheapest first."""
+    rows = [{"spec": s, **_sizes(sens, float(sens.bytes[:, c].sum())), "loss": float(sens.loss[:, c].sum())} for c, s in enumerate(sens.specs)]
+    return sorted(rows, key=lambda r: r["storage_ratio"])
 
 
 def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
@@ -324,7 +334,7 @@ def allocate(sens: Sensitivity, fraction: float, facts, buckets: int = 4000, ser
     budget = fraction * sens.dense_bytes
     choice = solve_knapsack(sens.bytes, sens.loss, budget, buckets)
     if choice is None:
-        cheapest = min(r["ratio"] for r in uniform_options(sens))
+        cheapest = min(r["storage_ratio"] for r in uniform_options(sens))
         raise UsageError(f"no plan fits {100 * fraction:.1f}% of the dense bytes: the cheapest candidate takes {100 * cheapest:.1f}% (raise --budget)")
     pred = predicted(sens, choice)
     return plan_of(sens, choice, facts), pred

@@ -27,6 +27,7 @@ from kvtool.core import io
 from kvtool.core.cache import parse_indices
 from kvtool.core.errors import KvtoolError, UsageError
 from kvtool.core.jsonio import to_json_text
+from kvtool.core.outputs import output_folder
 from kvtool.core.placement import device_label, layer_placement, resolve_devices
 from kvtool.core.progress import Progress, or_silent
 from kvtool.core.streaming import open_capture
@@ -105,9 +106,7 @@ def _run_eval(captures, specs, out_dir, paper, heldout, backend, model, use_mode
     if metric == "task_accuracy":
         raise UsageError("--metric task_accuracy: task accuracy comes from `kvtool tasks` (its frontier.png plots it against the bytes); eval scores held-out queries and continuations")
     points = resolve_points(specs, paper=paper)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out {out_dir} is a file, not a folder")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    output_folder(out_dir)  # a file in its place, a read-only mount: refused before any work
     json_path = out_dir / "eval.json"
     done = {} if force else load_results(json_path)
     resumed = 0

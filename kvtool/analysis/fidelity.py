@@ -44,6 +44,7 @@ from kvtool.analysis.metrics import (
 )
 from kvtool.hf.models import facts_of, ModelSource
 from kvtool.hf.devices import layer_devices
+from kvtool.hf.keycheck import EXACT_LAYERS, compare_keys
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -293,7 +294,7 @@ class DenseReference:
 
 # a random-weight 70B in bf16, captured in chunks of 8,192 tokens, differs from one 32k-token pass
 # by 5% in its keys at layer 45: deep layers are held to a looser bound than the first ones
-KEY_CHECK_EXACT_LAYERS = 4
+KEY_CHECK_EXACT_LAYERS = EXACT_LAYERS
 
 
 def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, generate: int = 0, source: KVCache | None = None, model_name: str = "the model") -> DenseReference:
@@ -310,13 +311,7 @@ def dense_reference(model: Any, token_ids: torch.Tensor, prefix_tokens: int, gen
         raise BadDataError(f"model {model_name} does not match the capture: token id {int(token_ids.max())} is outside its vocabulary of {vocab}")
     prefix = hfattn.prefill(model, token_ids[:, :prefix_tokens])
     if source is not None:
-        for n, i in enumerate(i for i in sorted(source.layer_indices) if i in prefix):
-            got = prefix[i].keys.float().cpu()
-            want = source.layers[i].keys[:, :, :prefix_tokens].float().cpu()
-            rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
-            limit = 0.05 if n < KEY_CHECK_EXACT_LAYERS else 0.5
-            if rel > limit:
-                raise BadDataError(f"model {model_name} does not reproduce the capture's keys (layer {i}: relative error {rel:.2f}, above {limit:.0%}); pass the model the capture came from with --model")
+        compare_keys(prefix, source, prefix_tokens, model_name, exact_layers=KEY_CHECK_EXACT_LAYERS)
     cache = hfattn.build_cache(model, prefix, None)
     with hfattn.compressed_attention(model, None):
         logits = hfattn.forward(model, cache, token_ids[:, prefix_tokens:])
@@ -343,8 +338,8 @@ def model_fidelity(model: Any, cc: CompressedCache, reference: DenseReference, g
     if generate:
         result["generate"] = generate
         result["first_divergence"] = first_divergence(reference.generated, gen)
-        result["generated_dense"] = reference.generated.tolist()
-        result["generated_lossy"] = gen.tolist()
+        result["generated_dense_ids"] = reference.generated.tolist()
+        result["generated_lossy_ids"] = gen.tolist()
     return result
 
 

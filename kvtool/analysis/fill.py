@@ -5,12 +5,16 @@ bytes, not a point of a fixed menu that happens to fit (a menu that evicts to 1/
 tokens leaves most of a 15% budget unused). :func:`fill_spec` searches the family's parameter so
 that the stored bytes come as close to ``f`` as the family allows without exceeding it:
 
+The families are :data:`kvtool.analysis.menu.FAMILIES` (each eviction x each storage, and the
+storages and per-element families alone):
+
 | family | what is searched |
 |---|---|
 | ``kivi`` | KIVI with the partial key group quantised and no residual: the most bits (8, 4, 2) and then the smallest group (32, 64, 128) that fit; then the full-precision residual (recent tokens) grown to fill the rest |
-| ``snapkv`` / ``streaming`` | the kept share of the tokens (``snapstream:share=``), SnapKV + sinks + recent, or sinks + recent only (StreamingLLM) |
-| ``snapkv+kivi4`` / ``snapkv+kivi2`` | the kept share of SnapKV eviction whose tokens are stored as KIVI 4 / 2 bits (group 32, partial group quantised, no residual) |
-| ``snapkv+kivi4g128`` / ``snapkv+kivi2g128`` | the same with groups of 128 (fewer scales, more tokens kept at the same bytes) |
+| ``rkivi`` | the same search with each key and value head vector rotated first (``rotate=hadamard``: a Walsh-Hadamard rotation, :mod:`kvtool.methods.rotation`) |
+| ``snapkv`` / ``streaming`` | the kept share of the tokens (``snapstream:share=``), SnapKV + sinks + recent, or sinks + recent only (StreamingLLM), stored in float16 |
+| ``EVICTION+STORAGE`` (``snapkv+kivi4``, ``streaming+kivi2g128``, ...) | the kept share of that eviction, its tokens stored in that storage (KIVI 4 / 2 bits, groups of 32 or 128, partial group quantised, no residual): the eviction keeps about budget / storage ratio of the tokens |
+| a storage marked ``alone`` (:class:`kvtool.analysis.menu.Storage`) | every token in that storage, the full-precision residual grown to fill the rest |
 | ``bitmap`` | the sparsity of per-token magnitude pruning (Mustafar) |
 | ``bitmapq`` | the sparsity of pruning with 4-bit codes for the kept elements |
 | ``signvq`` | the most bits (4, 2) that fit (sign-VQ has no finer knob) |
@@ -30,11 +34,12 @@ import torch
 
 from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
+from kvtool.core.names import closest
 from kvtool.formats.base import get_format
 from kvtool.formats.mixed import resolve_spec
 from kvtool.formats.pipeline import encode_kept
+from kvtool.analysis.menu import EVICTIONS, FAMILIES, KIVI_SEARCH, STORAGES, split_family
 
-FAMILIES = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128", "bitmap", "bitmapq", "signvq")
 KIVI_CHOICES = [(bits, group) for bits in (8, 4, 2) for group in (32, 64, 128)]
 
 
@@ -88,19 +93,23 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
         return spec_ratio(spec, tokens, 1, group, head_dim)
 
     floor = 37  # sinks + recent + one chosen token
-    if family == "kivi":
+    if family in KIVI_SEARCH:
+        extra = KIVI_SEARCH[family]
         for bits, g in KIVI_CHOICES:
-            base = f"quant:bits={bits},group={g},residual=0,partial=true"
+            base = f"quant:bits={bits},group={g},residual=0,partial=true{extra}"
             if ratio(base) <= fraction:
-                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true", 0, tokens, fraction, ratio)
+                return _largest(lambda r: f"quant:bits={bits},group={g},residual={r},partial=true{extra}", 0, tokens, fraction, ratio)
         return None
-    if family in ("snapkv", "streaming"):
-        policy = "" if family == "snapkv" else ",policy=streaming"
-        return _largest(lambda n: f"snapstream:share={_num(n / tokens)}{policy}", min(floor, tokens), tokens, fraction, ratio)
-    if family.startswith("snapkv+kivi"):
-        bits, _, g = family[len("snapkv+kivi"):].partition("g")
-        group = int(g or 32)
-        return _largest(lambda n: f"snapkv:share={_num(n / tokens)}+quant:bits={bits},group={group},residual=0,partial=true", min(floor, tokens), tokens, fraction, ratio)
+    evict, store = split_family(family)
+    if evict is not None:
+        alone_spec, step = EVICTIONS[evict]
+        storage = STORAGES[store].spec
+        make = (lambda n: alone_spec.format(share=_num(n / tokens))) if storage is None else \
+            (lambda n: step.format(share=_num(n / tokens)) + "+" + storage)
+        return _largest(make, min(floor, tokens), tokens, fraction, ratio)
+    if store in STORAGES:  # a storage alone: its full-precision residual grown to fill the rest
+        spec = STORAGES[store].spec or "dense"
+        return _largest(lambda r: spec.replace("residual=0", f"residual={r}"), 0, tokens, fraction, ratio)
     if family == "bitmap":
         return _largest(lambda n: f"bitmap:sparsity={_num(1 - n / head_dim)}", 1, head_dim, fraction, ratio)
     if family == "bitmapq":
@@ -111,7 +120,7 @@ def fill_spec(family: str, fraction: float, tokens: int, kv_heads: int, heads: i
             if ratio(spec) <= fraction:
                 return spec
         return None
-    raise UsageError(f"unknown family {family!r}; families: {', '.join(FAMILIES)}")
+    raise UsageError(f"unknown family {family!r}{closest(family, FAMILIES)}; families: {', '.join(FAMILIES)}")
 
 
 def press_keep(fraction: float, tokens: int, head_dim: int, storage: str = "dense", kv_heads: int = 1, heads: int = 1) -> float | None:

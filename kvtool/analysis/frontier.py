@@ -114,12 +114,19 @@ _OFFSETS = [(r * dx, r * dy, ha, va) for r in (4, 9, 16)
                                    (1, 0, "left", "center"), (-1, 0, "right", "center"), (0, 1.5, "center", "bottom"), (0, -1.5, "center", "top"))]
 
 
-def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: float = 6.5) -> int:
+# farther places for a label that must be drawn: a ring of directions at growing radii, joined to its
+# point by a leader line
+_FAR = [(r * math.cos(a), r * math.sin(a)) for r in (26, 40, 56, 76) for a in [k * math.pi / 8 for k in range(16)]]
+
+
+def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: float = 6.5, leader: bool = False) -> int:
     """Annotate points so that no label can be read as another point's: each label tries places
     around its point, nearest first, and takes the first whose drawn box stays inside the axes,
     overlaps no marker or earlier label, and is nearer its own point than any other point. Points
     drawn on the same spot share one label (``a / b``). A label that fits nowhere is left out (the
-    point and its colour stay). Returns the number of labels placed."""
+    point and its colour stay), unless ``leader``: then it goes farther out, joined to its point by a
+    thin line, where it overlaps no marker or label (else where it overlaps no label, else at the
+    first place inside the axes), so every point is labelled. Returns the number of labels placed."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
     trans = ax.transData
@@ -149,7 +156,45 @@ def place_labels(ax: Any, points: list[tuple[float, float, str]], fontsize: floa
                 count += 1
                 break
             ann.remove()
+        else:
+            if leader and _place_far(ax, renderer, bbox, (x, y), (px, py), text, fontsize, obstacles):
+                count += 1
     return count
+
+
+def _place_far(ax: Any, renderer: Any, bbox: Any, xy: tuple[float, float], pix: tuple[float, float], text: str, fontsize: float,
+               obstacles: list[tuple[float, float, float, float]]) -> bool:
+    """Place ``text`` on a ring around its point with a leader line (:func:`place_labels`)."""
+    from matplotlib.text import Text
+
+    def overlaps(box, boxes):
+        return any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes)
+
+    markers = [b for b in obstacles if b[2] - b[0] == 10 and b[3] - b[1] == 10]
+    labels = [b for b in obstacles if b not in markers]
+    fallback = []
+    for dx, dy in _FAR:
+        ann = ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset pixels", fontsize=fontsize, alpha=0.9,
+                          ha="left" if dx > 1 else "right" if dx < -1 else "center", va="bottom" if dy > 1 else "top" if dy < -1 else "center",
+                          arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.45", "shrinkA": 1, "shrinkB": 3})
+        ext = Text.get_window_extent(ann, renderer)  # the text's box, without its leader line
+        box = (ext.x0, ext.y0, ext.x1, ext.y1)
+        inside = box[0] >= bbox.x0 and box[2] <= bbox.x1 and box[1] >= bbox.y0 and box[3] <= bbox.y1
+        own_marker = (pix[0] - 5, pix[1] - 5, pix[0] + 5, pix[1] + 5)
+        if inside and not overlaps(box, labels) and not overlaps(box, [m for m in markers if m != own_marker]):
+            obstacles.append(box)
+            return True
+        if inside:
+            fallback.append(((overlaps(box, labels), dx, dy), box))
+        ann.remove()
+    if not fallback:
+        return False
+    (_, dx, dy), box = min(fallback, key=lambda f: f[0][0])
+    ax.annotate(text, xy, xytext=(dx, dy), textcoords="offset pixels", fontsize=fontsize, alpha=0.9,
+                ha="left" if dx > 1 else "right" if dx < -1 else "center", va="bottom" if dy > 1 else "top" if dy < -1 else "center",
+                arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.45", "shrinkA": 1, "shrinkB": 3})
+    obstacles.append(box)
+    return True
 
 
 def _short(params_text: str, limit: int = 28) -> str:

@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.core.documents import check_eval_points, read_bench_document
-from kvtool.core.errors import BadDataError, UsageError
+from kvtool.analysis.taskfiles import check_summary
+from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
+from kvtool.core.names import upgrade_keys
 from kvtool.analysis.palette import format_color, spec_format
 from kvtool.analysis.bands import grade
 from kvtool.analysis.frontier import place_labels, readable_log_axis
@@ -50,8 +52,9 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.analysis.recommendation import recommend_capture
 from kvtool.analysis.plots import concentration_figure, head_importance_figure, outlier_map_figure
 from kvtool.analysis.frontier import plot_frontier
+from kvtool.analysis import answer as answering
 
-SECTIONS = ("model", "cut", "frontier", "recommend", "tasks", "kernels")
+SECTIONS = ("answer", "model", "cut", "frontier", "recommend", "tasks", "kernels")
 DEFAULT_BUDGETS = ("10%", "15%", "25%", "40%")
 
 
@@ -97,18 +100,33 @@ def cut_map_figure(per_layer: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[str, Any]], n_layers: int) -> Any:
+def region_points(uniform: list[dict[str, Any]], region: float | None) -> list[dict[str, Any]]:
+    """The uniform settings drawn in the decision region (stored share at most ``region``), numbered
+    1.. by stored share then error: the numbers the frontier figure writes beside their dots and its
+    table lists. Settings with no error (dense) are not drawn, so not numbered."""
+    if region is None:
+        return []
+    rows = sorted((r for r in uniform if r["loss"] > 1e-10 and r["storage_ratio"] <= region), key=lambda r: (r["storage_ratio"], r["loss"]))
+    return [{**r, "number": n + 1} for n, r in enumerate(rows)]
+
+
+def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[str, Any]], n_layers: int, region: float | None = None) -> Any:
     """x: % of dense bytes; y: RMS over layers of the attention-output relative error (weighted by the
     layers' model cost when weights were measured), log scale; every candidate as a uniform setting
-    (one colour per format), the plans as red stars. Settings with no error (dense) are left out."""
+    (one colour per format), the plans as red stars. Settings with no error (dense) are left out.
+    ``region``: the decision region (stored shares up to the largest budget, shaded): every dot there
+    is labelled with its number from :func:`region_points` (a leader line where it cannot sit beside
+    its dot), the dots beyond it with their spec where that fits."""
     fig, ax = _figure(8.5, 5.0)
     rows = [r for r in uniform if r["loss"] > 1e-10]
     for fmt in sorted({spec_format(r["spec"]) for r in rows}):
         mine = [r for r in rows if spec_format(r["spec"]) == fmt]
-        ax.scatter([100 * r["ratio"] for r in mine], [math.sqrt(r["loss"] / n_layers) for r in mine], color=format_color(fmt), s=36, label=fmt, zorder=3)
+        ax.scatter([100 * r["storage_ratio"] for r in mine], [math.sqrt(r["loss"] / n_layers) for r in mine], color=format_color(fmt), s=36, label=fmt, zorder=3)
     if plans:
-        ax.scatter([100 * p["ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
+        ax.scatter([100 * p["storage_ratio"] for p in plans], [math.sqrt(p["loss"] / n_layers) for p in plans], marker="*", s=190,
                    color=format_color("mixed"), edgecolors="black", linewidths=0.6, label="recommended plan", zorder=4)
+    if region is not None:
+        ax.axvspan(0, 100 * region, color="#0072B2", alpha=0.05, zorder=1, label="decision region (numbered)")
     ax.set_yscale("log")
     readable_log_axis(ax)
     ax.set_xlabel("% of dense bytes (stored)")
@@ -116,17 +134,38 @@ def attention_frontier_figure(uniform: list[dict[str, Any]], plans: list[dict[st
     ax.grid(True, alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.canvas.draw()  # final layout first: labels are placed in pixels
-    labels = [(100 * r["ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows]
-    labels += [(100 * p["ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
-    place_labels(ax, labels)
+    numbered = region_points(uniform, region)
+    plan_labels = [(100 * p["storage_ratio"], math.sqrt(p["loss"] / n_layers), f"plan @ {p['budget']}") for p in plans]
+    place_labels(ax, plan_labels + [(100 * r["storage_ratio"], math.sqrt(r["loss"] / n_layers), str(r["number"])) for r in numbered], fontsize=7, leader=True)
+    ids = {id(r) for r in rows if region is not None and r["storage_ratio"] <= region}
+    place_labels(ax, [(100 * r["storage_ratio"], math.sqrt(r["loss"] / n_layers), _short_spec(r["spec"])) for r in rows if id(r) not in ids])
     return fig
 
 
+def region_table(numbered: list[dict[str, Any]], rec: dict[str, Any], n_layers: int) -> str:
+    """The numbered dots of the frontier's decision region: number, setting, stored share, error,
+    and the budgets whose best uniform setting it is."""
+    if not numbered:
+        return ""
+    best: dict[str, list[str]] = {}
+    for b in rec["budgets"]:
+        u = answering.best_uniform(b)
+        if u:
+            best.setdefault(u["spec"], []).append(b["budget"])
+    marked = any(r["spec"] in best for r in numbered)
+    body = "".join(f'<tr><td>{r["number"]}</td><td class="spec" title="{html.escape(r["spec"])}">{html.escape(answering.uniform_words(r["spec"]))}</td>'
+                   f'<td>{pct(r["storage_ratio"])}</td><td>{math.sqrt(r["loss"] / n_layers):.3g}</td>'
+                   + (f'<td>{html.escape(", ".join(best.get(r["spec"], [])))}</td>' if marked else "") + "</tr>" for r in numbered)
+    head = "<tr><th>#</th><th>uniform setting</th><th>stored</th><th>error</th>" + ("<th>best uniform at</th>" if marked else "") + "</tr>"
+    return f'<table class="numbered">{head}{body}</table>'
+
+
+
 def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
-    """NLL increase (nats/token) vs % of dense bytes of every setting checked on the model: the
-    capture's continuation as the marker, the 95% interval of the mean over all cases as the bar
-    (settings checked on the capture alone have no bar). Symmetric-log y axis, linear within +-0.01
-    nats (the noise band, shaded)."""
+    """NLL increase (nats/token) vs % of dense bytes (on the capture) of every setting checked on the
+    model: the marker is the mean over all cases and the bar its 95% interval, both from the same
+    numbers (settings checked on the capture alone: its value, no bar). Symmetric-log y axis, linear
+    within +-0.01 nats (the noise band, shaded)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, NullLocator
 
@@ -141,22 +180,23 @@ def model_cost_figure(budgets: list[dict[str, Any]]) -> Any:
                 continue
             seen.add(key)
             c0 = sc["cases"][0]
-            x, y = 100 * c0["stored_ratio"], c0["nll_increase"]
             iv = sc["nll_increase"]
+            x, y = 100 * answering.field(c0, "storage_ratio"), iv["mean"]
             fmt = "mixed" if is_plan else spec_format(label)
             fmts.add(fmt)
             colour = format_color(fmt)
             ys.append(y)
             if iv["n"] > 1:
-                ax.errorbar([x], [iv["mean"]], yerr=[[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]],
+                ax.errorbar([x], [y], yerr=[[iv["mean"] - iv["lo"]], [iv["hi"] - iv["mean"]]],
                             fmt="none", ecolor=colour, alpha=0.5, capsize=3, zorder=2)
                 ys += [iv["lo"], iv["hi"]]
             ax.scatter([x], [y], marker="*" if is_plan else "o", s=170 if is_plan else 40, color=colour,
                        edgecolors="black" if is_plan else "none", linewidths=0.6, zorder=3)
-            pts.append((x, y, f"plan @ {b['budget']}" if is_plan else _short_spec(label)))
+            pts.append((x, y, f"plan @ {b['budget']}" if is_plan else f"best uniform @ {b['budget']}" if label == b.get("best_uniform") else _short_spec(label)))
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("% of dense bytes (stored)")
-    ax.set_ylabel("NLL increase over dense (nats/token)\n(marker: capture; bar: 95% of the mean over texts)")
+    n_cases = max((len(sc["cases"]) for b in budgets for sc in (b.get("check") or {}).values()), default=1)
+    ax.set_ylabel("NLL increase over dense (nats/token)\n" + (f"(marker: mean of {n_cases} cases; bar: its 95% interval)" if n_cases > 1 else "(the capture's continuation)"))
     ax.set_yscale("symlog", linthresh=0.01)
     if ys:
         lo, hi = min(ys + [0.0]), max(ys + [0.0])
@@ -265,6 +305,27 @@ def cut_summary(cache: Any, max_queries: int = 32) -> dict[str, Any]:
     return {"layers": per_layer, "ratios": ratios, "attention": atts, "factor": settings.outlier_factor}
 
 
+def read_eval_of(folder: Path, capture: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The points of ``FOLDER/eval.json`` made on ``capture`` (the same file, or one of the same
+    name), and the names of the other captures whose points were left out."""
+    rows = read_eval(folder)
+    mine = [r for r in rows if _same_capture(r.get("capture"), capture)]
+    others = sorted({Path(str(r.get("capture", "?"))).name for r in rows if r not in mine})
+    return mine, others
+
+
+def _same_capture(path: Any, capture: Path) -> bool:
+    if not path:
+        return False
+    p = Path(str(path))
+    try:
+        if p.exists() and capture.exists():
+            return p.resolve() == capture.resolve() or p.samefile(capture)
+    except OSError:
+        pass
+    return p.name == capture.name
+
+
 def read_eval(folder: Path) -> list[dict[str, Any]]:
     """The points of ``FOLDER/eval.json`` that were run (checked: :mod:`kvtool.core.documents`)."""
     path = Path(folder) / "eval.json"
@@ -279,10 +340,8 @@ def read_tasks(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "tasks.json"
     if not path.is_file():
         raise UsageError(f"--tasks {folder}: no tasks.json there (run kvtool tasks --out-dir {folder} first)")
-    data = read_json_input(path, f"--tasks {path}")
-    if not isinstance(data, dict) or not isinstance(data.get("cells"), list) or not isinstance(data.get("by_setting"), list):
-        raise BadDataError(f"--tasks {path}: not a kvtool tasks summary")
-    return data
+    # a summary of an earlier kvtool: old key names read under the current ones, then every field checked
+    return check_summary(upgrade_keys(read_json_input(path, f"--tasks {path}"), f"--tasks {path}"), f"--tasks {path}")
 
 
 def reading_tasks(summary: dict[str, Any]) -> str:
@@ -295,14 +354,14 @@ def reading_tasks(summary: dict[str, Any]) -> str:
         text += f" The dense model answers {100 * dense['accuracy']:.0f}% (n={dense['n']})."
     if others:
         best = others[0]
-        text += f" Best compressed setting: {best['setting']} at {100 * best['stored_ratio']:.1f}% of the float16 bytes, {100 * best['accuracy']:.0f}% [{100 * best['lo']:.0f}, {100 * best['hi']:.0f}]."
+        text += f" Best compressed setting: {best['setting']} at {100 * best['storage_ratio']:.1f}% of the float16 bytes, {100 * best['accuracy']:.0f}% [{100 * best['lo']:.0f}, {100 * best['hi']:.0f}]."
     return text
 
 
 def tasks_section(summary: dict[str, Any]) -> tuple[str, int]:
     """The tasks section's body (frontier figure and table) and its figure count."""
     points = [{"format": r["method"], "params_text": "" if r["budget"] is None else f"{100 * r['budget']:g}%",
-               "storage_ratio": r["stored_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r.get("accuracy") is not None]
+               "storage_ratio": r["storage_ratio"], "task_accuracy": r["accuracy"]} for r in summary["by_setting"] if r.get("accuracy") is not None]
     body, figures = "", 0
     if points:
         fig, ax = _figure(8.5, 5.2)
@@ -313,7 +372,7 @@ def tasks_section(summary: dict[str, Any]) -> tuple[str, int]:
     cells = {(c["setting"], c["task"], c["length"]): c for c in summary["cells"]}
     rows = []
     for r in sorted(summary["by_setting"], key=lambda r: (r["budget"] or 0, -(r["accuracy"] or 0))):
-        row = [r["setting"], pct(r["stored_ratio"])]
+        row = [r["setting"], pct(r["storage_ratio"])]
         for t, n in tasks:
             c = cells.get((r["setting"], t, n))
             row.append("-" if c is None or not c["n"] else f"{100 * c['accuracy']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]")
@@ -365,23 +424,30 @@ def reading_frontier(rec: dict[str, Any]) -> str:
     uni = [r for r in rec["sensitivity"]["uniform"] if r["loss"] > 0]
     n = len(rec["menu"])
     text = [f"{n} candidate settings were scored on every layer's held-out queries."]
+    by_spec = {r["spec"]: r for r in uni}
     for b in rec["budgets"]:
-        fit = [r for r in uni if r["ratio"] <= b["fraction"]]
-        if fit:
-            best = min(fit, key=lambda r: r["loss"])
-            ratio = best["loss"] / b["predicted"]["loss"] if b["predicted"]["loss"] > 0 else math.inf
-            text.append(f"At {b['budget']}, the plan's predicted attention loss is {ratio:.1f}x lower than the best single setting that fits ({best['spec']}).")
+        best = answering.best_uniform(b)
+        if best is None:
+            continue
+        row = by_spec.get(best["spec"])
+        if row is not None and b["predicted"]["loss"] > 0:
+            text.append(f"At {b['budget']}, the plan's predicted attention loss is {row['loss'] / b['predicted']['loss']:.1f}x lower than "
+                        f"the best uniform setting ({best['spec']}, {pct(best['ratio'])} stored).")
+        else:
+            text.append(f"At {b['budget']}, the best uniform setting is {best['spec']} ({pct(best['ratio'])} stored; {best['how']}).")
     return " ".join(text)
 
 
 def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
     check = b.get("check")
     if not check:
-        return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_ratio'])}; it was not checked on the model "
-                "(no model for this capture, or --no-model).")
+        best = answering.best_uniform(b)
+        return (f"At {b['budget']} of the bytes the plan stores {pct(b['predicted']['exact_storage_ratio'])}; it was not checked on the model "
+                "(no model for this capture, or --no-model)" + (f"; the best uniform setting by predicted attention error is {best['spec']} "
+                                                                  f"({pct(best['ratio'])})." if best else "."))
     plan = check[b["plan_label"]]
     p0 = plan["cases"][0]
-    text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['stored_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
+    text = (f"At {b['budget']} of the bytes, the plan ({pct(p0['storage_ratio'])} stored) keeps {p0['agreement']:.0%} top-1 agreement "
             f"({grade('agreement', p0['agreement'])}) with an NLL increase of {nll_text(p0['nll_increase'])} on the capture's continuation")
     if plan["agreement"]["n"] > 1:
         a, r = plan["agreement"], plan["nll_increase"]
@@ -390,36 +456,67 @@ def reading_budget(b: dict[str, Any], cases: list[str]) -> str:
     best = b.get("best_uniform")
     if best and best in check:
         u0 = check[best]["cases"][0]
-        text += (f"; the best single setting that fits, {best} ({pct(u0['stored_ratio'])}), keeps {u0['agreement']:.0%} with "
+        text += (f"; the best uniform setting, {best} ({pct(answering.field(u0, 'storage_ratio'))}), keeps {u0['agreement']:.0%} with "
                  f"{nll_text(u0['nll_increase'])}.")
     else:
-        text += "; no single setting fits this budget."
+        text += "; no uniform setting fits this budget."
     return text
+
+
+def reading_decode(doc: dict[str, Any]) -> str:
+    """A ``kvtool bench decode`` document in one line: each setting's decode tokens/s against dense of
+    the same batch and context, on the document's card and model shape."""
+    recs = answering.decode_records([doc])
+    dense = {(r.get("batch"), r.get("seq")): r for r in recs if str(answering.field(r, "provider")).startswith("dense")}
+    parts = []
+    for r in recs:
+        d = dense.get((r.get("batch"), r.get("seq")))
+        name = str(answering.field(r, "provider"))
+        if d is not None and r is not d:
+            t, t0 = answering.field(r, "tokens_per_s"), answering.field(d, "tokens_per_s")
+            parts.append(f"{Path(name).name if name.endswith('.json') else name} {t:.0f} tokens/s ({t / t0:.2f}x dense {t0:.0f})")
+    if not parts:
+        return f"{doc['_path']}: no decode record next to a dense one."
+    r0 = recs[0]
+    return f"Decode on {r0['_device']} ({r0['_shape']} shape, batch {r0.get('batch')} x {r0.get('seq')} tokens): " + "; ".join(parts) + "."
 
 
 def reading_bench(docs: list[dict[str, Any]]) -> str:
     parts = []
     for doc in docs:
+        if doc.get("subcommand") == "decode":
+            parts.append(reading_decode(doc))
+            continue
         recs = [r for r in doc["records"] if r.get("status", "ok") == "ok" and r.get("median_us")]
         ours = [r for r in recs if r["provider"].endswith("_triton") or r["provider"].startswith("kvtool")]
         base = set(doc.get("primary_baselines") or [])
+        mine = []
         for r in ours[:4]:
             peers = [p for p in recs if p["provider"] in base and (p.get("batch"), p.get("seq")) == (r.get("batch"), r.get("seq"))]
             if peers:
                 fastest = min(peers, key=lambda p: p["median_us"])
-                parts.append(f"{r['kernel']} ({r['provider']}, batch {r.get('batch')}, {r.get('seq')} tokens"
+                mine.append(f"{r['kernel']} ({r['provider']}, batch {r.get('batch')}, {r.get('seq')} tokens"
                              + (f", {r['sparsity']:.0%} sparse" if r.get("sparsity") is not None else "")
                              + f"): {r['median_us']:.1f} µs vs {fastest['provider']} {fastest['median_us']:.1f} µs ({fastest['median_us'] / r['median_us']:.2f}x)")
         dev = (doc.get("env") or {}).get("device", "?")
-        parts = [f"On {dev}: " + "; ".join(parts)] if parts else [f"{doc['_path']}: no kvtool kernel records next to a baseline."]
+        parts.append(f"On {dev}: " + "; ".join(mine) + "." if mine else f"{doc['_path']}: no kvtool kernel records next to a baseline.")
     return " ".join(parts)
 
 
 # ----------------------------------------------------------------------------- HTML
 
 
-CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1000px;margin:2em auto;padding:0 1em;color:#222}"
-       "h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}"
+CSS = ("body{font:15px/1.5 system-ui,sans-serif;max-width:1320px;margin:.8em auto;padding:0 1em;color:#222}"
+       "h1{font-size:1.35em;margin:.2em 0}h1 .muted{font-weight:normal;font-size:.6em;margin-left:.6em}"
+       "h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}"
+       "#answer h2{margin-top:.4em;font-size:1.2em}table.answer{font-size:.82em;width:100%}table.answer td{vertical-align:top}"
+       "table.answer th,table.answer td.words,table.answer td.fid{text-align:left}table.answer td.cmd{text-align:left;overflow-wrap:anywhere;width:30%}"
+       "table.answer td.cmd code{font-size:.88em;background:none}"
+       "table.answer tr.uniform td{color:#555;font-size:.95em;background:#fafafa}table.answer tr.plan td{border-top:2px solid #bbb}"
+       "ol.sentences{font-size:.84em;line-height:1.35;margin:.3em 0;padding-left:1.4em}.small{font-size:.78em}"
+       ".beside{display:flex;gap:.8em;align-items:flex-start}.beside img{min-width:0;flex:0 1 auto}"
+       "table.numbered{font-size:.74em;flex:none}table.numbered td.spec{text-align:left;white-space:nowrap}"
+       "#answer p.reading{margin:.3em 0;padding:.3em .8em;font-size:.9em}th .sub{font-weight:normal;font-size:.85em;color:#555}"
        "table{border-collapse:collapse;margin:.6em 0;font-size:.88em}td,th{border:1px solid #ddd;padding:.25em .5em;text-align:right}"
        "th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}"
        "p.reading{background:#f6f8fa;border-left:4px solid #0072B2;padding:.5em .8em}"
@@ -482,25 +579,33 @@ def build_report(
     use_texts: bool = True,
     model: str | None = None,
     heldout: int = 64,
-    uniform_checks: int = 1,
+    uniform_checks: int | None = None,
     progress: Progress | None = None,
     command: str | None = None,
     device: str | None = "auto",
     tasks_dir: Path | None = None,
+    batch: int = answering.DEFAULT_BATCH,
+    context: int = answering.DEFAULT_CONTEXT,
 ) -> tuple[str, dict[str, Any]]:
     """The report's HTML text and a summary dict (sections, figure count, per-budget numbers).
     ``command``: the command line that made the report, shown with the ones that reproduce its plans.
     ``device``: where the recommendation scores candidates and runs the model (auto: CUDA when present).
-    ``tasks_dir``: a ``kvtool tasks`` folder whose accuracy table and frontier become a section."""
-    eval_rows = read_eval(eval_dir) if eval_dir else None
+    ``tasks_dir``: a ``kvtool tasks`` folder whose accuracy table and frontier become a section.
+    ``batch``, ``context``: the batch and context (tokens) at which the first screen gives each
+    plan's GiB."""
+    if batch < 1 or context < 1:
+        raise UsageError(f"--batch and --context must be at least 1, got {batch} and {context}")
+    eval_rows, eval_other = read_eval_of(eval_dir, capture) if eval_dir else (None, [])
     task_summary = read_tasks(tasks_dir) if tasks_dir else None
     bench_docs = read_bench(bench or [])
     cache = io.load(capture, parts=("keys", "values", "queries"))
     facts = cache.facts
+    tasks_model = ((task_summary or {}).get("run") or {}).get("model")
+    same_model = tasks_model is None or tasks_model == facts.name  # a tasks run of another model answers nothing about this capture
     progress = or_silent(progress)
     progress.stage("cache statistics")
     cut = cut_summary(cache)
-    rec = recommend_capture(capture, list(budgets), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
+    rec = recommend_capture(capture, list(budgets), batch=batch, context=str(context), heldout=heldout, model=model, use_model=use_model, use_texts=use_texts,
                             uniform_checks=uniform_checks, progress=progress, device=device)
     progress.stage("figures")
     figures = 0
@@ -510,7 +615,8 @@ def build_report(
     facts_rows = [["model", facts.name], ["architecture", facts.architecture], ["layers", facts.num_layers],
                   ["query heads / KV heads", f"{facts.num_heads} / {facts.num_kv_heads}"], ["head dim", facts.head_dim],
                   ["dtype (capture)", facts.dtype], ["tokens captured", cache.num_tokens], ["layers captured", len(cache.layers)],
-                  ["dense KV bytes per token", f"{per_token:,}"], ["dense KV at batch 16 x 32k tokens", f"{per_token * 16 * 32768 / 1024**3:.2f} GiB"]]
+                  ["dense KV bytes per token", f"{per_token:,}"],
+                  [f"dense KV at batch {batch} x {context:,} tokens", f"{per_token * batch * context / 1024**3:.2f} GiB"]]
     sections.append(_section("model", "Model and capture",
                              f"{facts.name}: {facts.num_layers} layers with {facts.num_kv_heads} KV heads of {facts.head_dim} dims "
                              f"({facts.num_heads // max(1, facts.num_kv_heads)} query heads per KV head), so each token costs {per_token:,} bytes of "
@@ -524,13 +630,18 @@ def build_report(
         body += _img(fig_png(head_importance_figure(cut["attention"][mid], facts, mid)), f"head importance, layer {mid}"); figures += 1
     sections.append(_section("cut", "Where the cache can be cut", reading_cut(cut), body))
     n_layers = len(cache.layers)
-    plans_pts = [{"ratio": b["predicted"]["exact_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
-    body = _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers)), "attention-level frontier"); figures += 1
+    plans_pts = [{"storage_ratio": b["predicted"]["exact_storage_ratio"], "loss": b["predicted"]["loss"], "budget": b["budget"]} for b in rec["budgets"]]
+    region = max((b["fraction"] for b in rec["budgets"]), default=None)
+    body = ('<div class="beside">' + _img(fig_png(attention_frontier_figure(rec["sensitivity"]["uniform"], plans_pts, n_layers, region)), "attention-level frontier")
+            + region_table(region_points(rec["sensitivity"]["uniform"], region), rec, n_layers) + "</div>"); figures += 1
     body += '<p class="muted">Every candidate applied to every layer (dots, one colour per format) and the recommended plans (stars). ' \
             "Error: RMS over layers of the held-out queries' attention-output relative error" + \
             (", each layer weighted by its measured cost on the model." if rec.get("layer_weights") else ".") + " Dense (no error) is not drawn on the log axis.</p>"
     if any(b.get("check") for b in rec["budgets"]):
         body += _img(fig_png(model_cost_figure(rec["budgets"])), "model-level cost"); figures += 1
+    if eval_other:
+        body += (f'<p class="muted">--eval {html.escape(str(eval_dir))}: its points are of {html.escape(", ".join(eval_other))}, not of '
+                 f"{html.escape(capture.name)}; left out (run kvtool eval {html.escape(capture.name)} -o DIR).</p>")
     if eval_rows:
         fig, ax = _figure(8.5, 5.2)
         metric = "agreement" if any(r.get("agreement") is not None for r in eval_rows) else "rel_l2"
@@ -547,8 +658,8 @@ def build_report(
         many = len(rec["cases"]) > 1
         for label, sc in (b.get("check") or {}).items():
             c0 = sc["cases"][0]
-            row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best that fits)" if label == b["best_uniform"] else ""),
-                   pct(c0["stored_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
+            row = [label if label == b["plan_label"] else f"uniform {label}" + (" (best uniform)" if label == b["best_uniform"] else ""),
+                   pct(c0["storage_ratio"]), Cell.of("nll_increase", c0["nll_increase"], nll_text(c0["nll_increase"], words=False)),
                    Cell.of("agreement", c0["agreement"], f"{c0['agreement']:.4f}"), Cell.of("kl", c0["kl"], f"{c0['kl']:.4f}")]
             if many:
                 iv, ag = sc["nll_increase"], sc["agreement"]
@@ -575,7 +686,8 @@ def build_report(
     if task_summary is not None:
         body, n_fig = tasks_section(task_summary)
         figures += n_fig
-        sections.append(_section("tasks", "Long-context tasks (question after compression)", reading_tasks(task_summary), body))
+        other = "" if same_model else f"These tasks ran on {tasks_model}, not on {facts.name} (this capture's model): they are left out of the first screen. "
+        sections.append(_section("tasks", "Long-context tasks (question after compression)", other + reading_tasks(task_summary), body))
     else:
         sections.append(_section("tasks", "Long-context tasks (question after compression)",
                                  "No tasks folder was given: run kvtool tasks --methods dense,kivi,... --budgets 15% --out-dir tasks.out and pass --tasks tasks.out.", ""))
@@ -589,15 +701,23 @@ def build_report(
             body += f"<p class=\"muted\">{html.escape(doc['_path'])}: {html.escape(str(doc.get('command', '')))} on {html.escape(str(env.get('device', '?')))}, {html.escape(str(doc.get('date', '')))}</p>"
         sections.append(_section("kernels", "Kernel timings", reading_bench(bench_docs), body))
     else:
-        sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench attention --json att.json on a GPU and pass --bench att.json.", ""))
+        sections.append(_section("kernels", "Kernel timings", "No bench JSON was given: run kvtool bench decode --plan plan-15.json -o decode.json (or kvtool bench attention -o att.json) on a GPU and pass --bench decode.json.", ""))
+    links = {}
+    for b in rec["budgets"]:
+        name = f"plan-{b['budget'].rstrip('%')}.json"
+        links[b["budget"]] = name
+        links["_data:" + b["budget"]] = "data:application/json;base64," + base64.b64encode(json.dumps(b["plan"].to_dict(), indent=1).encode()).decode()
+    answers, first = answering.first_screen(rec, facts, capture, batch, context, bench_docs, task_summary if same_model else None, len(cache.layers), links)
+    sections.insert(0, f'<section id="answer"><h2>What to use at each budget</h2>{first}</section>')
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     nav = "".join(f'<a href="#{s}">{s}</a>' for s in SECTIONS)
     doc = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>kvtool report: {html.escape(capture.name)}</title>"
-           f"<style>{CSS}</style></head><body><h1>KV-cache report: {html.escape(capture.name)}</h1>"
-           f"<p class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s.</p><nav>{nav}</nav>"
+           f"<style>{CSS}</style></head><body><h1>KV-cache report: {html.escape(capture.name)} "
+           f"<span class=\"muted\">{html.escape(facts.name)}, generated {when} by kvtool in {rec['seconds']:.0f} s</span></h1><nav>{nav}</nav>"
            + "".join(sections) + "</body></html>\n")
     summary = {"sections": list(SECTIONS), "figures": figures, "seconds": rec["seconds"], "cases": rec["cases"],
-               "budgets": [{"budget": b["budget"], "stored_ratio": b["predicted"]["exact_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)]}
+               "budgets": [{"budget": b["budget"], "storage_ratio": b["predicted"]["exact_storage_ratio"], "reading": r} for b, r in zip(rec["budgets"], readings)],
+               "answers": answers}
     return doc, summary
 
 
@@ -612,11 +732,11 @@ def _ci_text(iv: dict[str, Any], nll: bool) -> str:
 
 
 def reproduce(capture: Path, budgets: Any, eval_dir: Path | None, bench: list[Path] | None, use_model: bool, use_texts: bool,
-              model: str | None, heldout: int, uniform_checks: int) -> list[str]:
+              model: str | None, heldout: int, uniform_checks: int | None) -> list[str]:
     """The commands that make the same plans (one per budget) and compress with them, with every
     option this report used."""
     common = [f"--heldout {heldout}"] + ([f"--model {model}"] if model else []) + ([] if use_model else ["--no-model"]) + \
-             ([] if use_texts else ["--no-texts"]) + [f"--uniform-checks {uniform_checks}"]
+             ([] if use_texts else ["--no-texts"]) + ([] if uniform_checks is None else [f"--uniform-checks {uniform_checks}"])
     lines = []
     for b in budgets:
         plan = f"plan-{str(b).rstrip('%')}.json"

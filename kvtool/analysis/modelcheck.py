@@ -26,7 +26,7 @@ from kvtool.core.progress import Progress
 from kvtool.core.cache import DTYPES, KVCache, LayerKV, dtype_name
 from kvtool.core.errors import UsageError
 from kvtool.analysis.fidelity import DenseReference, dense_reference, model_fidelity
-from kvtool.formats.plan import Plan, compress_plan
+from kvtool.formats.plan import Plan, compress_kept, compress_plan
 from kvtool.hf import capture as capturing, attention as hfattn
 from kvtool.formats.base import compress_cache
 
@@ -126,10 +126,37 @@ def text_case(model: Any, tokenizer: Any, text: str, name: str, tokens: int, hel
 
 def score_case(model: Any, case: Case, plan: Plan) -> dict[str, Any]:
     """Compress the case's prefix with ``plan`` and score its continuation: ``nll_dense``,
-    ``nll_increase``, ``relative_nll_increase``, ``agreement``, ``kl``, ``stored_ratio``."""
+    ``nll_increase``, ``relative_nll_increase``, ``agreement``, ``kl``, ``storage_ratio``, ``stored_bytes``."""
     cache = case.compressible()
     heldout = cache.num_tokens - case.prefix_tokens  # the capture case keeps its tail; text cases have none
-    cc = compress_plan(cache, plan, heldout=heldout)
+    return _scores(model, case, compress_plan(cache, plan, heldout=heldout))
+
+
+@torch.no_grad()
+def press_inputs(model: Any, case: Case) -> Any:
+    """What a kvpress press reads of the case's prefix (:class:`kvtool.hf.presses.AttentionInputs`:
+    each layer's attention input, keys and values in the model's dtype, RoPE), from one more
+    prefill of its ``P`` prefix tokens."""
+    from kvtool.hf import presses as hfpress
+
+    inputs = hfpress.AttentionInputs()
+    ids = case.token_ids[:, :case.prefix_tokens]
+    with hfpress.recording_inputs(model, inputs):
+        cap = capturing.capture(model=(model, None), input_ids=ids, queries=False, dtype=dtype_name(next(model.parameters()).dtype))
+    for i, layer in cap.layers.items():
+        inputs.keys[i], inputs.values[i] = layer.keys, layer.values
+    return inputs.trimmed(case.prefix_tokens)
+
+
+def score_kept(model: Any, case: Case, kept: dict[int, list[torch.Tensor]], storage: str, label: str) -> dict[str, Any]:
+    """:func:`score_case` for the tokens a selector (a kvpress press) kept of the case's prefix
+    (``kept[i][h]``: positions ``[B, K]`` of KV head h), stored with ``storage``."""
+    cache = case.compressible()
+    cc = compress_kept(cache, {i: kept[i] for i in cache.layer_indices}, storage, label, heldout=cache.num_tokens - case.prefix_tokens)
+    return _scores(model, case, cc)
+
+
+def _scores(model: Any, case: Case, cc: Any) -> dict[str, Any]:
     cc.token_ids = case.token_ids
     res = model_fidelity(model, cc, case.reference)
     rep = cc.byte_report()
@@ -140,9 +167,14 @@ def score_case(model: Any, case: Case, plan: Plan) -> dict[str, Any]:
         "relative_nll_increase": res["nll_increase"] / res["nll_dense"] if res["nll_dense"] else None,
         "agreement": res["agreement"],
         "kl": res["kl"],
-        "stored_ratio": rep["ratio"],
-        "stored_bytes": rep["compressed_bytes"],
+        "storage_ratio": rep["storage_ratio"],
+        "stored_bytes": rep["stored_bytes"],
     }
+
+
+def intervals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"cases": rows, "<metric>": interval}`` over the cases' rows, as :func:`score_plans` gives."""
+    return {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
 
 
 def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress: Progress | None = None) -> dict[str, dict[str, Any]]:
@@ -156,7 +188,7 @@ def score_plans(model: Any, cases: list[Case], plans: dict[str, Plan], progress:
             rows.append(score_case(model, case, plan))
             if progress is not None:
                 progress.advance()
-        out[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
+        out[label] = intervals(rows)
     return out
 
 

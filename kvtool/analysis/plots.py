@@ -72,8 +72,9 @@ def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, pa
                    vmax: float | None = None) -> Figure:
     """Magnitude heatmap of one KV head: x ``[N, D]`` (token rows) drawn as |x|, tokens down, channels
     across, colour bar in |x| units; ``token_label`` names the row axis. ``vmax``: the top of the
-    colour scale (a plot set passes one value for all its key heatmaps and one for its value
-    heatmaps, so that colours compare across layers and heads; default this heatmap's maximum)."""
+    colour scale (a plot set passes one value per layer and part, shared by that layer's heads, so
+    that colours compare across heads while a layer of small values, often layer 0, is not drawn
+    black on another layer's scale; default this heatmap's maximum)."""
     fig, ax = new_figure()
     data = x.float().abs().numpy()
     shared = vmax is not None
@@ -82,7 +83,7 @@ def heatmap_figure(x: torch.Tensor, facts: ModelFacts, layer: int, head: int, pa
     ax.set_xlabel("channel")
     ax.set_ylabel(token_label)
     ax.set_title(title(facts, f"|{part}| per token and channel", layer, head), fontsize=10)
-    fig.colorbar(im, ax=ax, label=f"|{part[0].upper()}|" + (f" (0 to {top:.3g}: the same scale in every {part} heatmap)" if shared else ""))
+    fig.colorbar(im, ax=ax, label=f"|{part[0].upper()}|" + (f" (0 to {top:.3g}: the scale of every {part} heatmap of layer {layer})" if shared else ""))
     return fig
 
 
@@ -270,7 +271,8 @@ def write_plot_set(
 ) -> list[dict[str, Any]]:
     """Write every planned figure into ``out_dir`` (each file atomic); returns one dict per file
     (``path``, ``kind``, ``layer``, ``head``, ``part``, ``title``, and ``summary``: the numbers the
-    figure shows that :func:`write_index` reads out). Heatmaps of one part share one colour scale.
+    figure shows that :func:`write_index` reads out). The heatmaps of one layer and part share one
+    colour scale.
 
     Refuses before writing anything when a target exists and not ``force``. If a figure fails, the
     files (and folder) this call created are removed again. ``outlier_layers``: the map's layers
@@ -287,7 +289,7 @@ def write_plot_set(
     token_label = "token" if cache.batch_size == 1 else f"token ({cache.batch_size} sequences stacked, padding dropped)"
     attention: dict[int, LayerAttention] = {}
     rows_cache: dict[tuple[int, str], torch.Tensor] = {}
-    shared_vmax: dict[str, float] = {}
+    shared_vmax: dict[tuple[int, str], float] = {}
 
     def rows(layer: int, part: str) -> torch.Tensor:
         if (layer, part) not in rows_cache:
@@ -299,11 +301,13 @@ def write_plot_set(
             attention[layer] = layer_attention(cache.layer(layer), facts, settings, cache.attention_mask)
         return attention[layer]
 
-    def vmax(part: str) -> float:
-        """One colour scale for all heatmaps of ``part`` in the set: their largest |x|."""
-        if part not in shared_vmax:
-            shared_vmax[part] = max(float(rows(s.layer, part)[s.head].float().abs().max()) for s in specs if s.kind == "heatmap" and s.part == part)
-        return shared_vmax[part]
+    def vmax(layer: int, part: str) -> float:
+        """One colour scale for the heatmaps of ``part`` of ``layer`` in the set: their largest |x|
+        (per layer: magnitudes differ by an order of magnitude from layer to layer)."""
+        if (layer, part) not in shared_vmax:
+            shared_vmax[(layer, part)] = max(float(rows(layer, part)[s.head].float().abs().max())
+                                             for s in specs if s.kind == "heatmap" and s.part == part and s.layer == layer)
+        return shared_vmax[(layer, part)]
 
     created: list[Path] = []
     written: list[dict[str, Any]] = []
@@ -312,8 +316,8 @@ def write_plot_set(
             l, h = spec.layer, spec.head
             summary: dict[str, Any] = {}
             if spec.kind == "heatmap":
-                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part, token_label, vmax=vmax(spec.part))
-                summary = {"max_abs": float(rows(l, spec.part)[h].float().abs().max()), "vmax": vmax(spec.part)}
+                fig = heatmap_figure(rows(l, spec.part)[h], facts, l, h, spec.part, token_label, vmax=vmax(l, spec.part))
+                summary = {"max_abs": float(rows(l, spec.part)[h].float().abs().max()), "vmax": vmax(l, spec.part)}
             elif spec.kind == "profile":
                 fig = profile_figure(rows(l, "keys")[h], rows(l, "values")[h], facts, l, h, settings.outlier_factor)
                 summary = {part: [int(c) for c in torch.nonzero(outlier_ratios(channel_mean_abs(rows(l, part)[h])) >= settings.outlier_factor).flatten()]
@@ -401,10 +405,11 @@ def index_reading(kind: str, group: list[dict[str, Any]], factor: float) -> str:
                 f"cells of {k.get('rows', 0)} rows reach {factor:g}x{top(k)}. Values: {v.get('cells', 0)} cells{top(v)}. Channels that "
                 "stay outliers from layer to layer are why per-channel quantisation (KIVI) treats keys differently from values.")
     if kind == "heatmap":
-        scales = {f["part"]: f["summary"]["vmax"] for f in group if f.get("summary")}
+        scales = {part: {f["layer"]: f"0 to {f['summary']['vmax']:.3g}" for f in group if f.get("summary") and f["part"] == part} for part in ("keys", "values")}
         peak = max(group, key=lambda f: (f.get("summary") or {}).get("max_abs", 0))
-        return (f"{len(group)} heatmaps, tokens down and channels across. Every key heatmap uses one colour scale (0 to {scales.get('keys', 0):.3g}) "
-                f"and every value heatmap another (0 to {scales.get('values', 0):.3g}), so brightness compares across layers and heads. "
+        return (f"{len(group)} heatmaps, tokens down and channels across. Each layer's key heatmaps share one colour scale "
+                f"({_layers_text(scales['keys']) or '-'}) and its value heatmaps another ({_layers_text(scales['values']) or '-'}), so brightness "
+                "compares across the heads of a layer; magnitudes differ by up to an order of magnitude between layers, so compare layers by their scales. "
                 f"The largest magnitude is in layer {peak['layer']}, KV head {peak['head']} ({peak['part']}, {peak['summary']['max_abs']:.3g}); "
                 "bright vertical stripes are outlier channels, bright rows are tokens (often the first, the attention sink).")
     if kind == "profile":

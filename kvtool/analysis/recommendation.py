@@ -29,13 +29,14 @@ from kvtool.core.progress import Progress, or_silent
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats.plan import Plan
 from kvtool.analysis.allocation import SERVABLE_FAMILIES, Sensitivity, allocate, measure_sensitivity, menu, parse_budget, uniform_options
-from kvtool.analysis.fill import FAMILIES, fill_spec
-from kvtool.analysis import taskrun
+from kvtool.analysis.fill import FAMILIES, fill_spec, press_keep as fill_press_keep
+from kvtool.analysis import menu as uniform_menu, taskrun
 from kvtool.analysis.tasks import Tokens, generate_sample
 from kvtool.hf import capture as capturing
+from kvtool.hf import presses as hfpress
 
 # the budget-filling uniform families a paged cache holds (no per-element pruning or selection)
-SERVABLE_UNIFORM = ("kivi", "snapkv", "streaming", "snapkv+kivi4", "snapkv+kivi2", "snapkv+kivi4g128", "snapkv+kivi2g128")
+SERVABLE_UNIFORM = uniform_menu.servable_families()
 from kvtool.core.cache import KVCache
 from kvtool.analysis.fidelity import dense_reference, model_fidelity
 from kvtool.formats.plan import compress_plan
@@ -83,24 +84,24 @@ def layer_weights(model: Any, cache, sens, heldout: int, probe: str = WEIGHT_PRO
 def fit_exactly(cache, sens, fraction: float, heldout: int, buckets: int = 4000, tries: int = 4, servable: str | None = None) -> tuple[Plan, dict[str, float]]:
     """:func:`~kvtool.analysis.allocation.allocate`, then compress the plan and count its bytes exactly (a KV
     head's bytes in the sensitivity table are its share of the layer's); when they exceed the budget,
-    solve again with the budget lowered by the excess. ``predicted`` gains ``exact_bytes`` and
-    ``exact_ratio``."""
+    solve again with the budget lowered by the excess. ``predicted`` gains ``exact_stored_bytes`` and
+    ``exact_storage_ratio``."""
     target = fraction
     for _ in range(tries):
         plan, pred = allocate(sens, target, cache.facts, buckets, servable)
         rep = compress_plan(cache, plan, heldout).byte_report()
-        pred.update({"exact_bytes": rep["compressed_bytes"], "exact_ratio": rep["ratio"]})
-        if rep["ratio"] <= fraction + 1e-12 or fraction >= 1:
+        pred.update({"exact_stored_bytes": rep["stored_bytes"], "exact_storage_ratio": rep["storage_ratio"]})
+        if rep["storage_ratio"] <= fraction + 1e-12 or fraction >= 1:
             return plan, pred
-        target -= rep["ratio"] - fraction + 1e-4
-    raise UsageError(f"no plan's exact bytes fit {100 * fraction:.2f}% after {tries} tries (the last took {100 * rep['ratio']:.2f}%); raise --budget slightly")
+        target -= rep["storage_ratio"] - fraction + 1e-4
+    raise UsageError(f"no plan's exact bytes fit {100 * fraction:.2f}% after {tries} tries (the last took {100 * rep['storage_ratio']:.2f}%); raise --budget slightly")
 
 
 def _allocate_all(result: dict[str, Any], parsed: list[dict[str, Any]], cache, sens, heldout: int, buckets: int, capture: Path | str,
                   servable: str | None = None) -> None:
     for b in parsed:
         plan, pred = fit_exactly(cache, sens, b["fraction"], heldout, buckets, servable=servable)
-        fitting = [r for r in uniform_options(sens) if r["ratio"] <= b["fraction"] + 1e-12]
+        fitting = [r for r in uniform_options(sens) if r["storage_ratio"] <= b["fraction"] + 1e-12]
         plan.extra.update({"budget": {"text": b["budget"], "fraction": b["fraction"], "how": b["how"], "of": "float16 keys and values of the context (a share: the plan fits any length)"},
                            "predicted": pred, "capture": str(capture), "heldout": heldout, "calibrate": sens.calibrate})
         result["budgets"].append({**b, "plan": plan, "predicted": pred, "uniform": fitting, "check": None, "best_uniform": None})
@@ -165,7 +166,7 @@ def recommend_capture(
     use_model: bool = True,
     texts: list[Path] | None = None,
     use_texts: bool = True,
-    uniform_checks: int = len(FAMILIES),
+    uniform_checks: int | None = None,
     buckets: int = 4000,
     progress: Progress | None = None,
     calibrate: str = "prefix",
@@ -174,12 +175,20 @@ def recommend_capture(
     device: str | None = "auto",
     servable: str | None = None,
     score_tokens: int = 256,
+    presses: bool | None = None,
 ) -> dict[str, Any]:
     """Plans for each budget, with their predicted and (with the model) measured cost.
 
     Returns ``{"capture", "model", "heldout", "menu", "sensitivity": {...}, "cases": [names],
     "budgets": [{"budget", "fraction", "how", "plan" (Plan), "predicted", "uniform" (rows fitting the
     budget), "check": {label: scores} or None, "best_uniform": spec or None}], "seconds"}``.
+
+    ``uniform_checks``: how many budget-filling uniform families are checked on the model (those
+    with the lowest predicted loss); None (default): every family of the menu
+    (:data:`kvtool.analysis.menu.FAMILIES`), so ``best_uniform`` is the best of the whole menu on
+    the cases (:func:`best_uniform`). ``presses``: also check every kvpress press x every storage
+    (:func:`press_checks`); None (default): when every family is checked, kvpress is installed and
+    the plan is not ``servable``.
 
     ``weights``: with the model, scale each layer's losses by what its error costs the model
     (:func:`layer_weights`). ``threads``: torch CPU threads while it runs (1 by default: the work is
@@ -196,13 +205,13 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens)
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens, presses)
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256, presses=None) -> dict[str, Any]:
     start = time.perf_counter()
     devices = list(devices or [torch.device("cpu")])
     dev = devices[0]  # where the model loads and whatever needs one device runs
@@ -211,6 +220,8 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         raise UsageError("give --budget, e.g. --budget 15%")
     if heldout < 1:
         raise UsageError(f"--heldout must be at least 1, got {heldout}")
+    if uniform_checks is None:
+        uniform_checks = len(FAMILIES)
     if uniform_checks < 1:
         raise UsageError(f"--uniform-checks must be at least 1, got {uniform_checks}")
     meta, _ = io.read_header(capture)
@@ -269,8 +280,12 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     result["model"] = name
     result["cases"] = [c.name for c in cases]
     result["score_tokens"] = {"capture": heldout, "texts": score_tokens}
-    per_budget = [1 + min(uniform_checks, len(FAMILIES)) for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
+    if presses is None:  # the whole menu: kvpress's presses too, where kvpress is installed
+        presses = uniform_checks >= len(FAMILIES) and not servable and uniform_menu.kvpress_installed()
+    n_presses = len(uniform_menu.press_methods(uniform_menu.PRESSES)) if presses else 0
+    per_budget = [1 + min(uniform_checks, len(FAMILIES)) + n_presses for _ in result["budgets"]]  # plan and the budget-filling families, on the capture
     progress.stage("model check: plans and uniform settings on the texts", sum(per_budget) * len(cases))
+    press_state: dict[tuple, Any] = {}
     for b in result["budgets"]:
         pct = f"{100 * b['fraction']:.0f}%"
         fills = filled_uniform(b["fraction"], cache, heldout, servable)
@@ -293,7 +308,11 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         for label, scores in first.items():
             rows = scores["cases"] + (rest[label]["cases"] if label in rest else [])
             check[label] = {"cases": rows, **{m: metric_interval(m, [r[m] for r in rows]) for m in ("relative_nll_increase", "nll_increase", "agreement", "kl")}}
-        best = min(uniform_labels, key=lambda s: check[s]["relative_nll_increase"]["mean"]) if uniform_labels else None
+        if presses:
+            found = press_checks(mdl, cases, b["fraction"], cache.facts.head_dim, press_state, progress)
+            check.update(found)
+            uniform_labels += list(found)
+        best = best_uniform(check, uniform_labels)
         b["best_uniform_kl_per_case"] = {c["case"]: min(check[s]["cases"][n]["kl"] for s in uniform_labels)
                                          for n, c in enumerate(check[f"plan @ {pct}"]["cases"])} if uniform_labels else {}
         b["check"] = check
@@ -302,6 +321,76 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
         b["plan"].extra["verified"] = {k: {m: v[m] for m in ("relative_nll_increase", "agreement", "kl")} | {"capture": v["cases"][0]} for k, v in check.items() if k == b["plan_label"] or k == best}
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
+
+
+def press_checks(model: Any, cases: list, fraction: float, head_dim: int, state: dict[tuple, Any] | None = None, progress=None) -> dict[str, dict[str, Any]]:
+    """Every kvpress press x every storage of the menu (:func:`kvtool.analysis.menu.press_methods`)
+    on every case, each press keeping the share of the case's prefix that fills ``fraction`` of its
+    float16 bytes (kept positions counted, :func:`kvtool.analysis.fill.press_keep`): ``{"press:NAME
+    [+STORAGE]": {"cases": [...], "<metric>": interval}}`` as :func:`score_plans` gives. A press
+    that cannot store that little is left out. ``state`` keeps each case's recorded attention inputs
+    and each press's scores between calls (one prefill per case for all budgets)."""
+    from kvtool.analysis.modelcheck import intervals, press_inputs, score_kept
+
+    state = {} if state is None else state
+    out: dict[str, dict[str, Any]] = {}
+    for method in uniform_menu.press_methods(uniform_menu.PRESSES):
+        m = taskrun.parse_method(method)
+        rows = []
+        for case in cases:
+            keep = fill_press_keep(fraction, case.prefix_tokens, head_dim, m.storage)
+            if keep is None:
+                break
+            inputs = state.get(("inputs", case.name))
+            if inputs is None:
+                inputs = state[("inputs", case.name)] = press_inputs(model, case)
+            press = state.get(("press", case.name, m.name))
+            if press is None:  # one press per name and case: its scores are reused across budgets and storages
+                press = state[("press", case.name, m.name)] = hfpress.reuse_scores(hfpress.make_press(hfpress.parse_press(m.name, keep=keep)))
+            hfpress.set_keep(press, keep)
+            kept = hfpress.press_kept(model, press, inputs, case.compressible().layer_indices)
+            rows.append(score_kept(model, case, kept, m.storage, f"kvpress {m.label}"))
+            if progress is not None:
+                progress.advance()
+        if rows and len(rows) == len(cases):
+            out[m.label] = intervals(rows)
+    return out
+
+
+def best_uniform(check: dict[str, Any], labels: list[str], objective: str = "nll") -> str | None:
+    """The best uniform setting of one budget among ``labels`` (the budget-filling settings that
+    were checked: by default every family of :data:`kvtool.analysis.menu.FAMILIES`, and with
+    ``--objective tasks`` every kvpress press x storage too when kvpress is installed).
+
+    ``objective="nll"``: ``check`` maps a label to its model check over the cases
+    (``{"relative_nll_increase": {"mean", ...}, ...}``); the best has the lowest mean relative NLL
+    increase. ``objective="tasks"``: ``check`` maps a setting to its ``by_setting`` row of a task
+    check (``{"accuracy", "lo", "storage_ratio", ...}``); the best has the highest accuracy (ties:
+    the higher interval low end, then the fewer bytes). None when no label was checked."""
+    present = [s for s in labels if s in check]
+    if not present:
+        return None
+    if objective == "nll":
+        return min(present, key=lambda s: check[s]["relative_nll_increase"]["mean"])
+    if objective == "tasks":
+        rows = [s for s in present if check[s].get("accuracy") is not None]
+        if not rows:
+            return None
+        return max(rows, key=lambda s: (check[s]["accuracy"], check[s].get("lo") or 0.0, -(check[s].get("storage_ratio") or 0.0)))
+    raise UsageError(f"objective must be nll or tasks, got {objective!r}")
+
+
+def task_check_methods(servable: str | None = None, presses: bool | None = None) -> list[Any]:
+    """The methods a ``--objective tasks`` check runs: dense, then the whole uniform menu that fills
+    a budget: every family (:data:`kvtool.analysis.menu.FAMILIES`; with ``servable`` only those a
+    paged cache holds) and, when kvpress is installed (``presses=None``) or asked for, every press x
+    every storage (:func:`kvtool.analysis.menu.press_methods`; not with ``servable``)."""
+    methods = [taskrun.Method("dense", "dense")] + [taskrun.Method("uniform", f) for f in FAMILIES if not servable or f in SERVABLE_UNIFORM]
+    if presses is None:
+        presses = uniform_menu.kvpress_installed()
+    if presses and not servable:
+        methods += [taskrun.parse_method(m) for m in uniform_menu.press_methods()]
+    return methods
 
 
 # ----------------------------------------------------------------------------- objective: tasks
@@ -438,8 +527,10 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
         b["plan"].extra.pop("capture", None)
         b["plan"].extra.pop("heldout", None)
     if check_samples:
-        methods = [taskrun.Method("dense", "dense")] + [taskrun.Method("uniform", f) for f in FAMILIES
-                                                         if not servable or f in SERVABLE_UNIFORM]
+        methods = task_check_methods(servable)
+        if not any(m.kind == "press" for m in methods):
+            progress.note("task check: the uniform menu holds kvtool's families only" + (" (--servable)" if servable else
+                          f" (kvpress is not installed: {hfpress.INSTALL})"))
         for b in result["budgets"]:
             pct = f"{100 * b['fraction']:g}%"
             plan_method = taskrun.Method("plan", "recommended", plan=b["plan"])
@@ -458,9 +549,10 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
             b["task_check"] = summary
             b["plan_label"] = f"plan:recommended @ {pct}"
             by = {r["setting"]: r for r in summary["by_setting"]}
-            uniform = [r for r in summary["by_setting"] if r["method"] in FAMILIES]
-            best = max(uniform, key=lambda r: r["accuracy"]) if uniform else None
-            b["best_uniform"] = best["setting"] if best else None
+            uniform = [r["setting"] for r in summary["by_setting"] if r["method"] in FAMILIES or r["method"].startswith("press:")]
+            label = best_uniform(by, uniform, "tasks")
+            best = by[label] if label else None
+            b["best_uniform"] = label
             plan_row = next((r for r in summary["by_setting"] if r["method"].startswith("plan:")), None)
             b["plan"].extra["verified"] = {"tasks": {"plan": plan_row, "dense": by.get("dense"), "best_uniform": best}}
     result["seconds"] = round(time.perf_counter() - start, 1)

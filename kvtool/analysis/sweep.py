@@ -21,8 +21,10 @@ from typing import Any
 from kvtool.core.documents import check_eval_points
 from kvtool.core.errors import UsageError
 from kvtool.core.limits import read_json_input
+from kvtool.core.names import unalias
 from kvtool.formats.base import FORMATS, get_format, make_params
 from kvtool.formats import load_all
+from kvtool.formats.pipeline import split_chain, step_kind
 
 def paper_rows() -> list[tuple[str, str, str]]:
     """The papers' comparison rows every format declares (``Format.paper_rows``), each comparison's
@@ -33,7 +35,14 @@ def paper_rows() -> list[tuple[str, str, str]]:
 
 
 def expand_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """``"bitmap:sparsity=0.5,0.7,method=per-token"`` -> ``[("bitmap", {...0.5...}), ("bitmap", {...0.7...})]``."""
+    """``"bitmap:sparsity=0.5,0.7,method=per-token"`` -> ``[("bitmap", {...0.5...}), ("bitmap", {...0.7...})]``.
+    A chain or a lone eviction / pruning step (``snapkv:budget=128+kivi4``; read as ``kvtool compress
+    --format`` reads it) is one ``pipeline`` point; ``kivi`` and the other aliases sweep the format they
+    stand for (:data:`kvtool.core.names.FORMAT_ALIASES`)."""
+    if "+" in spec or step_kind(spec) != "format":
+        evict, prune, storage = split_chain(spec)
+        steps = {"evict": evict, "prune": prune, "format": storage}
+        return [("pipeline", {k: (v or "none").replace(",", ";") for k, v in steps.items()})]
     name, _, rest = spec.partition(":")
     name = name.strip()
     if not name:
@@ -52,7 +61,8 @@ def expand_spec(spec: str) -> list[tuple[str, dict[str, str]]]:
         else:
             grid[key].append(item)
     keys = list(grid)
-    return [(name, dict(zip(keys, combo))) for combo in itertools.product(*(grid[k] for k in keys))] if keys else [(name, {})]
+    combos = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))] if keys else [{}]
+    return [unalias(name, values, spec) for values in combos]
 
 
 @dataclass

@@ -26,6 +26,7 @@ Intervals are Wilson score intervals (95%) over the samples (:func:`wilson`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -242,3 +243,15 @@ def answer(model: Any, tokenizer: Any, prep: Prepared, cc: CompressedCache | Non
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     hits = found(text, s.answers)
     return {"text": text, "ids": tokens, "correct": all(hits), "part": sum(hits) / len(hits), "tokens": len(tokens)}
+
+
+def answer_questions(model: Any, tokenizer: Any, prep: Prepared, cc: CompressedCache | None, questions: list[TaskSample],
+                     scoring: str = "forced") -> list[dict[str, Any]]:
+    """One compressed context, several questions: ``cc`` (compressed once from ``prep``'s context;
+    None: the dense cache) answers each of ``questions`` (samples sharing ``prep``'s context,
+    :func:`kvtool.analysis.tasks.each_needle`) from a fresh copy of the cache (what one question's
+    decoding appends never reaches the next), as :func:`answer` scores one. The question is never part
+    of the compressed context (``prep`` must not be question-aware)."""
+    if prep.question_aware:
+        raise ValueError("several questions need the question after compression (prep is question-aware)")
+    return [answer(model, tokenizer, dataclasses.replace(prep, sample=q, feed=torch.tensor([q.question])), cc, scoring) for q in questions]

@@ -29,6 +29,10 @@ Tasks (:data:`TASKS`; names as in RULER where they match):
 - ``qa`` (recall over the shipped texts): a passage of the shipped texts; asked to complete a quote
   of it (six tokens that occur once in the context): the answer is the five tokens that follow.
 
+Several questions about one context (:func:`each_needle`, ``kvtool tasks --questions N``): the
+four-needle tasks ``niah_multikey`` and ``niah_multikey_essay`` asked about N different needles of
+the same context, the sample's own question first, then the other needles in the order of their keys.
+
 Answers are checked teacher-forced (:mod:`kvtool.analysis.taskeval`): a sample is right when every
 scored answer token is the model's top-1 next token given the prompt and the answer tokens before it,
 which is exactly "greedy decoding produces the answer" for a single answer.
@@ -37,13 +41,16 @@ which is exactly "greedy decoding produces the answer" for a single answer.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtool import texts
 from kvtool.core.errors import UsageError
+from kvtool.core.limits import MAX_TOKENS
 
+MULTI_QUESTION_TASKS = ("niah_multikey", "niah_multikey_essay")
 TASKS = ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa")
 
 # the haystack of the noise tasks: short plain sentences, repeated (written for kvtool)
@@ -60,6 +67,10 @@ WORDS = ("apple", "basket", "cloud", "desk", "eagle", "forest", "guitar", "hamme
          "yacht", "zebra", "bottle", "carpet", "dragon", "feather", "glove", "helmet", "jewel", "ladder", "magnet",
          "nest", "onion", "parrot", "rabbit", "shovel", "tomato", "valley", "wagon", "button", "castle", "drum",
          "flute", "garlic", "honey", "insect", "kitten", "marble", "nickel", "oyster", "pillow", "rose", "sugar")
+
+# a one-needle question and its answer prefix
+NIAH_ASK = ("What is the special magic number for {key} mentioned in the provided text?",
+            "The special magic number for {key} mentioned in the provided text is:")
 
 INSTRUCTIONS = {
     "niah": "Some special magic numbers are hidden within the following text. Make sure to memorize them. I will quiz you about the numbers afterwards.\n",
@@ -90,6 +101,17 @@ class TaskSample:
 
     def key(self) -> str:
         return f"{self.task}:{self.length}:{self.seed}:{self.index}"
+
+    @property
+    def needle_depth(self) -> float | None:
+        """Where in the haystack (0 = its start, 1 = its end) the earliest piece the answer needs
+        sits: the asked needle(s), the first assignment of ``vt``, the quoted phrase of ``qa``;
+        None for ``cwe`` (its answer is spread over the whole list)."""
+        if "depths" in self.meta:
+            depths = self.meta["depths"]
+            asked = self.meta.get("asked", range(len(depths)))
+            return min(depths[j] for j in asked) if depths else None
+        return self.meta.get("depth")
 
 
 def sample_rng(task: str, length: int, seed: int, index: int) -> random.Random:
@@ -307,10 +329,10 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         depths = [rng.random() for _ in range(n_needles)]
         needles = [tok(f" One of the special magic numbers for {k} is: {v}.") for k, v in zip(keys, numbers)]
         appear = sorted(range(n_needles), key=lambda j: depths[j])
+        ask = list(range(n_needles))  # the needles the answer needs (niah_multivalue: all)
         if task in ("niah_single", "niah_essay", "niah_multikey", "niah_multikey_essay"):
             ask = [rng.randrange(n_needles)]
-            q = f"What is the special magic number for {keys[ask[0]]} mentioned in the provided text?"
-            prefix = f"The special magic number for {keys[ask[0]]} mentioned in the provided text is:"
+            q, prefix = NIAH_ASK[0].format(key=keys[ask[0]]), NIAH_ASK[1].format(key=keys[ask[0]])
             answers = [numbers[ask[0]]]
         elif task == "niah_multivalue":
             q = f"What are all the special magic numbers for {keys[0]} mentioned in the provided text?"
@@ -325,6 +347,8 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
         source = _essay_source() if essay else NOISE
         inserts = list(zip(depths, needles))
         meta["keys"] = keys
+        meta["numbers"] = numbers
+        meta["asked"] = ask  # the needles the answer needs (indices into keys / numbers)
     elif task == "vt":
         used: set[str] = set()
         names = [_varname(rng, used) for _ in range(4)]
@@ -374,6 +398,29 @@ def generate_sample(tokenizer: Any, task: str, length: int, seed: int = 0, index
     return TaskSample(task, length, seed, index, context, question, answer_ids, scored, list(answers), meta)
 
 
+def each_needle(tokenizer: Any, sample: TaskSample, questions: int, tok: Tokens | None = None) -> list[TaskSample]:
+    """``questions`` samples sharing ``sample``'s context (a ``niah_multikey`` or
+    ``niah_multikey_essay`` sample), each asking about a different needle: the sample itself first,
+    then the other needles in key order. Each carries ``meta["question"]`` (1, 2, ...)."""
+    if sample.task not in MULTI_QUESTION_TASKS:
+        raise UsageError(f"--questions asks about several needles of one context: tasks {', '.join(MULTI_QUESTION_TASKS)}, not {sample.task}")
+    keys, numbers = sample.meta["keys"], sample.meta["numbers"]
+    if not 1 <= questions <= len(keys):
+        raise UsageError(f"--questions must be 1 to {len(keys)} (the needles of {sample.task}), got {questions}")
+    tok = tok or Tokens(tokenizer)
+    _, after = chat_frame(tokenizer)
+    first = sample.meta["asked"][0]
+    out = [TaskSample(**{**sample.__dict__, "meta": {**sample.meta, "question": 1}})]
+    for j in [j for j in range(len(keys)) if j != first][:questions - 1]:
+        q, prefix = NIAH_ASK[0].format(key=keys[j]), NIAH_ASK[1].format(key=keys[j])
+        question = tok("\n\n" + q) + tok(after) + tok(prefix)
+        answer = tok(" ") + tok(numbers[j])
+        scored = [False] * len(tok(" ")) + [_content(tokenizer, i) for i in tok(numbers[j])]
+        out.append(TaskSample(sample.task, sample.length, sample.seed, sample.index, sample.context, question, answer, scored,
+                              [numbers[j]], {**sample.meta, "asked": [j], "question": len(out) + 1}))
+    return out
+
+
 def generate(tokenizer: Any, tasks: list[str], lengths: list[int], samples: int, seed: int = 0, start: int = 0) -> list[TaskSample]:
     """``samples`` samples of every task at every length (indices ``start .. start + samples - 1``)."""
     tok = Tokens(tokenizer)
@@ -404,9 +451,14 @@ def parse_lengths(text: str | list[str] | None, max_tokens: int | None = None) -
             if not p:
                 continue
             try:
-                n = int(float(p[:-1]) * 1024) if p.endswith("k") else int(p)
+                number = float(p[:-1]) * 1024 if p.endswith("k") else float(p)
             except ValueError:
-                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part!r}") from None
+                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part[:40]!r}") from None
+            if not math.isfinite(number):
+                raise UsageError(f"--lengths must be token counts like 1k,2k or 4096, got {part[:40]!r}")
+            if number > MAX_TOKENS:
+                raise UsageError(f"--lengths {part[:40]}: at most {MAX_TOKENS} tokens")
+            n = int(number)
             if n < 128:
                 raise UsageError(f"--lengths {part}: a task needs at least 128 tokens")
             if max_tokens is not None and n > max_tokens:

@@ -35,6 +35,7 @@ from kvtool.commands._complete import complete_model
 from kvtool.core import outputs, settings
 from kvtool.commands._complete import complete_device
 from kvtool.core.errors import KvtoolError
+from kvtool.core.limits import MAX_PAGE_SIZE, MAX_TOKENS, bounded_int
 from kvtool.core.jsonio import envelope, to_json_text
 from kvtool.core.progress import BarProgress, LineProgress, stage_callback  # noqa: F401 (re-exported for commands)
 from kvtool.core.progress import Progress as LibraryProgress
@@ -80,7 +81,7 @@ CaptureArg = Annotated[Path, typer.Argument(help="A capture file made by `kvtool
 LayersOpt = Annotated[str | None, typer.Option("--layers", help="Layers to use, e.g. 0,5,10-12 (default: all).")]
 HeadsOpt = Annotated[str | None, typer.Option("--heads", help="KV heads to use, e.g. 0,2 (default: all).")]
 # --model / --no-model of the commands that run the model; in the Python API ``model=False`` is --no-model
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded one when the capture came from it; False in Python: none).", autocompletion=complete_model),
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model: 'embedded', a local HF folder or a .gguf file (default: the embedded one when the capture came from it; --no-model: none).", autocompletion=complete_model),
                      Api(type=str | bool | None)]
 NoModelOpt = Annotated[bool, typer.Option("--no-model", help="Do not run the model (attention-level results only; much faster)."), Api(skip=True)]
 
@@ -233,13 +234,34 @@ def kvtool_command(fn: Callable) -> Callable:
 # the parameters (in every command) that name files or folders the command writes; every other path
 # argument is an input, which no output may be (tests/test_outputs.py checks every command's options)
 OUTPUT_PARAMS = frozenset({"output", "out", "out_old", "out_dir", "plot", "plot_old", "plot_output", "router_out", "router_out_old"})
+# the parameters naming a folder every file of which is an input (a model folder: its weights, config, tokenizer)
+FOLDER_INPUTS = frozenset({"model"})
+
+
+# integer options bounded tighter than the one rule (docs/cli.md: at most 2^24 in size); seeds are any 64-bit integer
+INT_LIMITS = {"threads": (1, 1 << 10), "page_size": (1, MAX_PAGE_SIZE)}
+SEED_LIMIT = (-(1 << 63), (1 << 63) - 1)
+
+
+def check_integers(kwargs: dict[str, Any]) -> None:
+    """Every integer argument (and every integer in a list argument) within the one size rule: at
+    most :data:`kvtool.core.limits.MAX_TOKENS` in size (``--threads`` 1 to 1024, ``--page-size`` 1 to 4096, a seed any 64-bit
+    integer), a UsageError naming the option otherwise, before any work (no OverflowError from
+    torch, no run that takes forever)."""
+    for key, value in kwargs.items():
+        low, high = INT_LIMITS.get(key, SEED_LIMIT if key.endswith("seed") else (-MAX_TOKENS, MAX_TOKENS))
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                bounded_int("--" + key.replace("_", "-"), item, low, high)
 
 
 def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The command's arguments with ``sample:`` resolved, after recording every path argument that is
     not an output as an input of the command (:func:`kvtool.core.outputs.note_input`) and checking
     that no output is ``sample:`` or one of those inputs: the one output check then knows every input
-    before any work starts, and refuses the same again when the file is written."""
+    before any work starts, and refuses the same again when the file is written. Integer arguments
+    are bounded first (:func:`check_integers`): the CLI and the Python API both pass through here."""
+    check_integers(kwargs)
     resolved = {}
     for key, value in kwargs.items():
         items = value if isinstance(value, list) else [value]
@@ -248,7 +270,7 @@ def declare_files(kwargs: dict[str, Any]) -> dict[str, Any]:
             continue
         items = [resolve_sample(x) for x in items]
         for item in items:
-            outputs.note_input(item)
+            outputs.note_input(item, folder=key in FOLDER_INPUTS)
         resolved[key] = items if isinstance(value, list) else items[0]
     for key in OUTPUT_PARAMS & kwargs.keys():
         if kwargs[key] is not None:

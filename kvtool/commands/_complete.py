@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from kvtool.commands._catalog import format_summaries, model_shape_names
+from kvtool.core.names import FORMAT_ALIASES
 
 DEVICES = ("auto", "cpu", "cuda", *(f"cuda:{i}" for i in range(8)))
 EVICT_POLICIES = ("snapkv", "streaming")
@@ -17,7 +18,7 @@ EVICT_POLICIES = ("snapkv", "streaming")
 def complete_format(incomplete: str) -> list[str]:
     """Registered format names (``bitmap``, ``quant`` ...); after ``NAME+`` the next step's name."""
     head, plus, tail = incomplete.rpartition("+")
-    return [f"{head}{plus}{name}" for name in format_summaries() if name.startswith(tail)]
+    return [f"{head}{plus}{name}" for name in (*format_summaries(), *FORMAT_ALIASES) if name.startswith(tail)]
 
 
 def _local_models(incomplete: str) -> list[str]:

@@ -6,11 +6,12 @@ from __future__ import annotations
 import platform
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
 from kvtool._version import __version__
+from kvtool.core.errors import UsageError
 from kvtool.core.sample import SAMPLE_PATH
 from kvtool.commands._command import Outcome, add_commands, declare
 from kvtool.commands._common import console, example_epilog, make_table
@@ -70,15 +71,30 @@ def print_env(outcome: Outcome) -> None:
     rows += [(name, v or "not installed") for name, v in data["packages"].items()]
     rows.append(("CUDA", f"{data['cuda_version']}" if data["cuda_version"] else "CPU-only torch build"))
     rows.append(("device", f"{dev['name']} (sm_{dev['capability'].replace('.', '')}, {dev['memory_bytes'] / 2**30:.1f} GiB) x{dev['count']}" if dev else "no CUDA device"))
+    for k in data.get("kernels") or []:
+        rows.append((f"kernel {k['name']}", f"{k['status']} ({k['seconds']:.0f} s)"))
     console.print(make_table("kvtool env", ["what", "value"], rows))
 
 
 @declare("env", short_help="Versions of kvtool, Python, torch, Triton, transformers, FlashInfer; the CUDA device",
          help="What kvtool runs on: versions of kvtool, Python, torch, Triton, transformers, FlashInfer and the "
-         "other libraries, and the CUDA device torch sees. Paste it into bug reports.",
-         epilog=example_epilog("kvtool env", "kvtool env --json"), render=print_env)
-def env(*, progress: Progress) -> Outcome:
-    return Outcome(environment())
+         "other libraries, and the CUDA device torch sees. Paste it into bug reports. With --build-kernels it also "
+         "builds kvtool's CUDA extensions for this GPU (all at once, about a minute; once per machine, kernel version "
+         "and GPU type, in $KVTOOL_CACHE/cuda-ext), so that no later command pays the build on first use.",
+         epilog=example_epilog("kvtool env", "kvtool env --json", "kvtool env --build-kernels --json"), render=print_env)
+def env(build_kernels: Annotated[bool, typer.Option("--build-kernels", help="Build the CUDA extensions now (or find them built); "
+                                                   "exit 2 where there is no CUDA toolchain or device.")] = False,
+        *, progress: Progress) -> Outcome:
+    data = environment()
+    if build_kernels:
+        from kvtool.kernels.extensions import build_extensions, toolchain_problem  # deferred: imports torch and Triton
+
+        problem = toolchain_problem()
+        if problem:
+            raise UsageError(problem)
+        progress.note("building the CUDA extensions (about a minute where none is built yet)")
+        data["kernels"] = build_extensions()
+    return Outcome(data)
 
 
 @declare("sample path", help="Print the bundled sample's path.", epilog=example_epilog("kvtool sample path", "kvtool sample path --json"),

@@ -39,7 +39,8 @@ SHORT_HELP = "Time the GPU kernels against cuBLAS and FlashInfer"
 
 REPORT_HELP = ("Markdown tables (device, versions, date, then one row per record) from `kvtool bench -o` JSON files, "
                "for docs/benchmarks.md; every cell comes from a record of the files.")
-CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench dense --model-shape custom --heads 4 --kv-heads 2 --head-dim 64 --batch 1 --seq 256"
+CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench {suite} --model-shape custom --heads 4 --kv-heads 2 --head-dim 64 --batch 1 --seq 256"
+CPU_EXTRA = {"lut": " --budget 64", "pages": " --budget 64"}  # a budget below the CPU example's 256 tokens
 
 def print_result(doc: dict[str, Any]) -> None:
     env = doc["env"]
@@ -127,7 +128,7 @@ def register(app: typer.Typer) -> None:
         rich_markup_mode="rich",
         epilog=example_epilog("kvtool bench dense --model-shape llama3-8b --batch 1,8 --seq 4k,32k -o bench-dense.json",
                               "kvtool bench attention --model-shape llama3-8b --batch 8 --seq 4096,32768 --sparsity 0.7 --json",
-                              CPU_EXAMPLE),
+                              CPU_EXAMPLE.format(suite="dense")),
     )
     app.add_typer(bench_app, name="bench")
 
@@ -135,7 +136,7 @@ def register(app: typer.Typer) -> None:
 def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
     sub = suite.name
 
-    @bench_app.command(sub, help=suite.summary, epilog=example_epilog(suite.example, CPU_EXAMPLE))
+    @bench_app.command(sub, help=suite.summary, epilog=example_epilog(suite.example, CPU_EXAMPLE.format(suite=sub) + CPU_EXTRA.get(sub, "")))
     @kvtool_command
     def command(
         model_shape: Annotated[str, typer.Option("--model-shape", help="llama3-8b (32 heads, 8 KV, 128), llama3-70b (64, 8, 128), llama2-7b (32, 32, 128), smollm2 (9, 3, 64), tiny (4, 2, 16) or custom.")] = "llama3-8b",

@@ -26,6 +26,7 @@ from kvtool.commands._common import (
 from kvtool.core.progress import Progress
 
 ORDER = 40
+HELDOUT = 64  # a capture file's held-out split by default: its last tokens stay dense, their queries are verify's test set
 SHORT_HELP = "Encode a capture with one of the registered formats (see --help)"
 
 # Options shared by the formats: each one given is passed to the format's parameter of the same name
@@ -40,7 +41,7 @@ def print_report(report: dict[str, Any]) -> None:
     show("[bold]{}[/bold] ({})  layers {}, {} tokens compressed, {} held out dense", report["format"], params,
          len(report["layers"]), report["prefix_tokens"], report["heldout"])
     rows = [(part, fmt_bytes(n), f"{100.0 * n / report['dense_bytes']:.2f}") for part, n in report["bytes_by_part"].items()]
-    rows.append(("total", fmt_bytes(report["compressed_bytes"]), f"{100 * report['storage_ratio']:.2f}"))
+    rows.append(("total", fmt_bytes(report["stored_bytes"]), f"{100 * report['storage_ratio']:.2f}"))
     rows.append(("dense", fmt_bytes(report["dense_bytes"]), "100.00"))
     console.print(make_table("bytes (share of the dense keys+values)", ["part", "bytes", "of dense %"], rows))
     details = report.get("details") or {}
@@ -56,8 +57,8 @@ def compress_help() -> str:
     return (f"Compress a capture with one format and write a compressed file.\n\nFormats: {names}.\n\n"
             "Every option below applies to the formats that have a parameter of that name; NAME:key=value,... in "
             "--format and repeated --param key=value set any parameter. --evict and --prune put steps in front of the format "
-            "(or chain them in --format: snapkv:budget=256+per-token:k=0.5,v=0.7+quant:bits=4). The last --heldout tokens stay dense: their "
-            "queries are what `kvtool verify` scores.")
+            "(or chain them in --format: snapkv:budget=256+per-token:k=0.5,v=0.7+quant:bits=4). The last --heldout tokens (default "
+            f"{HELDOUT}) stay dense and are reported apart: their queries are what `kvtool verify` scores; --heldout 0 compresses every token.")
 
 
 @declare(
@@ -97,7 +98,7 @@ def compress(
     evict: Annotated[str | None, typer.Option(help="Eviction step in front of the format: POLICY:budget=N[,sinks=,recent=,window=,pool=], policy snapkv|streaming.", autocompletion=complete_evict)] = None,
     prune: Annotated[str | None, typer.Option(help="Pruning step after eviction: METHOD:k=KEY_SPARSITY,v=VALUE_SPARSITY[,window=N]; with --format quant it stores as bitmapq.")] = None,
     param: Annotated[list[str] | None, typer.Option("--param", "-p", help="Any format parameter as key=value (repeatable).")] = None,
-    heldout: Annotated[int, typer.Option(help="Last tokens kept dense and out of the compressor's sight.", min=0)] = 64,
+    heldout: Annotated[int | None, typer.Option(help=f"Last tokens kept dense and out of the compressor's sight: their queries are what `kvtool verify` scores (default: {HELDOUT} for a capture file; 0, every token compressed, for kvtool.compress of a cache in memory).", min=0, show_default=False)] = None,
     plan: Annotated[Path | None, typer.Option("--plan", help="A plan file (kvtool recommend writes one): a format per layer / KV head; the file's format is then mixed.", dir_okay=False)] = None,
     layers: LayersOpt = None,
     device: DevicesOpt = "auto",
@@ -116,6 +117,7 @@ def compress(
         if not eq:
             raise UsageError(f"--param {item!r}: write key=value")
         options[key.strip()] = value.strip()
+    heldout = HELDOUT if heldout is None else heldout
     _, _, report = compress_file(capture, format, output, options, heldout, layers, force, progress=progress, device=device, plan=plan)
     return Outcome(report, input=capture, output=report.get("output"))
 

@@ -9,9 +9,10 @@ from typing import Annotated, Any
 import typer
 
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.names import FORMAT_ALIASES
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._catalog import format_summaries
-from kvtool.commands._complete import complete_format
+from kvtool.commands._complete import EVICT_POLICIES, complete_format
 from kvtool.commands._command import Api, Outcome, add_commands, declare
 from kvtool.commands._common import (
     DevicesOpt,
@@ -41,7 +42,7 @@ def split_inputs(items: list[str], formats: list[str]) -> tuple[list[Path], list
     tail of ``--formats a b c``) is a sweep spec."""
     # formats in the formats folder, and any registered at run time (a plug-in, a test's format)
     runtime = getattr(sys.modules.get("kvtool.formats.base"), "FORMATS", {})
-    known = set(format_summaries()) | set(runtime)
+    known = set(format_summaries()) | set(runtime) | set(FORMAT_ALIASES) | set(EVICT_POLICIES)
     captures: list[Path] = []
     specs = list(formats)
     for item in items:

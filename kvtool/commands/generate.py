@@ -24,12 +24,12 @@ def print_generated(outcome: Outcome) -> None:
     result = outcome.data
     show("[dim]{}; {} cached tokens ({}, {} cache) + {} prompt tokens[/dim]", result["model"], result["cached_tokens"], result["format"],
          result["mode"], result["prompt_tokens"])
-    for text, ids in zip(result["text"], result["new_tokens"]):
+    for text, ids in zip(result["text"], result["new_token_ids"]):
         if text or not ids:
             show("[bold]{}[/bold]{}", result["prompt"], text)
         else:  # a model without a tokenizer: the ids
             show("token ids {}", " ".join(str(i) for i in ids))
-    show("[dim]{} new tokens in {} s on {}[/dim]", sum(len(ids) for ids in result["new_tokens"]), f"{result['seconds']:.2f}", result["model_device"])
+    show("[dim]{} new tokens in {} s on {}[/dim]", sum(len(ids) for ids in result["new_token_ids"]), f"{result['seconds']:.2f}", result["model_device"])
 
 
 @declare(

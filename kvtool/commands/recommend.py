@@ -10,7 +10,6 @@ import typer
 from kvtool.core.errors import UsageError
 from kvtool.core.sample import resolve_sample
 from kvtool.commands._command import Outcome, add_commands, declare
-from kvtool.commands.tasks import json_names
 from kvtool.commands._common import (
     DevicesOpt,
     graded,
@@ -85,12 +84,12 @@ def print_tasks_result(result: dict[str, Any], paths: list[Path]) -> None:
     for b, path in zip(result["budgets"], paths):
         console.print(f"\n[bold]budget {b['budget']}[/bold] = {100 * b['fraction']:.2f}% of the float16 bytes"
                       + (" (servable: one token budget per layer)" if result.get("servable") else ""))
-        console.print(f"plan: {100 * b['predicted']['exact_ratio']:.2f}% of the float16 bytes, predicted loss {b['predicted']['loss']:.4g}")
+        console.print(f"plan: {100 * b['predicted']['exact_storage_ratio']:.2f}% of the float16 bytes, predicted loss {b['predicted']['loss']:.4g}")
         check = b.get("task_check")
         if check:
             rows = []
             for r in sorted(check["by_setting"], key=lambda r: -(r["accuracy"] or 0)):
-                rows.append([r["setting"], f"{100 * r['stored_ratio']:.1f}", f"{100 * r['accuracy']:.0f}% [{100 * r['lo']:.0f}, {100 * r['hi']:.0f}]", r["n"],
+                rows.append([r["setting"], f"{100 * r['storage_ratio']:.1f}", f"{100 * r['accuracy']:.0f}% [{100 * r['lo']:.0f}, {100 * r['hi']:.0f}]", r["n"],
                              "-" if r["kept_of_dense"] is None else f"{100 * r['kept_of_dense']:.0f}%"])
             console.print(make_table("task check (other seed than the calibration): plan, dense and every budget-filling uniform family",
                                      ["setting", "stored %", "accuracy [95%]", "samples", "of dense"], rows))
@@ -113,7 +112,7 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
             for sp in specs * (result["model_facts"]["num_kv_heads"] if len(specs) == 1 else 1):
                 counts[sp] = counts.get(sp, 0) + 1
         rows = [(sp, n, ", ".join(str(i) for i, specs in sorted(plan.layers.items()) if sp in specs)) for sp, n in sorted(counts.items(), key=lambda kv: -kv[1])]
-        console.print(make_table(f"plan: {100 * b['predicted']['exact_ratio']:.2f}% of the dense bytes, predicted loss {b['predicted']['loss']:.4g}",
+        console.print(make_table(f"plan: {100 * b['predicted']['exact_storage_ratio']:.2f}% of the dense bytes, predicted loss {b['predicted']['loss']:.4g}",
                                  ["format", "KV heads", "layers"], rows))
         check = b.get("check")
         if check:
@@ -127,7 +126,7 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
                 c0 = sc["cases"][0]
                 family = next((f for f, sp in (b.get("uniform_fills") or {}).items() if sp == label), None)
                 name = label if label == b["plan_label"] else f"uniform {family + ': ' if family else ''}{label}" + (" (best that fills the budget)" if label == b["best_uniform"] else "")
-                row = [name, f"{100 * c0['stored_ratio']:.2f}", graded("nll_increase", c0["nll_increase"], fmt_nll(c0["nll_increase"])),
+                row = [name, f"{100 * c0['storage_ratio']:.2f}", graded("nll_increase", c0["nll_increase"], fmt_nll(c0["nll_increase"])),
                        graded("agreement", c0["agreement"]), graded("kl", c0["kl"])]
                 negative |= c0["nll_increase"] < 0
                 if len(cases) > 1:
@@ -148,7 +147,7 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
             fit = sorted(b["uniform"], key=lambda r: r["loss"])[:3]
             if fit:
                 console.print(make_table("best uniform settings that fit (predicted)", ["setting", "stored %", "loss"],
-                                         [(r["spec"], f"{100 * r['ratio']:.2f}", r["loss"]) for r in fit]))
+                                         [(r["spec"], f"{100 * r['storage_ratio']:.2f}", r["loss"]) for r in fit]))
         console.print(f"wrote {path}   (apply: kvtool compress {result['capture']} --plan {path} -o out.safetensors)")
     if result.get("model_skipped"):
         console.print(f"model check skipped: {result['model_skipped']}")
@@ -157,23 +156,11 @@ def print_result(result: dict[str, Any], paths: list[Path]) -> None:
     console.print(f"{result['seconds']} s in all")
 
 
-def _stored(row: dict[str, Any]) -> dict[str, Any]:
-    """A predicted or uniform row in the JSON contract's names: ``bytes`` -> ``stored_bytes``,
-    ``ratio`` -> ``storage_ratio``, ``exact_*`` likewise."""
-    names = {"bytes": "stored_bytes", "ratio": "storage_ratio", "exact_bytes": "exact_stored_bytes", "exact_ratio": "exact_storage_ratio"}
-    return {names.get(k, k): v for k, v in row.items()}
-
-
 def _check_json(check: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """A budget's model check as a list of ``{"setting", ...}`` (the settings are specs, not keys),
-    each case's ``stored_ratio`` as ``storage_ratio``."""
+    """A budget's model check as a list of ``{"setting", ...}`` (the settings are specs, not keys)."""
     if check is None:
         return None
-    out = []
-    for label, scores in check.items():
-        cases = [{("storage_ratio" if k == "stored_ratio" else k): v for k, v in c.items()} for c in scores["cases"]]
-        out.append({"setting": label, **{k: v for k, v in scores.items() if k != "cases"}, "cases": cases})
-    return out
+    return [{"setting": label, **scores} for label, scores in check.items()]
 
 
 def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str]) -> dict[str, Any]:
@@ -184,12 +171,11 @@ def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str])
         entry = {("budget_spec" if k == "budget" else k): v for k, v in b.items() if k not in ("plan", "predicted", "uniform", "check", "task_check")}
         if b.get("task_check") is not None:  # --objective tasks: the plan and the uniform families on task samples
             tc = b["task_check"]
-            entry["task_check"] = {"cells": [json_names(c) for c in tc["cells"]], "by_setting": [json_names(r) for r in tc["by_setting"]]}
-        entry.update(predicted=_stored(b["predicted"]), uniform=[_stored(r) for r in b["uniform"]], check=_check_json(b.get("check")),
+            entry["task_check"] = {"cells": tc["cells"], "by_setting": tc["by_setting"]}
+        entry.update(predicted=b["predicted"], uniform=b["uniform"], check=_check_json(b.get("check")),
                      plan=b["plan"].to_dict(), plan_file=str(path))
         budgets.append(entry)
-    sensitivity = {**result["sensitivity"], "uniform": [_stored(r) for r in result["sensitivity"]["uniform"]]}
-    out = {**{k: v for k, v in result.items() if k != "capture"}, "sensitivity": sensitivity, "budgets": budgets,
+    out = {**{k: v for k, v in result.items() if k != "capture"}, "budgets": budgets,
            "gate": {"missed": missed, "passed": not missed}}
     if "layer_weights" in result:
         out["layer_weights"] = [{"layer": int(i), "weight": w} for i, w in sorted(result["layer_weights"].items())]
@@ -237,7 +223,7 @@ def recommend(
     calibrate: Annotated[str, typer.Option(help="Queries that score the candidates: prefix (the prompt's last --heldout queries, so the continuation judges the plan unseen) or heldout (the held-out queries themselves).")] = "prefix",
     no_weights: Annotated[bool, typer.Option("--no-weights", help="Do not weight layers by their measured cost on the model (one probe per layer on the prompt's last tokens).")] = False,
     threads: Annotated[int, typer.Option(help="Torch CPU threads (many small operations: 1 is fastest on a shared machine).", min=1)] = 1,
-    uniform_checks: Annotated[int, typer.Option(help="Budget-filling uniform families checked on the model (those with the lowest predicted loss; default: all of them).", min=1)] = 10,
+    uniform_checks: Annotated[int | None, typer.Option(help="Budget-filling uniform families checked on the model (those with the lowest predicted loss; default: every family of the menu, and every kvpress press x storage where kvpress is installed, so the best uniform is the best of them all).", min=1)] = None,
     objective: Annotated[str, typer.Option(help="nll: calibrate on the capture's prompt, check NLL/top-1/KL on its continuation and texts; tasks: calibrate on long-context task samples (question after compression), check task accuracy.")] = "nll",
     servable: Annotated[str | None, typer.Option(help="paged: one token budget per layer across its KV heads (KIVI / eviction only), so `kvtool export --to paged` takes the plan.")] = None,
     score_tokens: Annotated[int, typer.Option(help="Continuation tokens scored on each held-out text (NLL, top-1, KL).", min=1)] = 256,

@@ -227,27 +227,27 @@ def format_indices(indices: list[int]) -> str:
 def parse_indices(text: str, upper: int, what: str = "layer") -> list[int]:
     """``"0,5,10-12"`` -> ``[0, 5, 10, 11, 12]``.
 
-    Raises UsageError naming the bad part, a negative index, or an index out of ``0..upper-1``."""
-    result: list[int] = []
+    Raises UsageError naming the bad part, a negative index, or an index out of ``0..upper-1``.
+    Both ends of a range are read and checked before it is built (``0-99999999999999`` is refused
+    at once, never materialised), so the work is bounded by ``upper``."""
+    result: set[int] = set()
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
         if part.startswith("-"):
             raise UsageError(f"{what} {part} is negative: give {what}s as 0..{upper - 1} or ranges like 3-7")
-        try:
-            if "-" in part:
-                a, b = part.split("-", 1)
-                rng = list(range(int(a), int(b) + 1))
-            else:
-                rng = [int(part)]
-        except ValueError:
-            raise UsageError(f"cannot read {what} selection {text!r}: {part!r} is not a number or a range like 3-7") from None
-        for i in rng:
-            if not 0 <= i < upper:
-                raise UsageError(f"{what} {i} is out of range: there are {upper} {what}s (0..{upper - 1})")
-            if i not in result:
-                result.append(i)
+        ends = part.split("-", 1)
+        if not all(e.strip().isascii() and e.strip().isdigit() for e in ends):
+            raise UsageError(f"cannot read {what} selection {text[:80]!r}: {part[:40]!r} is not a number or a range like 3-7")
+        for e in ends:
+            e = e.strip().lstrip("0") or "0"
+            if len(e) > len(str(upper)) or int(e) >= upper:
+                raise UsageError(f"{what} {e[:24]}{'...' if len(e) > 24 else ''} is out of range: there are {upper} {what}s (0..{upper - 1})")
+        a, b = int(ends[0]), int(ends[-1])
+        if b < a:
+            raise UsageError(f"{what} range {part} is empty: write the lower index first ({b}-{a})")
+        result.update(range(a, b + 1))
     if not result:
-        raise UsageError(f"the {what} selection {text!r} is empty")
+        raise UsageError(f"the {what} selection {text[:80]!r} is empty")
     return sorted(result)

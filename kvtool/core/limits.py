@@ -41,6 +41,10 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_TEXT_BYTES = 64 << 20
 # nesting of any JSON kvtool reads from a file (plans, eval, bench)
 MAX_JSON_DEPTH = 64
+# tokens a live cache layer allocates beyond those it holds where a parameter measured in tokens
+# (quant group or residual, bitmap dense_window; up to MAX_TOKENS) would ask for more: its buffers
+# follow the tokens held and grow as tokens come, never a parameter's worth ahead
+LIVE_HEADROOM = 4096
 
 
 def bounded_int(name: str, value: Any, low: int, high: int) -> int:
@@ -137,7 +141,7 @@ def _too_deep(data: Any, limit: int) -> bool:
 
 def parse_json_text(text: str, what: str, error: type[KvtoolError] = BadDataError) -> Any:
     """``text`` as JSON: nesting of at most :data:`MAX_JSON_DEPTH`, no NaN/Infinity, no numbers that
-    overflow to infinity; ``error`` naming ``what`` otherwise."""
+    overflow to infinity, no key twice in one object; ``error`` naming ``what`` otherwise."""
     def bad_constant(name: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
@@ -147,8 +151,16 @@ def parse_json_text(text: str, what: str, error: type[KvtoolError] = BadDataErro
             raise ValueError(f"number {text_} is out of range")
         return value
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) < len(pairs):
+            seen: set[str] = set()
+            twin = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise ValueError(f"the key {twin[:40]!r} appears twice in one object; which one was meant is not for kvtool to guess")
+        return out
+
     try:
-        data = json.loads(text, parse_constant=bad_constant, parse_float=checked_float)
+        data = json.loads(text, parse_constant=bad_constant, parse_float=checked_float, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         raise error(f"{what}: not JSON ({exc.msg} at line {exc.lineno})") from None
     except RecursionError:

@@ -53,9 +53,18 @@ def command_inputs() -> Iterator[dict[tuple[int, int], str]]:
         _INPUTS.reset(token)
 
 
-def note_input(path: Any) -> None:
-    """Record ``path`` as an input of the running command (if it is an existing regular file and a
-    :func:`command_inputs` scope is open; otherwise nothing happens)."""
+# the files of an input folder (a --model folder) recorded at most: its own files and those of its
+# subfolders, MAX_FOLDER_DEPTH deep (a Hugging Face folder keeps its weights at the top)
+MAX_FOLDER_FILES = 4096
+MAX_FOLDER_DEPTH = 2
+
+
+def note_input(path: Any, folder: bool = False) -> None:
+    """Record ``path`` as an input of the running command (if a :func:`command_inputs` scope is open;
+    otherwise nothing happens): an existing regular file itself; with ``folder`` (a model folder,
+    every file of which the command reads), the regular files in the folder and in its subfolders
+    up to :data:`MAX_FOLDER_DEPTH` deep (at most :data:`MAX_FOLDER_FILES`), so no output can replace
+    a model's weights or config."""
     seen = _INPUTS.get()
     if seen is None or not isinstance(path, (str, Path)) or not str(path):
         return
@@ -65,6 +74,32 @@ def note_input(path: Any) -> None:
         return
     if stat.S_ISREG(st.st_mode):
         seen.setdefault((st.st_dev, st.st_ino), str(path))
+    elif folder and stat.S_ISDIR(st.st_mode):
+        _note_folder(Path(path), seen)
+
+
+def _note_folder(folder: Path, seen: dict[tuple[int, int], str]) -> None:
+    """Record the regular files of ``folder`` (bounded in depth and count; unreadable parts skipped)."""
+    stack, count = [(folder, 1)], 0
+    while stack and count < MAX_FOLDER_FILES:
+        current, depth = stack.pop()
+        try:
+            entries = os.scandir(current)
+        except OSError:
+            continue
+        with entries:
+            for entry in entries:
+                count += 1
+                if count > MAX_FOLDER_FILES:
+                    break
+                try:
+                    if entry.is_file():
+                        est = entry.stat()
+                        seen.setdefault((est.st_dev, est.st_ino), entry.path)
+                    elif entry.is_dir(follow_symlinks=False) and depth < MAX_FOLDER_DEPTH:
+                        stack.append((Path(entry.path), depth + 1))
+                except OSError:
+                    continue
 
 
 def _same_file_as_input(st: os.stat_result, inputs: tuple | list) -> str | None:
@@ -137,8 +172,37 @@ def check_output(path: str | Path, force: bool, inputs: tuple[str | Path | None,
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise UsageError(f"the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"the folder {parent} is not writable")
+    check_can_create(parent)
+    return path
+
+
+def check_can_create(folder: Path) -> None:
+    """UsageError unless files can be created in ``folder``: its permissions, a read-only mount and
+    pseudo file systems (``/proc``, where ``os.access`` says yes) are all tried by creating and
+    removing one empty temp file, so no command finds out only when it writes its results."""
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"the folder {folder} is not writable")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvtool-probe.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise UsageError(f"the folder {folder} cannot hold new files ({exc.strerror or exc})") from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
+def output_folder(path: str | Path, what: str = "--out-dir") -> Path:
+    """Make the output folder ``path`` if missing and check files can be created in it: UsageError
+    naming ``what`` for a file in its place, a folder that cannot be made (a read-only mount) or
+    cannot hold files. Every command that writes a folder of results goes through here."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot make the folder ({exc.strerror or exc})") from None
+    check_can_create(path)
     return path
 
 

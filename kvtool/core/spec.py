@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtool.core.errors import UsageError
+from kvtool.core.names import unalias
 
 
 def _key(name: str) -> str:
@@ -14,19 +15,28 @@ def _key(name: str) -> str:
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"quant:bits=4,group=32"`` -> ``("quant", {"bits": "4", "group": "32"})``. A parameter given
     twice (``quant:bits=4,bits=2``, or ``key-sparsity`` and ``key_sparsity``) is a UsageError: which
-    one was meant is not for kvtool to guess."""
+    one was meant is not for kvtool to guess. A name of :data:`kvtool.core.names.FORMAT_ALIASES`
+    comes back as the format it stands for (``"kivi:bits=2"`` -> ``("quant", {"scheme": "kivi", "bits": "2"})``)."""
     name, _, rest = spec.partition(":")
     values: dict[str, str] = {}
+    spelled: dict[str, str] = {}  # the canonical name (_key) -> the spelling given: one lookup per parameter
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
-            raise UsageError(f"cannot read {item!r} in {spec!r}: write name=value")
+            raise UsageError(f"cannot read {_short(item)!r} in {_short(spec)!r}: write name=value")
         key = key.strip()
-        twin = next((k for k in values if _key(k) == _key(key)), None)
+        twin = spelled.get(_key(key))
         if twin is not None:
-            raise UsageError(f"{name.strip()}: parameter {key!r} is given twice in {spec!r} ({values[twin]} and {value.strip()}); give it once")
+            raise UsageError(f"{_short(name.strip())}: parameter {_short(key)!r} is given twice in {_short(spec)!r} "
+                             f"({_short(values[twin])} and {_short(value.strip())}); give it once")
+        spelled[_key(key)] = key
         values[key] = value.strip()
-    return name.strip(), values
+    return unalias(name.strip(), values, spec)
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters for a message (a spec may be a whole plan's)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -37,6 +37,7 @@ from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import MAX_TOKENS, bounded_int, finite_float
 from kvtool.formats.encoded import Encoded
 from kvtool.formats._live import PrefixLive
+from kvtool.core.names import FORMAT_ALIASES, closest
 from kvtool.core.io import (
     COMPRESSED_SCHEMA,
     SCHEMA_VERSION,
@@ -211,7 +212,12 @@ def load_all() -> dict[str, Format]:
 def get_format(name: str) -> Format:
     load_all()
     if name not in FORMATS:
-        raise UsageError(f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
+        from kvtool.methods.evict import POLICIES  # deferred: only to word the error
+        from kvtool.methods.prune import METHODS  # deferred: only to word the error
+
+        known = [*FORMATS, *FORMAT_ALIASES, *POLICIES, *METHODS]
+        raise UsageError(f"unknown format {name!r}{closest(name, known)}; known formats: {', '.join(sorted(FORMATS))} "
+                         f"(also {', '.join(FORMAT_ALIASES)}; eviction and pruning steps chain with +: snapkv:budget=256+quant:bits=4)")
     return FORMATS[name]
 
 
@@ -337,7 +343,7 @@ class CompressedCache:
         f = self.facts
         dense = dense_reference_bytes(self.token_ids.shape[0], f.num_kv_heads, self.prefix_tokens, f.head_dim, len(self.layers))
         total = sum(parts.values())
-        return {"parts": parts, "compressed_bytes": total, "dense_bytes": dense, "ratio": total / dense if dense else float("nan")}
+        return {"parts": parts, "stored_bytes": total, "dense_bytes": dense, "storage_ratio": total / dense if dense else float("nan")}
 
 
 def compress_cache(cache: KVCache, fmt: Format, params: FormatParams, heldout: int = 0, progress=None) -> CompressedCache:

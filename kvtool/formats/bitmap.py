@@ -27,6 +27,7 @@ from kvtool.core.attention import attend_partial
 from kvtool.formats._live import LiveLayer, on_gpu
 from kvtool.core.cache import KVCache, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import LIVE_HEADROOM
 from kvtool.core.selection import keep_count
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
 from kvtool.kernels.bitmap_prune_encode import can_run_cuda, prune_encode
@@ -353,6 +354,9 @@ class BitmapLive(LiveLayer):
         self.fmt, self.params, self.window = fmt, params, int(window)
         self.chunk = TILE
         self.wcap = self.window + TILE
+        # window slots allocated: the window's whole span (dense_window + 64) unless that is more than
+        # LIVE_HEADROOM beyond the tokens there are (dense_window=2^24), then those tokens + the headroom
+        self.wslots = min(self.wcap, tail_keys.shape[2] + LIVE_HEADROOM)
         d = keys.head_dim
         per_token = TILE * max(keep_count(d, params.keys), keep_count(d, params.values))
         align = 16 // tail_keys.element_size()
@@ -382,7 +386,7 @@ class BitmapLive(LiveLayer):
     def _make(self, keys: BitmapTensor, values: BitmapTensor, capacity_blocks: int) -> None:
         """A cache with room for ``capacity_blocks`` blocks holding the packed ``keys`` / ``values``
         (whole blocks) and an empty window."""
-        self.cache = growable_cache(keys.batch, keys.kv_heads, keys.head_dim, capacity_blocks * TILE, self.wcap, self.slot, self.cache_dtype,
+        self.cache = growable_cache(keys.batch, keys.kv_heads, keys.head_dim, capacity_blocks * TILE, self.wslots, self.slot, self.cache_dtype,
                                     keys.bitmaps.device)
         append_blocks(self.cache, keys, values)
         self.nblocks = keys.blocks
@@ -414,6 +418,9 @@ class BitmapLive(LiveLayer):
         self._sync()
         while done < n:
             take = min(n - done, self.wcap - self.wn)
+            if self.wn + take > self.wslots:  # eager: the window's buffers follow its tokens
+                self._grow_window(self.wn + take)
+                wk, wv = self.cache.window_keys, self.cache.window_values
             # written where the device says the window ends, so a captured step keeps appending
             idx = ln[1:2].long() + torch.arange(take, device=wk.device)
             wk.index_copy_(2, idx, keys[:, :, done:done + take].to(wk.dtype))
@@ -455,12 +462,26 @@ class BitmapLive(LiveLayer):
         self.cache.window_values[:, :, :self.wn] = wv
         self.cache.lengths[1:2] += self.wn
 
+    def _grow_window(self, need: int) -> None:
+        """Window buffers of at least ``need`` slots, doubling up to the window's span (eager work:
+        a re-allocation invalidates CUDA graphs captured before)."""
+        slots = min(self.wcap, max(need, 2 * self.wslots))
+        for name in ("window_keys", "window_values"):
+            old = getattr(self.cache, name)
+            new = old.new_zeros((*old.shape[:2], slots, old.shape[3]))
+            new[:, :, :self.wn] = old[:, :, :self.wn]
+            setattr(self.cache, name, new)
+        self.wslots = slots
+
     def room(self) -> int:
-        return self.wcap - self.wn - 1
+        return min(self.wcap, self.wslots) - self.wn - 1
 
     def reserve(self, steps: int) -> None:
-        """Encode a block now if fewer than ``steps`` single-token steps fit before the next one."""
+        """Encode a block now if fewer than ``steps`` single-token steps fit before the next one
+        (and grow the window's buffers towards its span when that is what is short)."""
         self._sync()
+        if self.room() < steps and self.wslots < self.wcap:
+            self._grow_window(min(self.wcap, self.wn + steps + 1))
         while self.room() < steps and self.wn >= TILE:
             self.absorb()
 

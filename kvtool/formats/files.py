@@ -101,12 +101,12 @@ def check_compressible(capture: Path, cache: KVCache, heldout: int) -> None:
 
 def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
     """What ``kvtool compress`` and ``info`` report of a compressed file: bytes by part and by layer
-    against the dense bytes of the same tokens (``storage_ratio``: compressed / dense, a fraction), and
+    against the dense bytes of the same tokens (``storage_ratio``: stored / dense, a fraction), and
     the format's own figures (``source``: the capture, if at hand)."""
     fmt = cc.fmt
     rep = cc.byte_report()
     per_layer_dense = rep["dense_bytes"] // max(1, len(cc.layers))
-    layers = [{"layer": i, "compressed_bytes": int(sum(cc.layer_bytes(i).values())), "dense_bytes": per_layer_dense} for i in cc.layer_indices]
+    layers = [{"layer": i, "stored_bytes": int(sum(cc.layer_bytes(i).values())), "dense_bytes": per_layer_dense} for i in cc.layer_indices]
     return {
         "format": cc.format,
         "params": cc.params,
@@ -114,9 +114,9 @@ def build_report(cc: CompressedCache, source: KVCache | None = None) -> dict[str
         "prefix_tokens": cc.prefix_tokens,
         "heldout": cc.info.get("heldout", 0),
         "dense_bytes": rep["dense_bytes"],
-        "compressed_bytes": rep["compressed_bytes"],
+        "stored_bytes": rep["stored_bytes"],
         "bytes_by_part": rep["parts"],
-        "storage_ratio": rep["ratio"],
+        "storage_ratio": rep["storage_ratio"],
         "details": fmt.report(cc, source),
         **({"plan_default_layers": cc.info["plan_default_layers"]} if "plan_default_layers" in cc.info else {}),
     }

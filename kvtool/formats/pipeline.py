@@ -192,10 +192,12 @@ def resolve(spec: str, options: dict[str, Any] | None = None):
     (which may hold ``evict``/``prune`` step specs): (Format, FormatParams, short name).
 
     Without eviction or pruning this is the named format itself; otherwise the ``pipeline`` format
-    with :class:`~kvtool.formats.pipeline.PipelineParams`."""
+    with :class:`~kvtool.formats.pipeline.PipelineParams`. An eviction or pruning step alone
+    (``snapkv:budget=128``) is the chain ending in ``dense``; ``kivi`` and the other names of
+    :data:`kvtool.core.names.FORMAT_ALIASES` are the formats they stand for."""
     options = dict(options or {})
     evict, prune = options.pop("evict", None), options.pop("prune", None)
-    if "+" in spec:
+    if "+" in spec or step_kind(spec) != "format":  # a lone step (snapkv:budget=128) keeps its tokens dense
         ce, cp, spec = split_chain(spec)
         if (ce and evict) or (cp and prune):
             raise UsageError("give each pipeline step once: either in the --format chain or as --evict/--prune")

@@ -24,6 +24,7 @@ are named on stderr when it is applied (and in ``compress --json`` as ``plan_def
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,9 @@ class Plan:
                 raise UsageError(f"plan spec {spec!r}: {exc}") from None
 
 
+_LAYER_KEY = re.compile(r"0|[1-9][0-9]{0,8}")
+
+
 def default_layers(plan: Plan, layer_indices: list[int]) -> list[int]:
     """The layers of ``layer_indices`` the plan does not list: they use its ``default``."""
     return [i for i in layer_indices if i not in plan.layers]
@@ -113,10 +117,10 @@ def plan_from_dict(data: Any, where: str = "the plan") -> Plan:
         raise UsageError(f"{where}: \"layers\" must map layer indices to specs")
     layers: dict[int, list[str]] = {}
     for key, value in raw.items():
-        try:
-            i = int(key)
-        except ValueError:
-            raise UsageError(f"{where}: layer key {key!r} is not an integer") from None
+        # one spelling per layer: "0" and "00" (or " 0", "+0") would both be layer 0, and one would silently win
+        if not (isinstance(key, str) and _LAYER_KEY.fullmatch(key)):
+            raise UsageError(f"{where}: layer key {str(key)[:24]!r} is not a layer index written plainly (0, 1, 12: digits, no sign, spaces or leading zeros)")
+        i = int(key)
         specs = [value] if isinstance(value, str) else value
         if not isinstance(specs, list) or not specs or not all(isinstance(s, str) and s.strip() for s in specs):
             raise UsageError(f"{where}: layer {i} must be a spec or a list of specs, got {value!r}")

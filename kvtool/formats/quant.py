@@ -22,6 +22,13 @@ Shapes: a layer's keys/values ``[B, Hkv, T, D]``. With ``R = min(residual, T)`` 
 
 Every one of these tensors is stored and counted (parts: codes, scales, zeros, residual).
 
+``rotate=hadamard`` (any scheme) stores the layer after an orthonormal Walsh-Hadamard rotation of
+each key and value head vector (:mod:`kvtool.formats._rotated`; ``head_dim`` a power of two): the
+tensors above hold the rotated keys/values (the residual too, rounded to the capture dtype), decode
+rotates the dequantised tokens back, and ``rotate_seed=N`` flips signs first (``rotation.signs``
+int8 ``[D]``, counted as the part ``rotation``). A live layer and the kernel attend over the rotated
+tensors as stored, with the query rotated before and the output rotated back after.
+
 Attention: :meth:`QuantFormat.attend` attends over the decoded (dequantised) tokens, the torch
 reference; :meth:`QuantFormat.attend_kernel` reads a kivi layer's stored bytes through the KIVI
 decode kernel (:mod:`kvtool.kernels.kivi_attention`); int8 / fp8 have no kernel. A live layer
@@ -39,6 +46,7 @@ import torch
 
 from kvtool.core.cache import DTYPES, LayerKV, dtype_name
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.limits import LIVE_HEADROOM
 from kvtool.core.attention import attend_partial
 from kvtool.methods.quantize import (
     check_bits,
@@ -54,7 +62,9 @@ from kvtool.methods.quantize import (
 )
 from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_params, register
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
-from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, plan_splits, workspace_bytes as kivi_workspace_bytes
+from kvtool.formats import _rotated
+from kvtool.methods.rotation import ROTATIONS, check_dim, rotate, unrotate
+from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
 
@@ -65,6 +75,8 @@ class QuantParams(FormatParams):
     and zero point (kivi, default 32); ``residual`` most recent tokens kept in full precision
     (default 32 for kivi, 0 for int8/fp8); ``partial`` (kivi) quantises the keys' last, partial
     group of tokens too (its own scale and zero point) instead of keeping it in full precision.
+    ``rotate`` none|hadamard rotates each head vector before quantising (module docstring);
+    ``rotate_seed`` adds a seeded random sign flip to the rotation.
     ``None`` means the scheme's default."""
 
     bits: int | None = None
@@ -72,8 +84,14 @@ class QuantParams(FormatParams):
     residual: int | None = None
     scheme: Literal["kivi", "int8", "fp8"] = "kivi"
     partial: bool = False
+    rotate: Literal["none", "hadamard"] = "none"
+    rotate_seed: int | None = None
 
     def __post_init__(self) -> None:
+        if self.rotate not in ROTATIONS:
+            raise UsageError(f"--format quant: rotate must be one of {', '.join(ROTATIONS)}, got {self.rotate!r}")
+        if self.rotate_seed is not None and (self.rotate != "hadamard" or self.rotate_seed < 0):
+            raise UsageError(f"--format quant: rotate_seed (a seed of 0 or more, got {self.rotate_seed}) needs rotate=hadamard")
         if self.scheme not in SCHEMES:
             raise UsageError(f"--format quant: scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
         if self.scheme == "kivi":
@@ -212,10 +230,14 @@ class QuantFormat(Format):
     live_grows = True
     has_kernel = True
 
-    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "QuantLive | SymmetricLive":
+    def live_layer(self, enc: Encoded, like: torch.Tensor) -> "LiveLayer":
         """The layer as a live cache layer on ``like``'s device: :class:`QuantLive` (scheme kivi,
-        attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8)."""
+        attending through the KIVI kernel on CUDA) or :class:`SymmetricLive` (int8 / fp8); a rotated
+        layer's inside a :class:`~kvtool.formats._rotated.RotatedLive`."""
         moved = Encoded({n: t.to(like.device) for n, t in enc.tensors.items()}, dict(enc.meta))
+        if moved.meta.get("rotate"):
+            inner = self.live_layer(_rotated.without_rotation(moved), like)
+            return _rotated.RotatedLive(inner, moved.meta.get("rotate_seed"), _rotated.stored_signs(moved))
         return QuantLive(self, moved) if enc.meta["scheme"] == "kivi" else SymmetricLive(self, moved)
 
     def attend_kernel(self, q: torch.Tensor, enc: Encoded, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,11 +246,17 @@ class QuantFormat(Format):
         torch reference (:meth:`attend`)."""
         if enc.meta["scheme"] != "kivi":
             return self.attend(q, enc, scale)
+        if enc.meta.get("rotate"):
+            signs = _rotated.stored_signs(enc)
+            out, lse = self.attend_kernel(rotate(q, signs).to(q.dtype), _rotated.without_rotation(enc), scale)
+            return unrotate(out, signs).to(out.dtype), lse
         return kivi_attention(q, cache_from_encoded(enc), scale)
 
     def storage_after_pruning(self, params: FormatParams, prune: Any) -> tuple[Format, FormatParams]:
         """Pruned tensors keep their bitmap and quantise only the kept elements: ``bitmapq`` (the
         joint Mustafar + KIVI case), which needs scheme kivi."""
+        if params.rotate != "none":
+            raise UsageError("--prune with --format quant needs rotate=none (pruning keeps elements of the unrotated tensors)")
         if params.scheme != "kivi":
             raise UsageError(f"--prune with --format quant needs scheme kivi (the kept elements become low-bit codes); scheme {params.scheme} cannot compose with pruning")
         storage = get_format("bitmapq")
@@ -240,10 +268,17 @@ class QuantFormat(Format):
     def check(self, layer: LayerKV, params: FormatParams) -> None:
         if layer.keys.dtype not in DTYPES.values():
             raise BadDataError(f"quant needs float16/bfloat16/float32 keys, got {layer.keys.dtype}")
+        if getattr(params, "rotate", "none") != "none":
+            check_dim(int(layer.keys.shape[-1]))
 
     def encode(self, layer: LayerKV, params: FormatParams) -> Encoded:
         """keys/values ``[B, Hkv, T, D]`` -> the tensors of the module docstring."""
         p = params if isinstance(params, QuantParams) else QuantParams(**params.to_dict())
+        signs = None
+        if p.rotate != "none":
+            check_dim(int(layer.keys.shape[-1]))
+            signs = _rotated.signs_for(int(layer.keys.shape[-1]), p.rotate_seed)
+            layer = _rotated.rotate_layer(layer, signs)
         keys, values = layer.keys, layer.values
         if p.scheme == "kivi":
             tensors, meta = encode_kivi(keys, values, p)
@@ -252,14 +287,27 @@ class QuantFormat(Format):
         meta.update({"scheme": p.scheme, "bits": p.bits, "group": p.group, "residual": p.residual, "shape": list(keys.shape), "dtype": dtype_name(keys.dtype)})
         if p.partial:
             meta["partial"] = True
-        return Encoded(tensors, meta)
+        enc = Encoded(tensors, meta)
+        return enc if p.rotate == "none" else _rotated.with_rotation(enc, p.rotate_seed, signs)
 
     def decode(self, enc: Encoded) -> LayerKV:
-        keys, values = decode_kivi(enc) if enc.meta["scheme"] == "kivi" else decode_symmetric(enc)
+        """Dequantised keys/values; a rotated layer's rotated back (float32 maths, then the capture dtype)."""
+        plain = _rotated.without_rotation(enc) if enc.meta.get("rotate") else enc
+        keys, values = decode_kivi(plain) if enc.meta["scheme"] == "kivi" else decode_symmetric(plain)
+        if enc.meta.get("rotate"):
+            keys, values = _rotated.unrotate_layer(keys, values, _rotated.stored_signs(enc))
         dt = DTYPES[enc.meta["dtype"]]
         return LayerKV(keys=keys.to(dt), values=values.to(dt))
 
     def validate(self, enc: Encoded) -> None:
+        if "rotate" in enc.meta:
+            if enc.meta["rotate"] != "hadamard" or not isinstance(enc.meta.get("shape"), list) or len(enc.meta["shape"]) != 4:
+                raise BadDataError(f"bad rotation in layer metadata: {enc.meta['rotate']!r}")
+            d = enc.meta["shape"][3]
+            if not isinstance(d, int) or d < 1 or d & (d - 1):
+                raise BadDataError(f"a rotated layer needs a head dimension that is a power of two, got {d}")
+            _rotated.check_signs(enc, d)
+            enc = _rotated.without_rotation(enc)
         m = enc.meta
         for key in ("scheme", "bits", "shape", "dtype", "scale_dtype", "key_tokens", "value_tokens"):
             if key not in m:
@@ -307,6 +355,7 @@ class QuantFormat(Format):
             "bits_per_element": 8.0 * stored / elements if elements else float("nan"),
             "quantised_share": quantised / elements if elements else float("nan"),
             "scale_dtype": first.get("scale_dtype"),
+            "rotate": first.get("rotate") or "none",
         }
 
 
@@ -355,9 +404,10 @@ def _dequant(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group
         out = codes.float().unflatten(-1, (length // group, group))
         out.mul_(scale.float()[..., None]).add_(zero.float()[..., None])
         out = out.flatten(-2)
-    else:
-        s = scale.float().repeat_interleave(group, dim=-1)[..., :length]
-        z = zero.float().repeat_interleave(group, dim=-1)[..., :length]
+    else:  # a group longer than the row is one group: repeated ``length`` times, never ``group`` times
+        reps = min(group, length)
+        s = scale.float().repeat_interleave(reps, dim=-1)[..., :length]
+        z = zero.float().repeat_interleave(reps, dim=-1)[..., :length]
         out = codes.float() * s + z
     return out.to(dtype)
 
@@ -391,6 +441,29 @@ class _ResidualLive(LiveLayer):
 
     def encoded_shape(self) -> tuple[int, int, int, int]:
         return self.b, self.h, self.tokens, self.d
+
+    def _residual_slots(self, have: int, limit: int) -> int:
+        """Residual buffer slots for ``have`` tokens held and at most ``limit`` ever held at once:
+        ``limit`` when that is within :data:`LIVE_HEADROOM` of ``have`` (the usual R + group), else
+        ``have`` + the headroom (a residual or group of 2^24 tokens allocates for the tokens there
+        are, not for the parameter; :meth:`_grow_residual` adds slots as tokens come)."""
+        return max(min(limit, have + LIVE_HEADROOM), have)
+
+    def _grow_residual(self, need: int, limit: int, slack: int = 0) -> None:
+        """Residual buffers of at least ``need`` slots (+ ``slack``), doubling up to ``limit`` (eager
+        work only: a re-allocation invalidates CUDA graphs captured before)."""
+        size = self.res["keys"].shape[2]
+        if need + slack <= size:
+            return
+        slots = max(need, min(2 * (size - slack), limit)) + slack
+        for kind in ("keys", "values"):
+            old = self.res[kind]
+            self.res[kind] = old.new_zeros((self.b, self.h, slots, self.d))
+            self.res[kind][:, :, :self.res_n[kind]] = old[:, :, :self.res_n[kind]]
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            cache.residual_keys, cache.residual_values = self.res["keys"], self.res["values"]
+
 
 
 class QuantLive(_ResidualLive):
@@ -431,7 +504,7 @@ class QuantLive(_ResidualLive):
             rk = torch.cat([self._partial_keys(ts), rk], dim=2)
         self.res_n = {"keys": int(rk.shape[2]), "values": int(rv.shape[2])}
         self.threshold = self.residual + self.chunk
-        rcap = max(self.threshold, rk.shape[2], rv.shape[2])
+        rcap = self._residual_slots(max(rk.shape[2], rv.shape[2]), self.threshold)
         self.res = {"keys": rk.new_zeros((b, h, rcap, d)), "values": rv.new_zeros((b, h, rcap, d))}
         self.res["keys"][:, :, :rk.shape[2]] = rk
         self.res["values"][:, :, :rv.shape[2]] = rv
@@ -457,8 +530,15 @@ class QuantLive(_ResidualLive):
 
     def _capacity_for(self, tokens: int, grow: bool = True) -> int:
         """Quantised slots for ``tokens``: one spare group (a new layer), or 1/64 more on a long
-        context (a re-allocation, so that growing costs a copy once every 64 groups at most)."""
-        return _round_up(max(tokens, 0) + max(self.group, tokens // 64 if grow else 0), self.group)
+        context (a re-allocation, so that growing costs a copy once every 64 groups at most); for a
+        group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead), the tokens plus
+        the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
+        extra = tokens // 64 if grow else 0
+        whole = _round_up(max(tokens, 0) + max(self.group, extra), self.group)
+        if whole <= tokens + LIVE_HEADROOM + self.group:
+            return whole
+        # key scales cover the whole groups that fit (capacity // group): every group quantised so far
+        return _round_up(tokens + max(LIVE_HEADROOM, extra), 64)
 
     def _allocate(self, capacity: int, sdt: torch.dtype, old: dict[str, torch.Tensor]) -> None:
         """Buffers for ``capacity`` quantised tokens, holding the tokens in use of ``old`` (tensors
@@ -468,8 +548,9 @@ class QuantLive(_ResidualLive):
         ngv = math.ceil(d / g)
         kb, kg = self.kt * bits // 8, self.kt // g
         kc = torch.zeros((b, h, d, capacity * bits // 8), dtype=torch.uint8, device=dev)
-        ks = torch.zeros((b, h, d, capacity // g), dtype=sdt, device=dev)
-        kz = torch.zeros_like(ks)
+        # key scales group-major (the kernel reads one group of every channel per block: one run of bytes)
+        ks = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
+        kz = torch.zeros((b, h, capacity // g, d), dtype=sdt, device=dev).transpose(2, 3)
         vc = torch.zeros((b, h, capacity, packed_length(d, bits)), dtype=torch.uint8, device=dev)
         vs = torch.zeros((b, h, capacity, ngv), dtype=sdt, device=dev)
         vz = torch.zeros_like(vs)
@@ -533,6 +614,9 @@ class QuantLive(_ResidualLive):
         n = keys.shape[2]
         rk, rv = self.res["keys"], self.res["values"]
         deferred = capturing(rk)
+        if not deferred:  # slots for the new tokens (up to R + group): buffers follow the tokens held
+            self._grow_residual(min(max(self.res_n.values()) + n, self.threshold), self.threshold)
+            rk, rv = self.res["keys"], self.res["values"]
         if deferred or (n == 1 and max(self.res_n.values()) < self.threshold):
             # both written where the device says the residuals end (a replayed step keeps appending)
             at = self.lengths[2:4].long()
@@ -579,12 +663,7 @@ class QuantLive(_ResidualLive):
             while self.res_n[kind] >= self.threshold:
                 self._absorb(kind)
         if self.room() < steps:
-            need = max(self.res_n.values()) + steps + 1
-            for kind in ("keys", "values"):
-                old = self.res[kind]
-                self.res[kind] = old.new_zeros((self.b, self.h, need, self.d))
-                self.res[kind][:, :, :self.res_n[kind]] = old[:, :, :self.res_n[kind]]
-            self.cache.residual_keys, self.cache.residual_values = self.res["keys"], self.res["values"]
+            self._grow_residual(max(self.res_n.values()) + steps + 1, max(self.res_n.values()) + steps + 1)
 
     # -- attention
 
@@ -620,7 +699,7 @@ class QuantLive(_ResidualLive):
     def workspace_bytes(self, query_rows: int) -> int:
         """A step on the GPU: the kernel's split partials, output and lse (no dequantised copy)."""
         rows = max(1, query_rows // (self.b * self.h))
-        return kivi_workspace_bytes(self.cache, rows, plan_splits(self.cache, rows, self.res["keys"].device))
+        return kivi_workspace_bytes(self.cache, rows, self.res["keys"].device)
 
     def encoded(self) -> Encoded:
         c, g = self.cache, self.group
@@ -659,7 +738,7 @@ class SymmetricLive(_ResidualLive):
         self.chunk = LIVE_CHUNK_SYMMETRIC
         self.codes = {kind: ts[f"codes.{kind}"] for kind in ("keys", "values")}
         self.scales = {kind: ts[f"scales.{kind}"] for kind in ("keys", "values")}
-        cap = self.residual + self.chunk
+        cap = self._residual_slots(max(ts["residual.keys"].shape[2], ts["residual.values"].shape[2]), self.residual + self.chunk)
         self.res: dict[str, torch.Tensor] = {}
         self.res_n: dict[str, int] = {}
         for kind in ("keys", "values"):
@@ -704,13 +783,18 @@ class SymmetricLive(_ResidualLive):
             while done < x.shape[2]:
                 take = min(x.shape[2] - done, self.capacity - self.res_n[kind])
                 n = self.res_n[kind]
+                self._grow_residual(n + take, self.capacity)
                 self.res[kind][:, :, n:n + take] = x[:, :, done:done + take]
                 self.res_n[kind] = n + take
                 done += take
                 self._absorb_full(kind)
 
     def room(self) -> int:
-        return self.capacity - max(self.res_n.values()) - 1
+        return min(self.capacity, self.res["keys"].shape[2]) - max(self.res_n.values()) - 1
+
+    def reserve(self, steps: int) -> None:
+        """Residual slots for ``steps`` single-token steps (up to R + 32, where the next quantises)."""
+        self._grow_residual(min(max(self.res_n.values()) + steps + 1, self.capacity), self.capacity)
 
     # -- attention
 

@@ -492,7 +492,7 @@ class SignVQFormat(Format):
             "bits_per_element_keys": round(8 * key_parts / elements, 3),
             "bits_per_element_values": round(8 * value_parts / elements, 3),
             "bits_per_element_mean": round(4 * (key_parts + value_parts) / elements, 3),
-            "times_smaller_than_dense": round(1 / rep["ratio"], 3),
+            "times_smaller_than_dense": round(1 / rep["storage_ratio"], 3),
             "times_smaller_than_fp16": round(4 * elements / (key_parts + value_parts), 3),
             "budget_tokens": first["budget"],
             "selected_compressed_tokens": first["select"],

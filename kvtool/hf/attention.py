@@ -110,7 +110,7 @@ def compressed_layer_attention(
     p = prefix.prefix_tokens
     enc = prefix.layers[layer]
     if prefix.backend == "triton":
-        part_prefix = prefix.fmt.attend_kernel(query, enc, scale)
+        part_prefix = prefix.fmt.attend_kernel(kernel_query(query, enc), enc, scale)
     else:
         part_prefix = prefix.fmt.attend(query, enc, scale)
     recent_k, recent_v = key[:, :, p:], value[:, :, p:]
@@ -121,6 +121,13 @@ def compressed_layer_attention(
     part_recent = attend_partial(query, recent_k, recent_v, scale, mask)
     out, _ = merge_partials((part_prefix[0].float(), part_prefix[1].float()), part_recent)
     return out
+
+
+def kernel_query(query: torch.Tensor, enc: Encoded) -> torch.Tensor:
+    """``query`` in the dtype of the encoded layer (its ``meta["dtype"]``), which the kernels ask of
+    q: the model may compute in another one (float32 on the CPU over a float16 capture)."""
+    want = getattr(torch, str(enc.meta.get("dtype")), None)
+    return query.to(want) if isinstance(want, torch.dtype) and want.is_floating_point and query.dtype != want else query
 
 
 def handed_over(layer: int) -> bool:

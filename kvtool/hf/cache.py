@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from kvtool.hf import models, shapes
+from kvtool.hf.keycheck import check_model_reproduces
 from kvtool.core.cache import KVCache, ModelFacts
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import device_guard, resolve_devices
@@ -340,6 +341,8 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         mdl, tokenizer = loaded
         model_name = getattr(mdl.config, "_name_or_path", "") or type(mdl).__name__
     check_model(mdl, obj.facts, path)
+    if isinstance(obj, KVCache):  # same shapes are not the same model: it must make the capture's keys
+        check_model_reproduces(mdl, obj, model_name)
     if prompt and tokenizer is None:
         raise UsageError(f"model {model_name} has no tokenizer: --prompt needs one (leave it out to continue the cached tokens)")
     new_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
@@ -369,7 +372,7 @@ def generate(path: str | Path, prompt: str = "", model: str | None = None, max_n
         "cached_tokens": int(obj.token_ids.shape[1]),
         "prompt": prompt,
         "prompt_tokens": len(new_ids),
-        "new_tokens": generated.tolist(),
+        "new_token_ids": generated.tolist(),
         "text": [tokenizer.decode(row, skip_special_tokens=True) if tokenizer is not None else "" for row in generated],
         "seconds": round(seconds, 3),
         "model_device": model_device_text(mdl),

@@ -416,6 +416,8 @@ def capture(
     if generate < 0:
         raise UsageError("--generate must be 0 or more")
     plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens)
+    models.check_positions(plan.mdl, int(plan.input_ids.shape[1]) + int(generate), plan.source.name,
+                           f"{int(plan.input_ids.shape[1])} prompt tokens" + (f" + {generate} generated" if generate else ""))
     plan.info["chat_template"] = bool(chat)
     sink = _MemorySink(DTYPES[plan.store_dtype])
     all_ids = _run(plan, sink, generate, hidden, chunk_size, progress)
@@ -460,6 +462,8 @@ def capture_to_file(
     if generate < 0:
         raise UsageError("--generate must be 0 or more")
     plan = _plan(prompt, model, input_ids, layers, queries, query_layers, chat, max_tokens, truncate, align, dtype, device, device_map, cache_dir, progress, random_tokens)
+    models.check_positions(plan.mdl, int(plan.input_ids.shape[1]) + int(generate), plan.source.name,
+                           f"{int(plan.input_ids.shape[1])} prompt tokens" + (f" + {generate} generated" if generate else ""))
     plan.info["chat_template"] = bool(chat)
     b, t_prompt = plan.input_ids.shape
     t = int(t_prompt) + generate

@@ -22,6 +22,7 @@ from kvtool.core.cache import ModelFacts, dtype_name
 from kvtool.core.io import tensor_from_bytes
 from kvtool.core.kvfile import KVFile
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.outputs import note_input
 from kvtool.core.placement import resolve_device
 from kvtool.hf import shapes
 
@@ -124,6 +125,9 @@ def load(
     if not device_map:
         resolve_device(device)  # a bad --device is a usage error before the load, not a RuntimeError after it
     source = resolve(spec)
+    # the model's files are inputs of the running command: no output may replace them (a model
+    # named by a capture's metadata or by Python, not only --model)
+    note_input(source.path, folder=source.kind == "hf-folder")
     if source.kind == "random":
         model = shapes.build_model(str(source.path), device=device, device_map=device_map, max_memory=max_memory, dtype=torch_dtype)
         return model, None, source
@@ -151,7 +155,8 @@ def load(
             # use_safetensors: weights are never unpickled (unpickling can run code), even beside safetensors
             model = _from_folder_on_device(folder, kwargs) if "device_map" in kwargs else None
             if model is None:
-                model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
+                model, info = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, output_loading_info=True, **kwargs)
+                check_weights_cover(source.name, info)
             # a folder of weights alone (no tokenizer files) still serves token ids (capture --random-tokens)
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False) if has_tokenizer(folder) else None
         else:
@@ -159,7 +164,8 @@ def load(
             if (folder / "config.json").exists():
                 model = _from_folder_on_device(folder, kwargs) if "device_map" in kwargs else None
                 if model is None:
-                    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, **kwargs)
+                    model, info = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, output_loading_info=True, **kwargs)
+                    check_weights_cover(source.name, info)
                 tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
             else:
                 # the GGUF converter draws its own tqdm bar on stderr; kvtool shows its own progress;
@@ -311,15 +317,26 @@ def _from_folder_on_device(folder: Path, kwargs: dict[str, Any]) -> Any:
         state = {key: _WeightSlice(h, key, budget) for h in handles for key in h.entries}
         options = {k: v for k, v in kwargs.items() if k not in ("local_files_only", "trust_remote_code")}
         try:
-            model = cls.from_pretrained(None, config=config, state_dict=state, **options)
+            model, info = cls.from_pretrained(None, config=config, state_dict=state, output_loading_info=True, **options)
         except (TypeError, ValueError, KeyError, AttributeError) as exc:  # a transformers that takes no such state dict
             print(f"note: {folder}: weights read through transformers' memory map ({type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
             return None
     finally:
         for h in handles:
             h.close()
+    check_weights_cover(str(folder), info)
     model.config._name_or_path = str(folder)
     return model
+
+
+def check_weights_cover(name: str, info: dict[str, Any]) -> None:
+    """BadDataError when the weights files left some of the model's parameters unset (transformers'
+    ``missing_keys``: it would fill them with random values, different on every load): a model
+    folder whose weights are not this model's never runs."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise BadDataError(f"model {name}: its safetensors files hold no weights for {len(missing)} of the model's parameters "
+                           f"(such as {missing[0]}); kvtool never runs a model with random weights: give the folder its weights")
 
 
 def _save_converted(model: Any, tokenizer: Any, folder: Path) -> None:
@@ -370,6 +387,23 @@ def facts_of(model: Any, source: ModelSource, dtype: str | None = None) -> Model
         source=source.kind,
         vocab_size=int(getattr(cfg, "vocab_size", 0) or 0) or None,
     )
+
+
+def max_positions(model: Any) -> int | None:
+    """The most positions ``model`` reads (its config's ``max_position_embeddings``), or None when
+    the config does not say."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(limit) if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def check_positions(model: Any, tokens: int, name: str, what: str | None = None) -> None:
+    """UsageError, before any work, when ``tokens`` positions exceed what ``model`` reads: past its
+    position limit a model's keys are extrapolated, not what it was made for (capture, tasks and
+    recommend --objective tasks share this check)."""
+    limit = max_positions(model)
+    if limit is not None and tokens > limit:
+        raise UsageError(f"{what or f'{tokens} tokens'}: model {name} reads at most {limit} positions "
+                         "(shorten the prompt, --max-tokens N --truncate, or fewer --lengths / --generate)")
 
 
 def check_dtype(name: str | None) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from kvtool.core.errors import BadDataError, UsageError
+from kvtool.core.names import closest
 from kvtool.core.spec import parse_spec
 
 # kvtool name -> kvpress class (scorer presses; ``adakv-NAME`` wraps one of them in AdaKVPress)
@@ -73,7 +74,7 @@ def parse_press(spec: str, keep: float | None = None) -> PressSpec:
     adakv = name.startswith("adakv-")
     base = name[len("adakv-"):] if adakv else name
     if base not in PRESSES:
-        raise UsageError(f"unknown press {name!r}; presses: {', '.join(PRESSES)} (adakv-NAME wraps one in AdaKV)")
+        raise UsageError(f"unknown press {name!r}{closest(base, PRESSES)}; presses: {', '.join(PRESSES)} (adakv-NAME wraps one in AdaKV)")
     share = values.pop("keep", None)
     if keep is None:
         if share is None:

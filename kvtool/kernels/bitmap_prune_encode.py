@@ -103,6 +103,11 @@ def compact_runs(nz: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, a
     return packed, offsets
 
 
+def _cuda_extension():
+    """The CUDA backend (:func:`kvtool.kernels.common.cuda_extension`: built on first use, cached)."""
+    return cuda_extension("bitmap_prune_encode", [_SOURCE])
+
+
 def prune_encode(x: torch.Tensor, kind: str, keep: int, backend: str = "auto") -> BitmapTensor:
     """Prune ``x`` ``[B, Hkv, Tc, D]`` to ``keep`` elements per token and encode it (module doc)."""
     _check(x, kind, keep)
@@ -121,7 +126,7 @@ def prune_encode(x: torch.Tensor, kind: str, keep: int, backend: str = "auto") -
     xc = x.contiguous()
     xc = xc if xc.data_ptr() % 16 == 0 else xc.clone()
     if b * h * nb:
-        cuda_extension("bitmap_prune_encode", [_SOURCE]).prune_encode(
+        _cuda_extension().prune_encode(
             xc.view(torch.int16).view(b * h, tc, d), bitmaps, nz.view(torch.int16), offsets, counts, flag, keep, head,
             kind == "keys", torch.cuda.current_stream(x.device).cuda_stream,
         )

@@ -31,6 +31,12 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   p.KCAP = (int)kcap; p.VCAP = (int)vcap; p.half_tables = (int)half_tables; p.walk = (int)walk;
   p.bits_global = (int)bits_global; p.bulk = (int)bulk;
   p.TCS = p.Tc; p.NBS = p.NB; p.WS = p.W;
+  // bulk copies move whole 16-byte units between 16-byte aligned addresses, or never complete (a hang,
+  // not an error): refuse a launch that would break that (bitmap_sparse_attention.py stages such
+  // caches with cp.async: use_bulk_copies)
+  TORCH_CHECK(!bulk || ((int64_t)p.TCS * p.DT % 2 == 0 && (reinterpret_cast<uintptr_t>(kbm.data_ptr()) | reinterpret_cast<uintptr_t>(vbm.data_ptr()) |
+                         reinterpret_cast<uintptr_t>(knz.data_ptr()) | reinterpret_cast<uintptr_t>(vnz.data_ptr())) % 16 == 0),
+              "bulk copies need 16-byte aligned sources and key bits of a multiple of 16 bytes per KV head (head_dim 64: an even token count)");
   const int cpt = p.D <= THREADS ? 1 : 2;
   const int bh = (int)q.size(0);
   const bool f16 = q.scalar_type() == at::kHalf;

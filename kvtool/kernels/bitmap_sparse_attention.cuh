@@ -17,7 +17,13 @@
 // Program split == S attends the dense window. Partials (acc, m, l; base-2 scores) are merged
 // by kvtool's Triton merge kernel.
 // Bound (docs/benchmarks.md): instruction issue and the shared-memory pipe together (the gathers
-// land on random banks), not DRAM bytes. The tensor-core walk (bitmap_sparse_attention_mma.cuh)
+// land on random banks), not DRAM bytes.
+// Progress (both walks): every __syncthreads() is reached by all 128 threads the same number of
+// times, since the loops around them run over bounds that are uniform in the program (b0, b1, W
+// and the lengths come from blockIdx and Params, read by every thread alike) and no barrier sits
+// under a thread-dependent branch; the cp.async waits wait on a thread's own load groups, which are
+// committed by every thread in the same order (empty groups included), so "all but the newest
+// group" names the same half in every thread. The tensor-core walk (bitmap_sparse_attention_mma.cuh)
 // shares the stage layout, the scans and the split layout; in long launches on sm_90 it stages
 // with bulk copies instead.
 
@@ -313,11 +319,17 @@ struct Params {
 };
 
 // The lengths from the device (capacity caches): at most the capacity, the blocks spread over the
-// S splits in whole pairs (the host planned S for the capacity).
+// S splits in whole pairs (the host planned S for the capacity). Read once for the program and shared:
+// the loops around the barriers take their bounds from them, so every thread must see the same values
+// even if another stream wrote the lengths while the program ran (threads reading global memory at
+// different times could disagree, and a loop bound that differs between warps deadlocks a barrier).
 __device__ __forceinline__ void resolve_lengths(Params& p) {
-  if (p.lens != nullptr) {
-    p.Tc = min(max(p.lens[0], 0), p.Tc);
-    p.W = min(max(p.lens[1], 0), p.W);
+  if (p.lens != nullptr) {  // a kernel argument: the same branch in every thread
+    __shared__ int lens[2];
+    if (threadIdx.x < 2) lens[threadIdx.x] = p.lens[threadIdx.x];
+    __syncthreads();
+    p.Tc = min(max(lens[0], 0), p.Tc);
+    p.W = min(max(lens[1], 0), p.W);
     p.NB = (p.Tc + 63) / 64;
     p.BPS = 2 * (((p.NB + 1) / 2 + p.S - 1) / p.S);
   }
@@ -474,7 +486,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       const int nblk = min(2, b1 - blk);
       const int nnext = min(2, b1 - blk - 2);  // blocks of the next pair (<= 0: none)
       const int2 second = second_starts(p, bh, blk, nblk);
-      cp_wait_one();  // this pair's keys (its values may still be in flight)
+      // this pair's keys (its values may still be in flight): two groups are outstanding here, this
+      // pair's keys then its values (stage_first_pair, or the two commits of the previous iteration)
+      cp_wait_one();
       __syncthreads();
       const int tok0 = blk * 64;
       const uint64_t* kb = p.bits_global ? p.kbm + ((size_t)bh * p.TCS + tok0) * p.DT : reinterpret_cast<const uint64_t*>(st);
@@ -506,7 +520,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       if (nnext > 0) stage_half<T, true>(p, st, bh, blk + 2, nnext);  // key part free: next keys
       cp_commit();
       softmax_step<NR>(sc, ps, mrow, lrow, alpha);
-      cp_wait_one();  // this pair's values (the next keys may still be in flight)
+      cp_wait_one();  // this pair's values (the next keys, committed just above, may still be in flight)
       __syncthreads();
       // values: thread = CPT channels; run = after the earlier channels of the same block
       int vc = 0;
@@ -537,7 +551,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_kernel(Params
       if (nnext > 0) stage_half<T, false>(p, st, bh, blk + 2, nnext);
       cp_commit();
     }
-    cp_wait_all();
+    cp_wait_all();  // the last pair committed empty groups: nothing is left in flight at exit
   } else {
     const T* wk = reinterpret_cast<const T*>(p.wk);
     const T* wv = reinterpret_cast<const T*>(p.wv);

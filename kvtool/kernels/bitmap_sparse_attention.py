@@ -305,16 +305,22 @@ def use_tensor_cores(kcap: int, vcap: int, head_dim: int, tensor_cores: bool | N
     return bool(tensor_cores)
 
 
-def use_bulk_copies(launch_pairs: int, capability: tuple[int, int], bulk_copies: bool | None = None) -> bool:
+def use_bulk_copies(launch_pairs: int, capability: tuple[int, int], bulk_copies: bool | None = None, key_rows_16: bool = True) -> bool:
     """Whether the tensor-core walk stages its pairs with bulk copies (``cp.async.bulk``, sm_90+: one
     thread, one mbarrier per half) instead of cp.async by every thread. None: on sm_90+ when the
     launch walks more than ``TENSOR_CORE_SHORT`` pairs of blocks. Bulk copies drop the staging's
     per-thread address arithmetic, but their loads land later: on the H100 they take batch 8 / 32k
     at 70% sparsity from 242 to 220 us and batch 32 from 888 to 780 us, while the short launches of
-    batch 8 / 4k (43 -> 47 us) and batch 1 / 32k (46 -> 49 us) are slower (docs/benchmarks.md)."""
+    batch 8 / 4k (43 -> 47 us) and batch 1 / 32k (46 -> 49 us) are slower (docs/benchmarks.md).
+    ``key_rows_16``: a KV head's key bitmaps span a multiple of 16 bytes (tokens x ceil(D / 64)
+    words even); bulk copies move whole 16-byte units from 16-byte aligned addresses, so a cache
+    without it (head_dim 64 with an odd number of compressed tokens) stages with cp.async whatever
+    ``bulk_copies`` says (a knob changes speed only)."""
     able = tuple(capability) >= (9, 0)
     if bulk_copies and not able:
         raise UsageError(f"bulk copies need an sm_90 or newer GPU (this one is sm_{capability[0]}{capability[1]})")
+    if not key_rows_16:
+        return False
     if bulk_copies is None:
         return able and launch_pairs > TENSOR_CORE_SHORT
     return bool(bulk_copies)
@@ -441,7 +447,8 @@ def _launch(plan: _Plan, q: torch.Tensor, cache: BitmapCache, backend: str, knob
         kcap, vcap = (plan.kcap, plan.vcap) if kn["capacity"] is None else (int(kn["capacity"][0]), int(kn["capacity"][1]))
         launch_pairs = bh * -(-nb // 2)
         mma = use_tensor_cores(kcap, vcap, d, kn["tensor_cores"], kn["bits_global"], launch_pairs=launch_pairs)
-        bulk = mma and use_bulk_copies(launch_pairs, torch.cuda.get_device_capability(q.device), kn["bulk_copies"])
+        key_rows_16 = cache.keys.tokens * -(-d // TILE) % 2 == 0  # a KV head's key bits: a multiple of 16 bytes
+        bulk = mma and use_bulk_copies(launch_pairs, torch.cuda.get_device_capability(q.device), kn["bulk_copies"], key_rows_16)
         nr = MMA_ROWS if mma else kn["rows_per_program"] or min(8, triton.next_power_of_2(rows))
         if nr not in (1, 2, 4, 8):
             raise UsageError(f"rows_per_program must be 1, 2, 4 or 8 on cuda, got {nr}")

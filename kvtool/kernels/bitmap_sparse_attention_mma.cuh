@@ -134,7 +134,15 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar) {
 #endif
 }
 
-// Waits until the mbarrier's phase of the given parity has completed.
+// Waits until the mbarrier's phase of the given parity has completed. Progress: the phase completes
+// once its one arrival (the expect_tx of stage_half_bulk) has come and its transaction count is back
+// at zero, i.e. every byte that expect_tx announced has landed. stage_half_bulk announces exactly the
+// bytes of the copies it issues, each a multiple of 16 bytes from and to 16-byte aligned addresses
+// (cp.async.bulk's unit: a copy of another size is invalid, and a phase whose announced bytes do not
+// all land never completes: at head_dim 64 a 127-token tail asked for 1016 bytes of key bits, the
+// H200 hang of issue 44); and a phase is waited on only after it was
+// requested (same nblk > 0 test on both sides). The parity cannot alias a later phase: the next
+// request on this bar is issued after a __syncthreads() that every waiter reaches only after its wait.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 #if BSA_BULK
   unsigned done;
@@ -147,7 +155,12 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 
 // A pair's key part (KEYS) or value part, bits and packed elements [e0, e1), requested by the
 // calling thread alone; the bar's phase completes when both copies have landed. Sizes and
-// addresses are multiples of 16 bytes: bits rows are 16 bytes, block runs are padded to 8 elements.
+// addresses are multiples of 16 bytes (mbar_wait's invariant): value bits are whole 64-channel rows
+// (512 bytes a block at head_dim 64), block runs are padded to 8 elements, and a KV head's key bits
+// span a multiple of 16 bytes (TCS * DT even: the host takes cp.async otherwise, see
+// bitmap_sparse_attention.cu), so a pair's key bits start on 16 bytes; at head_dim 64 a key row is 8
+// bytes, and a tail of an odd number of tokens copies one row more (row tok0 + ntok < TCS, since
+// tok0 + ntok is odd and TCS even: inside the KV head's bits; never read as a token).
 template <typename T, bool KEYS>
 __device__ __forceinline__ void stage_half_bulk(const Params& p, char* st, int64_t bh, int blk, int nblk, int64_t e0, int64_t e1, uint64_t* bar) {
 #if BSA_BULK
@@ -157,7 +170,7 @@ __device__ __forceinline__ void stage_half_bulk(const Params& p, char* st, int64
   if (KEYS) {
     const int tok0 = blk * 64;
     bsrc = p.kbm + ((size_t)bh * p.TCS + tok0) * p.DT;
-    bbytes = (unsigned)min(nblk * 64, p.Tc - tok0) * p.DT * 8u;
+    bbytes = ((unsigned)min(nblk * 64, p.Tc - tok0) * p.DT * 8u + 15u) & ~15u;
   } else {
     bsrc = p.vbm + ((size_t)bh * p.NBS + blk) * p.D;
     bbytes = (unsigned)(nblk * p.D) * 8u;
@@ -364,7 +377,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
     for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
 
   if (split < p.S) {
-    if constexpr (BULK && BSA_BULK) __syncthreads();  // the mbarriers' initialisation
+    // the mbarriers' initialisation, visible to every waiter (the copies' complete_tx see it through
+    // the proxy fence in stage_half_bulk, issued by the initialising thread after the init)
+    if constexpr (BULK && BSA_BULK) __syncthreads();
     unsigned parity = 0;
     for (int blk = b0; blk < b1; blk += 2, parity ^= 1u) {
       const int nblk = min(2, b1 - blk);
@@ -375,7 +390,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
         next[0] = p.koff[g]; next[1] = p.koff[g + nnext]; next[2] = p.voff[g]; next[3] = p.voff[g + nnext];
       }
       const int2 second = second_starts(p, bh, blk, nblk);
-      await_half<BULK>(&bars[0], parity);  // this pair's keys
+      // this pair's keys: requested before the loop (first pair) or in the previous iteration's issue()
+      // with nnext > 0, which is this iteration's nblk > 0; bar phase = pair index, hence parity
+      await_half<BULK>(&bars[0], parity);
       __syncthreads();
       const int ntok = min(nblk * 64, p.Tc - blk * 64);
       {  // key rows: thread = token; run starts of its four quarters (a word each at D = 128)
@@ -417,7 +434,9 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
             request_half<T, true, BULK>(p, st, bh, blk + 2, max(nnext, 0), next[0], next[1], &bars[0]);  // key part free: next keys
           },
           [&] {
-            await_half<BULK>(&bars[1], parity);  // this pair's values
+            // this pair's values: requested before the loop or after the previous iteration's last
+            // barrier (same nnext test as for the keys)
+            await_half<BULK>(&bars[1], parity);
             __syncthreads();
             {  // value tiles: thread = channel; run starts of its four 32-token words
               const bool has = tid < D;
@@ -445,6 +464,7 @@ __global__ void __launch_bounds__(THREADS) bitmap_sparse_attention_mma_kernel(Pa
       __syncthreads();
       request_half<T, false, BULK>(p, st, bh, blk + 2, max(nnext, 0), next[2], next[3], &bars[1]);
     }
+    // nothing in flight at exit: the last pair requested nothing (nnext <= 0), and cp.async groups are drained
     cp_wait_all();
   } else {
     const T* wk = reinterpret_cast<const T*>(p.wk) + (size_t)bh * p.WS * D;

@@ -74,6 +74,7 @@ def dot_flags(dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
 
 
 _EXTENSIONS: dict[str, Any] = {}
+BUILT_HERE: set[str] = set()  # extensions this process compiled (not found built): kvtool env --build-kernels reports them
 MANIFEST = "kvtool-build.json"
 LOCK = "kvtool-build.lock"
 # how long to wait for another process building the same extension (KVTOOL_CUDA_BUILD_WAIT overrides)
@@ -248,6 +249,7 @@ def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...]
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, folder / MANIFEST)
         _note(f"kvtool: built {name} in {manifest['seconds']:.0f} s")
+        BUILT_HERE.add(name)
         _EXTENSIONS[name] = ext
     return _EXTENSIONS[name]
 

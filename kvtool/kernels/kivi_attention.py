@@ -65,12 +65,14 @@ BITS = (2, 4, 8)
 @dataclass
 class KiviCache:
     """One layer's KIVI tensors (module docstring). ``key_codes`` uint8 ``[B, Hkv, D, >= Tk * bits / 8]``;
-    ``key_scales`` / ``key_zeros`` ``[B, Hkv, D, >= Tk / group]``; ``value_codes`` uint8
+    ``key_scales`` / ``key_zeros`` ``[B, Hkv, D, >= Tk / group]`` (either axis of the last two
+    contiguous; :func:`cache_from_encoded` and the live layer hold them group-major, see
+    :func:`group_major`); ``value_codes`` uint8
     ``[B, Hkv, >= Tv, ceil(D * bits / 8)]``; ``value_scales`` / ``value_zeros``
     ``[B, Hkv, >= Tv, ceil(D / group)]`` (float16 or float32); ``residual_keys`` / ``residual_values``
     ``[B, Hkv, >= nk / nv, D]`` in the cache dtype; ``lengths`` int32 ``[4]`` (Tk, Tv, nk, nv) on the
     same device. Each tensor contiguous in its last axis, batch and head axes packed (``stride(0) ==
-    Hkv * stride(1)``)."""
+    Hkv * stride(1)``), but the key scales and zero points, which may be group-major."""
 
     key_codes: torch.Tensor
     key_scales: torch.Tensor
@@ -117,8 +119,17 @@ def cache_from_encoded(enc: EncodedLike) -> KiviCache:
     dev = t["residual.keys"].device
     lengths = torch.tensor([tk, tv, total - tk, total - tv], dtype=torch.int32, device=dev)
     c = {n: x.contiguous() for n, x in t.items()}
+    for n in ("scales.keys", "zeros.keys"):  # group-major: a block reads one group's scales of every channel in a row
+        c[n] = group_major(c[n])
     return KiviCache(c["codes.keys"], c["scales.keys"], c["zeros.keys"], c["codes.values"], c["scales.values"], c["zeros.values"],
                      c["residual.keys"], c["residual.values"], lengths, int(m["bits"]), int(m["group"]))
+
+
+def group_major(x: torch.Tensor) -> torch.Tensor:
+    """Key scales or zero points ``[B, Hkv, D, groups]`` laid out group by group (channels
+    contiguous, the same shape): what a block of tokens reads of them, one group for every
+    channel, is then one run of 2 x D bytes instead of D scattered ones."""
+    return x.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def block_tokens(group: int) -> tuple[int, bool]:
@@ -153,11 +164,14 @@ def check_cache(q: torch.Tensor, cache: KiviCache) -> None:
         ok = x.ndim == 4 and all(s is None or x.shape[i] == s for i, s in enumerate(shape)) and (dt is None or x.dtype == dt)
         if dt is None:
             ok = ok and x.dtype in (torch.float16, torch.float32)
-        if not ok or x.stride(3) != 1 or x.stride(0) != h * x.stride(1):
+        inner = x.stride(3) == 1 or (name in ("key_scales", "key_zeros") and x.stride(2) == 1)  # key scales: either axis
+        if not ok or not inner or x.stride(0) != h * x.stride(1):
             raise UsageError(f"{name} is {x.dtype} {list(x.shape)} (strides {list(x.stride())}); expected {list(shape)} "
                              f"with the last axis contiguous")
     if cache.key_scales.shape != cache.key_zeros.shape or cache.value_scales.shape != cache.value_zeros.shape:
         raise UsageError("scales and zero points must have one shape")
+    if cache.key_scales.stride() != cache.key_zeros.stride():
+        raise UsageError("key scales and zero points must have one layout")
     if cache.key_codes.shape[3] * 8 < cache.key_scales.shape[3] * cache.group * cache.bits:
         raise UsageError(f"key_codes hold {cache.key_codes.shape[3]} bytes per channel, fewer than the {cache.key_scales.shape[3]} groups need")
     if cache.value_scales.shape[2] < cache.value_codes.shape[2]:
@@ -205,7 +219,7 @@ def _rounded(x, like, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, like,
+def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, like,
               BT: tl.constexpr, DP: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr,
               EVEN_D: tl.constexpr, FULL: tl.constexpr, UPCAST: tl.constexpr):
     """Keys of tokens t0 .. t0 + BT - 1 transposed, ``[DP, BT]`` in q's dtype (float32 under UPCAST).
@@ -224,7 +238,7 @@ def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc
         byte = tl.load(kb, mask=cmask[:, None] & ((t0 + j * (8 // BITS)) < Tk)[None, :], other=0)
     codes = _unpack(byte, DP, NB, BITS)
     if BLOCK_SCALES:  # the block lies inside one group: one scale and zero point per channel
-        sp = ks_bh * bh + c * ks_c + t0 // GROUP
+        sp = ks_bh * bh + c * ks_c + (t0 // GROUP) * ks_g
         if FULL:
             if EVEN_D:
                 s = tl.load(ks_ptr + sp).to(tl.float32)
@@ -238,7 +252,7 @@ def _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, Tk, T, kc_bh, kc
             z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
         k = codes * s[:, None] + z[:, None]
     else:
-        sp = ks_bh * bh + c[:, None] * ks_c + (t // GROUP)[None, :]
+        sp = ks_bh * bh + c[:, None] * ks_c + (t // GROUP)[None, :] * ks_g
         smask = cmask[:, None] & quant[None, :]
         s = tl.load(ks_ptr + sp, mask=smask, other=0.0).to(tl.float32)
         z = tl.load(kz_ptr + sp, mask=smask, other=0.0).to(tl.float32)
@@ -294,14 +308,17 @@ def _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, Tv, T, vc_bh, 
 def _kivi_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
     scale_log2, S, HKV, TQ, R, NBYTES,
-    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, ks_g, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
     G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SCALES: tl.constexpr, NGV: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FROM_BT: tl.constexpr = 0, SLOTS: tl.constexpr = 0,
 ):
     """One program: split ``program_id(0)`` of the tokens in use, KV head ``program_id(1)`` (batch x
     Hkv), query rows ``program_id(2) * RB ..`` (row r = query head g * TQ + query token). Writes
-    its unnormalised partial (acc, base-2 max, sum) at slot ``bh * S + split``."""
+    its unnormalised partial (acc, base-2 max, sum) at slot ``bh * S + split``. FROM_BT > 0: the
+    tail kernel of :func:`_kivi_packed_kernel`: only the tokens from min(Tk, Tv) rounded down to
+    FROM_BT on (the blocks the packed kernel leaves), split S ways, written at slot
+    ``bh * SLOTS + SLOTS - S + split``."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     pid_r = tl.program_id(2)
@@ -318,9 +335,12 @@ def _kivi_kernel(
     tv = tl.load(len_ptr + 1)
     nk = tl.load(len_ptr + 2)
     T = tk + nk
-    blocks = tl.cdiv(T, BT)
+    first = 0
+    if FROM_BT > 0:
+        first = tl.minimum(tk, tv) // FROM_BT * FROM_BT
+    blocks = tl.cdiv(T - first, BT)
     per = tl.cdiv(blocks, S)
-    start = pid_s * per * BT
+    start = first + pid_s * per * BT
     end = tl.minimum(start + per * BT, T)
     qend = tl.minimum(end, tl.minimum(tk, tv) // BT * BT)  # blocks whose keys and values are all codes
     m_i = tl.full([RB], float("-inf"), tl.float32)
@@ -328,47 +348,250 @@ def _kivi_kernel(
     acc = tl.zeros([RB, DP], tl.float32)
     every = tl.full([1, BT], 1, tl.int1)
     for t0 in range(start, qend, BT):
-        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, q,
                        BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, True, UPCAST)
         v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
                         BT, BITS, GROUP, NGV, DP, EVEN_D, True, UPCAST)
         m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
     for t0 in range(tl.maximum(start, qend), end, BT):
-        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, rk_bh, rk_t, q,
+        kt = _key_tile(kc_ptr, ks_ptr, kz_ptr, rk_ptr, bh, t0, c, cmask, tk, T, kc_bh, kc_c, ks_bh, ks_c, ks_g, rk_bh, rk_t, q,
                        BT, DP, BITS, GROUP, BLOCK_SCALES, EVEN_D, False, UPCAST)
         v = _value_tile(vc_ptr, vs_ptr, vz_ptr, rv_ptr, bh, t0, c, cmask, tv, T, vc_bh, vc_t, vs_bh, vs_t, rv_bh, rv_t, NBYTES, q,
                         BT, BITS, GROUP, NGV, DP, EVEN_D, False, UPCAST)
         live = (t0 + tl.arange(0, BT)) < T
         m_i, l_i, acc = attend_block(q, kt, v, live[None, :], m_i, l_i, acc, scale_log2, DOT_PREC, UPCAST)
-    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * S + pid_s, rows, rmask, c, acc, m_i, l_i, RP, DP)
+    slot = bh * S + pid_s
+    if SLOTS > 0:
+        slot = bh * SLOTS + SLOTS - S + pid_s
+    store_split_partial(acc_ptr, m_ptr, l_ptr, slot, rows, rmask, c, acc, m_i, l_i, RP, DP)
 
 
-def plan_splits(cache: KiviCache, rows: int, device: torch.device) -> int:
-    """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq):
-    about 4 programs per SM on CUDA over the cache's capacity (at least 4 blocks of tokens each),
-    1 on the interpreter. Host arithmetic only."""
+# ----------------------------------------------------------------------------- the packed-codes kernel
+#
+# Codes become float16 with integer and half2 instructions only (no int->float or float->half
+# conversions, which run at a quarter of the ALU rate): a code c placed in the mantissa of 1024.0
+# (bits 0x6400 | c) reads as 1024 + c; a code shifted up by k bits reads as 1024 + 2^k c, and one
+# fused multiply-add by 2^-k and -1024 * 2^-k gives c exactly. A second fma.rn.f16x2 gives
+# c * scale + zero with one rounding, which equals the format's float32 maths rounded to float16
+# (the product is exact in float32), so the tiles are the reference's to the bit.
+
+def _dequant_asm(bits: int) -> tuple[str, str]:
+    """(PTX, constraints) of one inline-asm call over 4 packed bytes: outputs, per code j of a byte,
+    two f16x2 words (bytes 0-1 and 2-3); inputs the 4 bytes as one word, the 4 scales and the 4
+    zero points as two f16x2 words each (the 4 bytes may lie in different groups: Triton packs the
+    elements a thread holds, whatever their positions), and the per-code constants (mask,
+    multiplier, addend) as int32 operands, so that they stay in registers across calls."""
+    per = 8 // bits
+    inp = 2 * per
+    sc, ze, k0 = inp + 1, inp + 3, inp + 5  # an int32 operand takes one register per packed element
+    lines = ["{", ".reg .b32 t<2>, x;", f"prmt.b32 t0, ${inp}, 0, 0x4140;", f"prmt.b32 t1, ${inp}, 0, 0x4342;"]
+    for j in range(per):
+        mask, mul, add = k0 + 3 * 4 * j, k0 + (3 * j + 1) * 4, k0 + (3 * j + 2) * 4
+        for half in range(2):
+            lines += [f"lop3.b32 x, t{half}, ${mask}, 0x64006400, 0xEA;",  # (t & mask) | 0x6400: 1024 + code << k
+                      f"fma.rn.f16x2 x, x, ${mul}, ${add};",  # the code, exactly
+                      f"fma.rn.f16x2 ${2 * j + half}, x, ${sc + half}, ${ze + half};"]  # code * scale + zero, one rounding
+    lines.append("}")
+    constraints = ",".join(["=r"] * (2 * per) + ["r"] * (1 + 4 + 12 * per))
+    return "\n".join(lines), constraints
+
+
+_ASM = {bits: _dequant_asm(bits) for bits in (2, 4, 8)}
+
+
+@triton.jit
+def _codes_f16(byte, s, z, BITS: tl.constexpr, ASM: tl.constexpr):
+    """uint8 ``[A, NG, NB]`` packed codes with float16 scales / zero points ``[A, NG, 1]`` ->
+    float16 ``[A, NG * NB * 8 // BITS]``, code j of byte n at column ``n * (8 // BITS) + j`` of its
+    group (the order of ``pack_codes``), each ``round_f16(code * scale + zero)``. ASM: the PTX of
+    :func:`_dequant_asm` (CUDA); else float32 maths rounded once (the interpreter), the same numbers."""
+    A: tl.constexpr = byte.shape[0]
+    NG: tl.constexpr = byte.shape[1]
+    NB: tl.constexpr = byte.shape[2]
+    PER: tl.constexpr = 8 // BITS
+    if ASM:
+        shape: tl.constexpr = (A, NG, NB)
+        sb = tl.broadcast_to(s, shape)
+        zb = tl.broadcast_to(z, shape)
+        if BITS == 8:
+            out = tl.inline_asm_elementwise(_ASM8, _CON8, [byte, sb, zb, tl.full(shape, 0x00FF00FF, tl.int32),
+                                            tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32)],
+                                            dtype=tl.float16, is_pure=True, pack=4)
+        elif BITS == 4:
+            c0, c1 = tl.inline_asm_elementwise(
+                _ASM4, _CON4, [byte, sb, zb,
+                               tl.full(shape, 0x000F000F, tl.int32), tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00F000F0, tl.int32), tl.full(shape, 0x2C002C00, tl.int32), tl.full(shape, 0xD400D400 - (1 << 32), tl.int32)],
+                dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            out = tl.reshape(tl.join(c0, c1), (A, NG * NB * 2))
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                _ASM2, _CON2, [byte, sb, zb,
+                               tl.full(shape, 0x00030003, tl.int32), tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x000C000C, tl.int32), tl.full(shape, 0x34003400, tl.int32), tl.full(shape, 0xDC00DC00 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00300030, tl.int32), tl.full(shape, 0x2C002C00, tl.int32), tl.full(shape, 0xD400D400 - (1 << 32), tl.int32),
+                               tl.full(shape, 0x00C000C0, tl.int32), tl.full(shape, 0x24002400, tl.int32), tl.full(shape, 0xCC00CC00 - (1 << 32), tl.int32)],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+            out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (A, NG * NB * 4))
+    else:
+        x = byte.to(tl.int32)
+        sf = s.to(tl.float32)
+        zf = z.to(tl.float32)
+        MASK: tl.constexpr = (1 << BITS) - 1
+        if BITS == 8:
+            out = tl.reshape((x.to(tl.float32) * sf + zf).to(tl.float16), (A, NG * NB))
+        elif BITS == 4:
+            c0 = ((x & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c1 = (((x >> 4) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            out = tl.reshape(tl.join(c0, c1), (A, NG * NB * 2))
+        else:
+            c0 = ((x & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c1 = (((x >> 2) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c2 = (((x >> 4) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            c3 = (((x >> 6) & MASK).to(tl.float32) * sf + zf).to(tl.float16)
+            out = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (A, NG * NB * 4))
+    return out
+_ASM8, _CON8 = (tl.constexpr(x) for x in _ASM[8])
+_ASM4, _CON4 = (tl.constexpr(x) for x in _ASM[4])
+_ASM2, _CON2 = (tl.constexpr(x) for x in _ASM[2])
+
+
+@triton.jit
+def _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, ks_g,
+                     BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Keys of the all-quantised tokens t0 .. t0 + BT - 1 transposed, float16 ``[D, BT]``: the
+    block's bytes as ``[D, groups in the block, bytes per group]`` with one scale and zero point
+    per channel and group."""
+    NGK: tl.constexpr = BT // GROUP if GROUP < BT else 1
+    KB: tl.constexpr = (GROUP if GROUP < BT else BT) * BITS // 8
+    g = tl.arange(0, NGK)
+    j = tl.arange(0, KB)
+    byte = tl.load(kc_ptr + bh * kc_bh + c[:, None, None] * kc_c + (t0 * BITS) // 8 + g[None, :, None] * KB + j[None, None, :])
+    sp = ks_bh * bh + c[:, None] * ks_c + (t0 // GROUP + g[None, :]) * ks_g
+    s = tl.load(ks_ptr + sp)[:, :, None]
+    z = tl.load(kz_ptr + sp)[:, :, None]
+    return _codes_f16(byte, s, z, BITS, ASM)
+
+
+@triton.jit
+def _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t,
+                       BT: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, ASM: tl.constexpr):
+    """Values of the all-quantised tokens t0 .. t0 + BT - 1, float16 ``[BT, D]``: each token's
+    bytes as ``[groups of channels, bytes per group]`` with one scale and zero point per group."""
+    NGV: tl.constexpr = D // GROUP if GROUP < D else 1
+    VB: tl.constexpr = (GROUP if GROUP < D else D) * BITS // 8
+    t = t0 + tl.arange(0, BT)
+    g = tl.arange(0, NGV)
+    j = tl.arange(0, VB)
+    byte = tl.load(vc_ptr + vc_bh * bh + t[:, None, None] * vc_t + g[None, :, None] * VB + j[None, None, :])
+    sp = vs_bh * bh + t[:, None] * vs_t + g[None, :]
+    s = tl.load(vs_ptr + sp)[:, :, None]
+    z = tl.load(vz_ptr + sp)[:, :, None]
+    return _codes_f16(byte, s, z, BITS, ASM)
+
+
+@triton.jit
+def _kivi_packed_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, rk_ptr, rv_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    scale_log2, S, HKV, TQ, R, NBYTES,
+    sq_b, sq_h, sq_t, kc_bh, kc_c, ks_bh, ks_c, ks_g, vc_bh, vc_t, vs_bh, vs_t, rk_bh, rk_t, rv_bh, rv_t,
+    G: tl.constexpr, D: tl.constexpr, RB: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, NGV: tl.constexpr, DOT_PREC: tl.constexpr, ASM: tl.constexpr,
+):
+    """:func:`_kivi_kernel` for float16 caches whose group and head_dim are powers of two, over the
+    blocks of BT tokens whose keys and values are all codes (below min(Tk, Tv), split S ways):
+    :func:`_packed_key_tile` / :func:`_packed_value_tile` (no masks, no gathers, no float32 per
+    element). Partial at slot ``bh * (S + 1) + split``; slot S of each KV head is the tail's (the
+    tokens from the last full block on, :func:`_kivi_kernel` with FROM_BT = BT), kept in a
+    separate launch so that its generic tiles do not raise this kernel's register count."""
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    pid_r = tl.program_id(2)
+    b = bh // HKV
+    kh = bh % HKV
+    c = tl.arange(0, D)
+    rows = pid_r * RB + tl.arange(0, RB)
+    rmask = rows < R
+    qh = kh * G + rows // TQ
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + (rows % TQ)[:, None] * sq_t + c[None, :], mask=rmask[:, None], other=0.0)
+    tk = tl.load(len_ptr)
+    tv = tl.load(len_ptr + 1)
+    nk = tl.load(len_ptr + 2)
+    full = tl.minimum(tk, tv) // BT  # blocks whose keys and values are all codes: the rest is the tail kernel's
+    per = tl.cdiv(full, S)
+    start = pid_s * per * BT
+    end = tl.minimum(start + per * BT, full * BT)
+    m_i = tl.full([RB], float("-inf"), tl.float32)
+    l_i = tl.zeros([RB], tl.float32)
+    acc = tl.zeros([RB, D], tl.float32)
+    every = tl.full([1, BT], 1, tl.int1)
+    for t0 in range(start, end, BT):
+        kt = _packed_key_tile(kc_ptr, ks_ptr, kz_ptr, bh, t0, c, kc_bh, kc_c, ks_bh, ks_c, ks_g, BT, D, BITS, GROUP, ASM)
+        v = _packed_value_tile(vc_ptr, vs_ptr, vz_ptr, bh, t0, vc_bh, vc_t, vs_bh, vs_t, BT, D, BITS, GROUP, ASM)
+        m_i, l_i, acc = attend_block(q, kt, v, every, m_i, l_i, acc, scale_log2, DOT_PREC, False)
+    store_split_partial(acc_ptr, m_ptr, l_ptr, bh * (S + 1) + pid_s, rows, rmask, c, acc, m_i, l_i, RP, D)
+
+
+def packed_path(q: torch.Tensor | None, cache: KiviCache) -> bool:
+    """Whether :func:`_kivi_packed_kernel` serves this call (q None: a query in the cache dtype):
+    float16 queries and cache, float16 scales, head_dim a power of two from 16, and a group that
+    is a power of two whose codes fill whole 4-byte words (group x bits >= 32)."""
+    _, _, d = cache.shape
+    g = cache.group
+    return ((q is None or q.dtype == torch.float16) and cache.dtype == torch.float16 and cache.key_scales.dtype == torch.float16
+            and cache.value_scales.dtype == torch.float16 and d >= 16 and d & (d - 1) == 0 and g & (g - 1) == 0
+            and min(g, d) * cache.bits >= 32)
+
+
+def packed_block_tokens(cache: KiviCache) -> int:
+    """Tokens per block of the packed kernel, the fastest of a sweep on an H100 (batch 8 x 32k,
+    Llama-3-8B shape, docs/benchmarks.md): 64 for 2-bit codes, 128 for 4-bit codes in groups of
+    128 or more, else 32."""
+    if cache.bits == 2:
+        return 64
+    return 128 if cache.group >= 128 else 32
+
+
+def plan_splits(cache: KiviCache, rows: int, device: torch.device, block: int | None = None, packed: bool = False) -> int:
+    """Programs per (KV head, block of query rows) for ``rows`` query rows per KV head (G x Tq),
+    1 on the interpreter. The generic kernel: about 4 programs per SM over the cache's capacity (at
+    least 4 blocks of ``block`` tokens each, default its block). The packed kernel: about 16
+    programs per SM (several waves, so that the last one is short) with at least 512 tokens each.
+    Host arithmetic only."""
     b, hkv, _ = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
-    bt, _ = block_tokens(cache.group)
-    return num_splits(b * hkv * (rp // min(rp, 64)), -(-cache.capacity // bt), device, per_split_min=4)
+    groups = b * hkv * (rp // min(rp, 64))
+    bt = block or block_tokens(cache.group)[0]
+    items = -(-cache.capacity // bt)
+    if not packed or device.type != "cuda":
+        return num_splits(groups, items, device, per_split_min=4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-16 * sms // groups), -(-items // max(4, 512 // bt))))
 
 
-def workspace_bytes(cache: KiviCache, rows: int, splits: int) -> int:
-    """Bytes one call allocates for ``rows`` query rows per KV head: the split partials (float32
-    accumulator, maximum and sum per padded row) and the output and lse."""
+def workspace_bytes(cache: KiviCache, rows: int, device: torch.device) -> int:
+    """Bytes one call with the default knobs allocates for ``rows`` query rows per KV head (a query
+    in the cache dtype): the split partials (float32 accumulator, maximum and sum per padded row;
+    one slot more for the packed kernel's tail) and the output and lse."""
     b, hkv, d = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
     dp = max(16, triton.next_power_of_2(d))
-    return 4 * b * hkv * splits * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
+    packed = packed_path(None, cache)
+    slots = plan_splits(cache, rows, device, packed_block_tokens(cache) if packed else None, packed) + packed
+    return 4 * b * hkv * slots * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
 
 
 def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
-                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_warps: int | None = None, *, block: int | None = None, num_stages: int | None = None,
+                   packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) of q over every token the
-    cache holds (module docstring). ``splits``: programs per KV head and row block (default
-    :func:`plan_splits`); ``num_warps``: a tuning knob (default 8 from head_dim 128, where a block's
-    dequantised key and value tiles are 8,192 float32 numbers each, else 4). No host syncs:
-    capturable in a CUDA graph."""
+    cache holds (module docstring). Float16 caches of power-of-two groups and head_dim go through
+    the packed-codes kernel (:func:`packed_path`), others through the generic one. Tuning knobs:
+    ``splits`` programs per KV head and row block (default :func:`plan_splits`); ``num_warps``
+    (default 4 on the packed kernel, else 8 from head_dim 128); ``block`` tokens per block of the
+    packed kernel (default :func:`packed_block_tokens`; a power of two from 16); ``num_stages``
+    (Triton's software pipelining, default Triton's); ``packed`` False forces the generic kernel.
+    No host syncs: capturable in a CUDA graph."""
     check_cache(q, cache)
     b, hkv, d = cache.shape
     h, tq = q.shape[1], q.shape[2]
@@ -379,27 +602,48 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out, lse
+    use_packed = packed_path(q, cache) if packed is None else (packed and packed_path(q, cache))
+    if packed and not use_packed:
+        raise UsageError("packed=True needs float16 queries, cache and scales, a power-of-two head_dim and group, and group x bits >= 32")
     rp = max(16, triton.next_power_of_2(rows))
     rb = min(rp, 64)
     dp = max(16, triton.next_power_of_2(d))
-    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device)
-    bt, block_scales = block_tokens(cache.group)
-    acc = torch.empty(b * hkv, s, rp, dp, dtype=torch.float32, device=device)
-    m = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
-    l = torch.empty(b * hkv, s, rp, dtype=torch.float32, device=device)
+    if use_packed:
+        bt = int(block or packed_block_tokens(cache))
+        if bt < 16 or bt & (bt - 1) or bt * cache.bits < 32:
+            raise UsageError(f"block must be a power of two from 16 holding whole 4-byte words of codes, got {block}")
+        block_scales = True
+    else:
+        bt, block_scales = block_tokens(cache.group)
+    s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt, use_packed)
+    slots = s + 1 if use_packed else s  # the packed kernel's tail goes in one more slot
+    acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    l = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
     kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
     ngv = -(-d // cache.group)
-    num_warps = num_warps or (8 if dp * bt >= 8192 else 4)
-    _kivi_kernel[(s, b * hkv, rp // rb)](
-        q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
-        float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2),
-        vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2),
-        G=g, D=d, DP=dp, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=block_scales, NGV=ngv,
-        DOT_PREC=prec, UPCAST=upcast, num_warps=num_warps,
-    )
+    args = lambda s: (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,  # noqa: E731
+            float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
+            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
+            vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
+    tune = {} if num_stages is None else {"num_stages": int(num_stages)}
+    generic = dict(G=g, D=d, DP=dp, RB=rb, RP=rp, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec, UPCAST=upcast)
+    if use_packed:
+        _kivi_packed_kernel[(s, b * hkv, rp // rb)](
+            *args(s), G=g, D=d, RB=rb, RP=rp, BT=bt, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec,
+            ASM=device.type == "cuda", num_warps=num_warps or 4, num_stages=int(num_stages or 3),
+        )
+        tail_bt, tail_scales = block_tokens(cache.group)
+        _kivi_kernel[(1, b * hkv, rp // rb)](
+            *args(1), BT=tail_bt, BLOCK_SCALES=tail_scales and bt % tail_bt == 0, FROM_BT=bt, SLOTS=slots,
+            num_warps=8 if dp * tail_bt >= 8192 else 4, **generic,
+        )
+    else:
+        _kivi_kernel[(s, b * hkv, rp // rb)](
+            *args(s), BT=bt, BLOCK_SCALES=block_scales, num_warps=num_warps or (8 if dp * bt >= 8192 else 4), **tune, **generic,
+        )
     merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
     return out, lse
 

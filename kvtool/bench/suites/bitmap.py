@@ -40,7 +40,7 @@ def _bitmap_bytes(cache) -> int:
 
 @register_suite('attention', (B.BEST_DENSE, 'sdpa', 'flashinfer_batch', 'flashinfer_batch_tc', 'cublas_qk+pv'),
                 'Whole decode attention: bitmap sparse attention vs dense cuBLAS, SDPA and FlashInfer decode.',
-                'kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 --json att.json --plot att.png')
+                'kvtool bench attention --batch 1,8,32 --seq 4k,32k --sparsity 0.5,0.7 -o att.json --plot-output att.png')
 def suite_attention(ctx: BenchContext) -> list[dict]:
     """Bitmap sparse decode attention (keys and values pruned per token to each sparsity, the last
     ``window`` tokens dense; layout v2, :mod:`kvtool.kernels.bitmap_sparse_attention` with

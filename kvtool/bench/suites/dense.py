@@ -14,7 +14,7 @@ from kvtool.bench.suites.common import (
 
 @register_suite('dense', ('torch_dense', 'flashinfer_batch'),
                 'The dense decode-attention baselines alone: cuBLAS q·Kᵀ and P·V, torch dense (matmul + softmax), torch SDPA, FlashInfer single and batched paged decode.',
-                'kvtool bench dense --model-shape llama3-8b --batch 1,8,32 --seq 4k,32k --json dense.json')
+                'kvtool bench dense --model-shape llama3-8b --batch 1,8,32 --seq 4k,32k -o dense.json')
 def suite_dense(ctx: BenchContext) -> list[dict]:
     """The dense decode-attention baselines alone, over the batch x seq sweep."""
     recs = []

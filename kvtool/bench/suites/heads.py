@@ -37,7 +37,7 @@ def head_choices(shape: ModelShape, batch: int, k: int, device, seed: int = 0) -
 
 @register_suite('heads', ('torch_dense', 'flashinfer_batch', 'heads_all'),
                 'Selective head attention at k of H heads vs dense decode.',
-                'kvtool bench heads --batch 8 --seq 32k --k 16')
+                'kvtool bench heads --batch 8 --seq 32k --top-k 16')
 def suite_heads(ctx: BenchContext) -> list[dict]:
     """Selective head attention at k of H heads (grouped and random choices) vs dense decode and vs
     the same kernel with every head listed."""

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# compute-sanitizer over every kvtool kernel at small odd shapes: memcheck, racecheck, initcheck and
+# synccheck, each a run of scripts/sanitize_kernels.py (the CUDA extensions in every walk and staging,
+# prune + encode, and the Triton kernels, each once, checked against its reference).
+#
+# Usage, from the repository root on the GPU machine (compute-sanitizer is in its image):
+#   bash scripts/gpu_sanitize.sh                     all four tools, one after another (a few minutes)
+#   TOOLS="racecheck synccheck" bash scripts/gpu_sanitize.sh    some of them
+#   CASES=cuda bash scripts/gpu_sanitize.sh          only the cases whose name holds the text (sanitize_kernels.py -k)
+# First an unsanitized run of the driver builds the CUDA extensions (kvtool env --build-kernels) and
+# fills Triton's cache, so the sanitized runs compile nothing; each tool then runs under `timeout`
+# (SANITIZE_TIMEOUT, default 150 s) with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor is an
+# allocation of its own and memcheck sees a read past a tensor's end (the caching allocator would hide it).
+# Results under $OUT (default ./out/gpu-sanitize): sanitize-TOOL.txt per tool (ERROR SUMMARY, reports
+# per device function, kvtool's apart from torch's, the first reports in full, the driver's output),
+# sanitize.json (all tools; "clean": every run finished, every case passed, no report in a kvtool
+# kernel), driver.txt (the unsanitized run). Exit 0 when clean.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-./out/gpu-sanitize}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 KVTOOL_CACHE=${KVTOOL_CACHE:-$PWD/.kvtool-cache} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+TOOLS=${TOOLS:-memcheck racecheck initcheck synccheck}
+LIMIT=${SANITIZE_TIMEOUT:-150}
+CASES=${CASES:-}
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer/compute-sanitizer 2>/dev/null | head -1)
+if [ -z "$SAN" ]; then echo "gpu_sanitize: compute-sanitizer not found" >&2; exit 2; fi
+rm -f "$OUT/sanitize.json"
+t0=$(date +%s)
+{
+  "$PY" -m kvtool env --build-kernels --json | head -c 2000; echo
+  "$PY" scripts/sanitize_kernels.py -k "$CASES"
+} > "$OUT/driver.txt" 2>&1
+echo "gpu_sanitize: unsanitized run: $(tail -1 "$OUT/driver.txt") ($(( $(date +%s) - t0 )) s)"
+status=0
+for tool in $TOOLS; do
+  extra=()
+  case $tool in
+    memcheck) extra=(--leak-check no) ;;
+    racecheck) extra=(--racecheck-report all) ;;
+  esac
+  log=$(mktemp /tmp/sanitize-$tool.XXXXXX.log)
+  drv=$(mktemp /tmp/sanitize-$tool.XXXXXX.out)
+  t1=$(date +%s)
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$LIMIT" "$SAN" --tool "$tool" "${extra[@]}" --print-limit 1000 --log-file "$log" \
+    "$PY" scripts/sanitize_kernels.py -k "$CASES" > "$drv" 2>&1
+  rc=$?
+  echo "sanitizer exit $rc after $(( $(date +%s) - t1 )) s" >> "$drv"
+  "$PY" scripts/sanitize_kernels.py --summarize "$OUT" "$tool" "$log" "$drv" || status=1
+  rm -f "$log" "$drv"
+done
+echo "gpu_sanitize: $( [ $status = 0 ] && echo clean || echo NOT CLEAN ) in $(( $(date +%s) - t0 )) s; summaries in $OUT"
+exit $status
