@@ -297,7 +297,7 @@ def test_a_files_share_does_not_depend_on_the_captures_dtype(spec):
     narrow = synthetic_cache(tokens=120, head_dim=32, dtype=torch.float16)
     a = compress_cache(wide, fmt, params, heldout=8).byte_report()
     b = compress_cache(narrow, fmt, params, heldout=8).byte_report()
-    assert a["dense_bytes"] == b["dense_bytes"] and a["ratio"] == pytest.approx(b["ratio"], abs=0.01)
+    assert a["dense_bytes"] == b["dense_bytes"] and a["storage_ratio"] == pytest.approx(b["storage_ratio"], abs=0.01)
 
 
 def test_live_kivi_and_bitmap_at_4096_tokens_hold_their_share():

@@ -157,9 +157,9 @@ def test_ratios_are_over_float16_whatever_the_capture_dtype():
     fmt, params = resolve_spec("quant:bits=4")
     r32 = compress_cache(c32, fmt, params).byte_report()
     r16 = compress_cache(c16, fmt, params).byte_report()
-    assert r32["dense_bytes"] == r16["dense_bytes"]
+    assert r32["dense_bytes"] == r16["dense_bytes"] and r32["stored_bytes"] == r16["stored_bytes"]
     dense = compress_cache(c32, *resolve_spec("dense")).byte_report()
-    assert math.isclose(dense["storage_ratio"], 2.0)  # float32 stores twice the float16 bytes
+    assert math.isclose(dense["storage_ratio"], 1.0)  # full-precision parts count in float16, the denominator's dtype
 
 
 def test_eviction_share_fits_any_length():
@@ -301,7 +301,7 @@ def test_real_kvpress_presses_become_files(tiny):
         press = hfpress.reuse_scores(hfpress.make_press(spec))
         kept = hfpress.press_kept(model, press, inputs)
         cc = compress_kept(cache, kept, "dense", spec.label)
-        assert 0.5 < cc.byte_report()["storage_ratio"] < 0.7  # 30% of the tokens, stored in float32: twice the float16 bytes
+        assert 0.25 < cc.byte_report()["storage_ratio"] < 0.45  # 30% of the tokens (float32 counted in float16) and their positions
         hfpress.set_keep(press, 0.6)  # the same press again at another share reuses its scores
         again = hfpress.press_kept(model, press, inputs)
         assert sum(len(p[0]) for p in again[0]) > sum(len(p[0]) for p in kept[0])

@@ -13,7 +13,9 @@ A plan file (JSON, schema ``kvtool.formats.plan``, written by ``kvtool recommend
 ``layers`` maps a model layer index to one spec (the whole layer) or a list of ``num_kv_heads``
 specs (one per KV head); a spec is anything ``kvtool compress --format`` takes, chains included
 (``snapkv:budget=256+quant:bits=4``). Layers not listed use ``default``. ``model`` (optional) is
-checked against the capture. Other keys (``budget``, ``predicted``, ...) are informational.
+checked against the capture. Other keys (``budget``, ``predicted``, ``chosen_layers`` where
+``recommend`` saw a capture of some layers only, ...) are informational; layers a plan does not list
+are named on stderr when it is applied (and in ``compress --json`` as ``plan_default_layers``).
 
 :func:`compress_plan` applies a plan to a capture: the result is a ``mixed`` compressed file
 (:mod:`kvtool.formats.mixed`).
