@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -63,9 +64,10 @@ def chunk_of(live: Any) -> int:
     return max([own] + [chunk_of(inner) for _, inner in getattr(live, "groups", ())])
 
 
-def fingerprint(obj: Any, depth: int = 4) -> tuple[int, ...]:
+def fingerprint(obj: Any, depth: int = 7) -> tuple[int, ...]:
     """The storage addresses of every tensor reachable from ``obj``'s attributes (dicts, lists,
-    tuples and objects, ``depth`` levels): a captured graph stays valid while this is unchanged."""
+    tuples and objects, ``depth`` levels; modules and classes are not entered): a captured graph
+    stays valid while this is unchanged."""
     seen: set[int] = set()
     out: list[int] = []
 
@@ -81,7 +83,7 @@ def fingerprint(obj: Any, depth: int = 4) -> tuple[int, ...]:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v, d - 1)
-        elif hasattr(x, "__dict__") and not isinstance(x, type):
+        elif hasattr(x, "__dict__") and not isinstance(x, (type, types.ModuleType)) and not callable(x):
             for k, v in vars(x).items():
                 if k != "fmt":  # the format object: no tensors of the layer
                     walk(v, d - 1)
