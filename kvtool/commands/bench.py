@@ -202,7 +202,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
             raise typer.Exit(1)
 
 
-DECODE_CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench decode --model-shape tiny --batch 1 --seq 256 --formats bitmap:sparsity=0.7 --generate 16"
+DECODE_CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench decode --model-shape tiny --batch 1 --seq 256 --formats bitmap:sparsity=0.7 --generate 16 --encode-repeats 1"
 
 
 def print_decode(doc: dict[str, Any]) -> None:
