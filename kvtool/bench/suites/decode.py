@@ -102,6 +102,11 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
     runs = int(ctx.options.get("runs") or 20)
     gen = int(ctx.options.get("generate") or 0)
     repeats = int(ctx.options.get("encode_repeats", 5))
+    if repeats or gen:
+        ctx.env.notes.append(f"growth: the step replayed from a CUDA graph, every filled block / group encoded eagerly between replays, each encode "
+                             f"timed between two synchronizes; encode_us_per_token = median over {repeats} spans of >= one block each, after a warm-up "
+                             "encode" + (f"; --generate {gen}: {gen} greedy tokens from right after an encode plus the encode of what they filled, "
+                                         "one wall-clock interval" if gen else ""))
     recs: list[dict] = []
     names = providers(ctx)
     for b, t in ([] if ctx.options.get("budget_only") else ctx.configs()):
