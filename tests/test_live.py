@@ -297,7 +297,7 @@ def test_bench_decode_runs_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "decode.json"
     res = CliRunner().invoke(app, ["bench", "decode", "--model-shape", "tiny", "--batch", "1", "--seq", "160", "--formats", "bitmap:sparsity=0.7",
                                    "--formats", "snapstream:budget=64", "--formats", "quant:bits=4,group=16", "--memory-budget", "2MiB", "--runs", "3",
-                                   "-o", str(out)])
+                                   "--generate", "4", "--encode-repeats", "1", "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert "dense/sdpa" in res.stdout  # the table (not --json)
     doc = json.loads(out.read_text())
@@ -309,9 +309,12 @@ def test_bench_decode_runs_on_the_cpu(tmp_path, monkeypatch):
     dense, bitmap = rows[("decode", "dense/sdpa")], rows[("decode", "bitmap:sparsity=0.7")]
     assert bitmap["stored_bytes"] < dense["stored_bytes"] and bitmap["tokens_per_s"] > 0 and bitmap["encode_us_per_token"] > 0
     assert not dense["timing_valid"] and bitmap["speedup"]["dense"] > 0 and bitmap["method"] == "eager"
+    assert bitmap["encode_repeats"] == 1 and bitmap["encode_span_tokens"] == 64 and dense["encode_us_per_token"] is None
+    for r in (dense, bitmap):  # --generate 4: greedy tokens through the live cache, the closing encode included
+        assert r["generate_tokens"] == 4 and r["generate_tokens_per_s"] > 0 and r["generate_encodes"] >= 1 and 0 <= r["generate_encode_share"] < 1
     assert rows[("decode-budget", "snapstream:budget=64")]["batch"] > rows[("decode-budget", "dense/sdpa")]["batch"]
     table = CliRunner().invoke(app, ["bench", "report", str(out)])
-    assert table.exit_code == 0 and "| provider | batch | context | ms / step |" in table.stdout
+    assert table.exit_code == 0 and "| provider | batch | context | ms / step |" in table.stdout and "| generate tokens/s |" in table.stdout
 
 
 def test_the_shipped_decode_results_render():

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from typing import Any
+from typing import Any, Callable
 
 from kvtool.core import io
 from kvtool.core.placement import device_label, layer_placement, resolve_devices
@@ -176,6 +176,7 @@ def recommend_capture(
     servable: str | None = None,
     score_tokens: int = 256,
     presses: bool | None = None,
+    menu_filter: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
     """Plans for each budget, with their predicted and (with the model) measured cost.
 
@@ -197,7 +198,8 @@ def recommend_capture(
     one), one device, or a list such as ``"cuda:0,cuda:1"``; with several, the layers are cut into
     one contiguous block per device and the devices score their layers at once (the same numbers
     as on one device). The model, and the plans' checks on it, run on the first device. The
-    result's ``"device"`` names the devices (``"cuda:0,cuda:1"``)."""
+    result's ``"device"`` names the devices (``"cuda:0,cuda:1"``). ``menu_filter``: keeps some of
+    the candidate specs (``recommend --min-speedup``: :mod:`kvtool.analysis.speed`)."""
     import torch
 
     before = torch.get_num_threads()
@@ -205,13 +207,14 @@ def recommend_capture(
         torch.set_num_threads(threads)
     try:
         return _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens, presses)
+                          uniform_checks, buckets, progress, calibrate, weights, resolve_devices(device), servable, score_tokens, presses, menu_filter)
     finally:
         torch.set_num_threads(before)
 
 
 def _recommend(capture, budgets, batch, context, heldout, per_head, families, model, use_model, texts, use_texts,
-               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256, presses=None) -> dict[str, Any]:
+               uniform_checks, buckets, progress, calibrate, weights, devices=None, servable=None, score_tokens=256, presses=None,
+               menu_filter=None) -> dict[str, Any]:
     start = time.perf_counter()
     devices = list(devices or [torch.device("cpu")])
     dev = devices[0]  # where the model loads and whatever needs one device runs
@@ -238,6 +241,7 @@ def _recommend(capture, budgets, batch, context, heldout, per_head, families, mo
     parsed = [dict(budget=b, **parse_budget(b, cache.facts, batch, context)) for b in budgets]
     families = check_servable(servable, families, per_head)
     specs = menu(cache.num_tokens - heldout, families)
+    specs = menu_filter(specs) if menu_filter else specs
     sens = measure_sensitivity(cache, specs, heldout, per_head, progress, calibrate, placement)
     if len(devices) > 1:
         # what follows (each plan's exact bytes, the model's checks) runs on one device: the layers
@@ -477,6 +481,7 @@ def recommend_tasks(
     servable: str | None = None,
     progress: Progress | None = None,
     threads: int | None = 1,
+    menu_filter: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
     """Plans for each budget calibrated on task samples (``--objective tasks``): the sensitivity is
     the attention error of the questions' and answers' queries over the compressed contexts of
@@ -485,11 +490,11 @@ def recommend_tasks(
     every budget-filling uniform family answer ``check_samples`` other samples per task and length
     (seed ``check_seed``, which must differ from ``calib_seed``): accuracy with 95% intervals."""
     return taskrun.with_threads(threads, lambda: _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_samples, check_seed,
-                                                                  per_head, families, model, weights, buckets, servable, progress))
+                                                                  per_head, families, model, weights, buckets, servable, progress, menu_filter))
 
 
 def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_samples, check_seed, per_head, families, model,
-                     weights, buckets, servable, progress) -> dict[str, Any]:
+                     weights, buckets, servable, progress, menu_filter=None) -> dict[str, Any]:
     start = time.perf_counter()
     if not budgets:
         raise UsageError("give --budget, e.g. --budget 15%")
@@ -503,6 +508,7 @@ def _recommend_tasks(budgets, tasks, lengths, calib_samples, calib_seed, check_s
     parsed = [dict(budget=b, **parse_budget(b, facts)) for b in budgets]
     families = check_servable(servable, families, per_head)
     specs = menu(None, families)
+    specs = menu_filter(specs) if menu_filter else specs
     progress = or_silent(progress)
     cases = task_cases(mdl, tok, tasks, lengths, calib_samples, calib_seed, progress)
     sens = combined_sensitivity(cases, specs, per_head, progress)

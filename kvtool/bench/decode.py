@@ -19,8 +19,15 @@ spec), a batch and a context length:
    replay, less what was allocated before (the weights), against the bytes the live layers hold
    (``stored_bytes``) and the workspace their docs state (``workspace_bytes``, the largest layer's,
    plus the model's activations for one step);
-5. the format's own growth: the time of encoding one block of new tokens in every layer (what a
-   block's filling costs once every ``chunk`` tokens), reported per token.
+5. the format's own growth, after the memory is read: the step captured again and replayed through
+   :class:`~kvtool.bench.generation.GrowthLoop` (replays append on the device; every filled block /
+   group is encoded eagerly between replays, as a serving loop would); ``encode_us_per_token`` is
+   the median over ``encode_repeats`` spans of at least ``chunk`` tokens of the encodes' time per
+   decoded position, after an untimed warm-up encode (:func:`~kvtool.bench.generation.growth_cost`
+   says how it is timed); ``encode_step_share`` = that / the step's time;
+6. with ``generate_tokens`` N: N greedy tokens through the same loop, encodes included
+   (:func:`~kvtool.bench.generation.generate`): ``generate_tokens_per_s``, ``generate_encode_share``
+   and ``generate_vs_step`` (its tokens/s over the replayed step's).
 
 Tokens per second = batch / step time. Without CUDA the same runs eagerly on the CPU (under
 ``TRITON_INTERPRET=1``: a functional check; the times mean nothing).
@@ -37,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.core.cache import LayerKV
+from kvtool.bench.generation import GrowthLoop, capture, chunk_of, generate, growth_cost
 from kvtool.core.errors import UsageError
 from kvtool.formats._live import DenseLive, LiveLayer
 from kvtool.formats.base import get_format
@@ -250,19 +258,7 @@ def _sync(device: torch.device) -> None:
 def time_fn(fn: Callable[[], Any], device: torch.device, runs: int, graph: bool) -> tuple[list[float], str, str | None]:
     """Per-run milliseconds of ``fn`` (a CUDA-graph replay when ``graph`` and it can be captured,
     else eager calls), the method, and why capture failed (or None)."""
-    why = None
-    call = fn
-    method = "eager"
-    if graph and device.type == "cuda":
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            torch.cuda.synchronize(device)
-            call, method = g.replay, "cuda-graph"
-        except Exception as exc:  # a host sync or CPU work inside the step: time it eagerly, say why
-            torch.cuda.synchronize(device)
-            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    call, method, why = capture(fn, device, graph)
     times = []
     if device.type == "cuda":
         call()
@@ -290,16 +286,20 @@ def _pct(vals: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def measure(model: Any, provider: str, batch: int, context: int, runs: int = 20, graph: bool = True, growth: bool = True) -> dict[str, Any]:
-    """One provider at one batch and context (module docstring): a dict of measured numbers."""
+def measure(model: Any, provider: str, batch: int, context: int, runs: int = 20, graph: bool = True, growth: bool = True,
+            generate_tokens: int = 0, encode_repeats: int = 5) -> dict[str, Any]:
+    """One provider at one batch and context (module docstring): a dict of measured numbers.
+    ``generate_tokens``: also time that many greedy tokens with every encode (step 6);
+    ``encode_repeats``: spans the growth cost is the median of (step 5; 0: not measured)."""
     try:
-        return _measure(model, provider, batch, context, runs, graph, growth)
+        return _measure(model, provider, batch, context, runs, graph, growth, generate_tokens, encode_repeats)
     finally:
         clear_handovers()  # an interrupted step leaves none behind to keep a cache alive
 
 
 @torch.no_grad()
-def _measure(model: Any, provider: str, batch: int, context: int, runs: int, graph: bool, growth: bool) -> dict[str, Any]:
+def _measure(model: Any, provider: str, batch: int, context: int, runs: int, graph: bool, growth: bool, generate_tokens: int,
+             encode_repeats: int) -> dict[str, Any]:
     info = ModelInfo.of(model)
     dev = info.device
     cuda = dev.type == "cuda"
@@ -348,16 +348,6 @@ def _measure(model: Any, provider: str, batch: int, context: int, runs: int, gra
     prepare(cache, 1)
     att_times, att_method, _ = time_fn(attention, dev, runs, graph)
     peak = (torch.cuda.max_memory_allocated(dev) - base) if cuda else None
-    encode_us = None
-    chunk = max((getattr(live, "chunk", 0) for live in lives), default=0)
-    if growth and chunk:
-        new = torch.randn((batch, info.kv_heads, chunk, info.head_dim), generator=g, device=dev, dtype=info.dtype)
-        _sync(dev)
-        t1 = time.perf_counter()
-        for live in lives:
-            live.append(new, new)
-        _sync(dev)
-        encode_us = (time.perf_counter() - t1) * 1e6 / chunk
     step_ms = statistics.median(times)
     att_ms = statistics.median(att_times)
     rec = {
@@ -369,8 +359,19 @@ def _measure(model: Any, provider: str, batch: int, context: int, runs: int, gra
         "workspace_bytes": workspace, "weights_bytes": info.weights_bytes, "peak_bytes": peak,
         "build_peak_bytes": built_peak if cuda else None, "build_s": build_s,
         "peak_over_stated": (peak / (stored + workspace)) if peak is not None else None,
-        "encode_us_per_token": encode_us, "chunk": chunk or None,
     }
+    chunk = max((chunk_of(live) for live in lives), default=0)
+    rec["chunk"] = chunk or None
+    if generate_tokens or (growth and chunk and encode_repeats):
+        loop = GrowthLoop(cache, step, dev, graph)
+        if generate_tokens:
+            rec.update(generate(loop, generate_tokens, batch))
+            rec["generate_vs_step"] = rec["generate_tokens_per_s"] / rec["tokens_per_s"]
+        if growth and chunk and encode_repeats:
+            rec.update(growth_cost(loop, encode_repeats))
+            rec["encode_step_share"] = rec["encode_us_per_token"] / rec["median_us"]
+        rec["generate_recaptures"] = loop.recaptures
+        del loop
     del cache, lives, fi_plan
     if cuda:
         torch.cuda.empty_cache()

@@ -103,7 +103,8 @@ def parse_size(text: str, what: str) -> int:
 
 
 def build_decode_context(model_shape: str, model: str | None, batch: str, seq: str, formats: list[str] | None, plan: list[Path] | None,
-                         memory_budget: str | None, runs: int, dtype: str, step=None, budget_only: bool = False) -> Any:
+                         memory_budget: str | None, runs: int, dtype: str, step=None, budget_only: bool = False, generate: int = 0,
+                         encode_repeats: int = 5) -> Any:
     """The context of ``kvtool bench decode``: a named model shape (:mod:`kvtool.hf.shapes`) or a
     model folder, the providers, the sweep and the budget."""
     if dtype.lower() not in DTYPES:
@@ -120,6 +121,10 @@ def build_decode_context(model_shape: str, model: str | None, batch: str, seq: s
             shape = B.ModelShape(s.name, s.heads, s.kv_heads, s.head_dim)
         except ImportError:
             shape = B.model_shape(model_shape)
+    if generate < 0:
+        raise UsageError("--generate must be 0 (off) or a number of tokens")
+    if encode_repeats < 0:
+        raise UsageError("--encode-repeats must be 0 (off) or more")
     if budget_only and not memory_budget:
         raise UsageError("--budget-only needs --memory-budget")
     for p in plan or []:
@@ -133,7 +138,7 @@ def build_decode_context(model_shape: str, model: str | None, batch: str, seq: s
         env=env, timer=timer, shape=shape, batches=parse_int_list(batch, "batch"), seqs=parse_int_list(seq, "seq"),
         dtype=getattr(torch, DTYPES[dtype.lower()]), step=step or (lambda msg: None),
         options={"model": model, "formats": specs or None, "memory_budget": parse_size(memory_budget, "memory-budget") if memory_budget else None, "runs": runs,
-                 "budget_only": budget_only},
+                 "budget_only": budget_only, "generate": generate, "encode_repeats": encode_repeats},
     )
 
 

@@ -203,7 +203,7 @@ def _add_subcommand(bench_app: typer.Typer, suite: Any) -> None:
             raise typer.Exit(1)
 
 
-DECODE_CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench decode --model-shape tiny --batch 1 --seq 256 --formats bitmap:sparsity=0.7"
+DECODE_CPU_EXAMPLE = "TRITON_INTERPRET=1 kvtool bench decode --model-shape tiny --batch 1 --seq 256 --formats bitmap:sparsity=0.7 --generate 16 --encode-repeats 1"
 
 
 def print_decode(doc: dict[str, Any]) -> None:
@@ -212,7 +212,9 @@ def print_decode(doc: dict[str, Any]) -> None:
     show("[bold]{}[/bold]  torch {}  CUDA {}  flashinfer {}", env["device"], v["torch"], v["cuda"], v["flashinfer"])
     for note in env.get("notes", []):
         show("[yellow]note:[/yellow] {}", note)
-    cols = ["provider", "batch", "context", "ms/step", "tokens/s", "x dense", "attn share", "KV GiB", "peak GiB", "peak/stated", "encode us/tok", "method", "status"]
+    gen = any(r.get("generate_tokens") for r in doc["records"])
+    cols = (["provider", "batch", "context", "ms/step", "tokens/s", "x dense", "attn share", "KV GiB", "peak GiB", "peak/stated", "encode us/tok"]
+            + (["generate tok/s", "gen/step", "encode share"] if gen else []) + ["method", "status"])
     rows = []
     for r in doc["records"]:
         sp = r.get("throughput_vs_dense") if r["kernel"] == "decode-budget" else r["speedup"].get("dense")
@@ -220,7 +222,10 @@ def print_decode(doc: dict[str, Any]) -> None:
         rows.append([r["provider"] + (" (budget)" if r["kernel"] == "decode-budget" else ""), r["batch"], r["seq"],
                      None if r["median_us"] is None else r["median_us"] / 1e3, r.get("tokens_per_s"), sp if isinstance(sp, float) else None,
                      None if r.get("attention_share") is None else f"{100 * r['attention_share']:.0f}%", gib(r.get("stored_bytes")),
-                     gib(r.get("peak_bytes")), r.get("peak_over_stated"), r.get("encode_us_per_token"), r.get("method"), r["status"]])
+                     gib(r.get("peak_bytes")), r.get("peak_over_stated"), r.get("encode_us_per_token")]
+                    + ([r.get("generate_tokens_per_s"), r.get("generate_vs_step"),
+                        None if r.get("generate_encode_share") is None else f"{100 * r['generate_encode_share']:.1f}%"] if gen else [])
+                    + [r.get("method"), r["status"]])
     console.print(make_table("kvtool bench decode", cols, rows))
     if not env["timing_valid"]:
         console.print("[yellow]timings above are meaningless (CPU run)[/yellow]")
@@ -241,6 +246,8 @@ def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
         memory_budget: Annotated[str | None, typer.Option("--memory-budget", help="A KV-cache budget beside the weights (40GiB): each provider's largest batch that fits it, and its throughput.")] = None,
         budget_only: Annotated[bool, typer.Option("--budget-only", help="Only the --memory-budget runs (the batch sweep is left out; --seq still applies).")] = False,
         runs: Annotated[int, typer.Option("--runs", help="Timed replays of the decode step per configuration.")] = 20,
+        generate: Annotated[int, typer.Option("--generate", help="Also time N greedy tokens from the --seq context through the live cache, every block / group encode included: tokens/s and the share spent encoding (0: off).")] = 0,
+        encode_repeats: Annotated[int, typer.Option("--encode-repeats", help="Spans of decoding the growth (encode) cost per token is the median of (0: not measured).")] = 5,
         dtype: Annotated[str, typer.Option("--dtype", help="fp16 (float16) or bf16 (bfloat16) for the model and its cache.")] = "fp16",
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the records as JSON to this file (the table still prints).", dir_okay=False)] = None,
         plot: Annotated[Path | None, typer.Option("--plot-output", help="Write a figure (PNG/PDF/SVG): tokens/s per provider and batch, and peak memory.", dir_okay=False)] = None,
@@ -258,7 +265,7 @@ def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
         silent = json_out or quiet_enabled(quiet)
         ctx = build_decode_context(model_shape, model, batch, seq, formats, plan, memory_budget, runs, dtype,
                                    step=(lambda msg: None) if silent else (lambda msg: err_console.print(msg, style="dim", markup=False)),
-                                   budget_only=budget_only)
+                                   budget_only=budget_only, generate=generate, encode_repeats=encode_repeats)
         doc = run_suite("decode", ctx)
         if output is not None:
             io.atomic_write_text(output, to_json_text(doc), force=force)

@@ -182,11 +182,26 @@ def recommend_json(result: dict[str, Any], paths: list[Path], missed: list[str])
     return out
 
 
+def print_decode_speed(result: dict[str, Any]) -> None:
+    from kvtool.analysis.speed import describe  # deferred: start-up time
+
+    ds = result.get("decode_speed") or {}
+    if ds.get("min_speedup"):
+        console.print(f"settings kept: attention at least {ds['min_speedup']:g}x dense on the {ds['card']} ({ds['source']}); "
+                      f"{len(ds['dropped'])} dropped")
+    for b in result["budgets"]:
+        preds = b.get("predicted_decode") or []
+        if preds:
+            console.print(f"budget {b['budget']}, predicted decode: " + "; ".join(describe(p) for p in preds))
+
+
 def print_recommended(outcome: Outcome) -> None:
     if outcome.view["result"].get("objective") == "tasks":
         print_tasks_result(outcome.view["result"], outcome.view["paths"])
+        print_decode_speed(outcome.view["result"])
         return
     print_result(outcome.view["result"], outcome.view["paths"])
+    print_decode_speed(outcome.view["result"])
     for line in outcome.view["missed"]:
         console.print(f"[red]missed:[/red] {line}")
 
@@ -204,6 +219,8 @@ def print_recommended(outcome: Outcome) -> None:
         "kvtool recommend cap.safetensors --budget 15%",
         "kvtool recommend cap.safetensors --budget 2GiB --batch 16 --context 32k -o plan.json",
         "kvtool recommend cap.safetensors --budget 15% --budget 25% --max-nll-increase 1% --json   # CI gate",
+        "kvtool recommend cap.safetensors --budget 15% --card h100   # only settings whose kernels beat dense on an H100",
+        "kvtool recommend cap.safetensors --budget 15% --bench decode.json --min-speedup 1.2",
     ),
     render=print_recommended,
 )
@@ -234,14 +251,28 @@ def recommend(
     check_samples: Annotated[int, typer.Option(help="--objective tasks: samples per task and length that check the plan (0: none).", min=0)] = 5,
     check_seed: Annotated[int, typer.Option(help="--objective tasks: seed of the check samples (not the calibration seed).")] = 0,
     max_nll_increase: Annotated[str | None, typer.Option(help=f"Largest allowed mean NLL increase of the plan: nats/token, or relative with % (1%). {THRESHOLD_HELP}")] = None,
+    card: Annotated[str | None, typer.Option("--card", help="The GPU the plan decodes on (h100, h200): each plan's predicted decode tokens/s against dense from kvtool's measured kernel speeds (default: every measured card), and --min-speedup 1.0.")] = None,
+    bench: Annotated[Path | None, typer.Option("--bench", help="Kernel speeds from your own `kvtool bench decode / kivi / attention -o FILE` (its card is named by the file).", dir_okay=False)] = None,
+    min_speedup: Annotated[float | None, typer.Option("--min-speedup", help="Keep only settings whose attention runs at least X times dense on the card (kept share / kernel speed; unmeasured settings are dropped). Default: 1.0 with --card or --bench, else off.")] = None,
     device: DevicesOpt = "auto",
     force: Annotated[bool, typer.Option("--force", "-f", help="Overwrite the plan file.")] = False,
     *,
     progress: Progress,
 ) -> Outcome:
+    from kvtool.analysis import speed  # deferred: start-up time
     from kvtool.analysis.recommendation import recommend_capture  # deferred: start-up time
     from kvtool.formats.plan import save_plan  # deferred: start-up time
     from kvtool.core import io  # deferred: start-up time
+
+    cards, chosen, min_sp = speed.choose(card, bench, min_speedup)
+    dropped: dict[str, str] = {}
+
+    def keep_fast(specs: list[str]) -> list[str]:
+        kept, why = chosen.keep(specs, min_sp)
+        dropped.update(why)
+        return kept
+
+    menu_filter = keep_fast if chosen is not None and min_sp else None
 
     model, use_model = model_choice(model, no_model)
     limit = parse_nll_gate(max_nll_increase)
@@ -263,7 +294,9 @@ def recommend(
         if not use_model or limit is not None:
             raise UsageError("--objective tasks runs the model and checks task accuracy; drop --no-model and --max-nll-increase")
         result = recommend_tasks(budget, parse_tasks(tasks), parse_lengths(lengths), calib_samples, calib_seed, check_samples, check_seed,
-                                 per_head, families, model, not no_weights, servable=servable, progress=progress, threads=threads)
+                                 per_head, families, model, not no_weights, servable=servable, progress=progress, threads=threads,
+                                 menu_filter=menu_filter)
+        speed.annotate(result, cards, chosen, min_sp, dropped)
         paths = plan_paths(output, result["budgets"])
         for b, path in zip(result["budgets"], paths):
             if len(paths) > 1:
@@ -278,7 +311,8 @@ def recommend(
         raise UsageError(f"capture {capture}: no such file")
     result = recommend_capture(capture, budget, batch, context, heldout, per_head, families, model, use_model,
                                texts, not no_texts, uniform_checks, progress=progress, calibrate=calibrate, weights=not no_weights, threads=threads,
-                               device=device, servable=servable, score_tokens=score_tokens)
+                               device=device, servable=servable, score_tokens=score_tokens, menu_filter=menu_filter)
+    speed.annotate(result, cards, chosen, min_sp, dropped)
     if limit is not None and result["model"] is None:
         raise UsageError(f"--max-nll-increase needs the model check, which was skipped: {result.get('model_skipped')}")
     paths = plan_paths(output, result["budgets"])

@@ -440,6 +440,7 @@ class BitmapLive(LiveLayer):
         run = max(largest_run(block.keys), largest_run(block.values))
         if run > self.slot or self.nblocks + 1 > self.capacity_blocks:
             self._relay(max(self.slot, run), self.nblocks + 1 + max(2, self.nblocks // 32))
+            wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths  # the new cache's window
         append_blocks(self.cache, block.keys, block.values)
         self.nblocks += 1
         rest = self.wn - TILE

@@ -4,7 +4,9 @@ The measurement is :func:`kvtool.bench.decode.measure` (its docstring says what 
 this module sweeps providers x batch x context, and with ``--memory-budget`` finds each provider's
 largest batch under a KV-cache budget and times it. Records carry the stable fields of the other
 suites (``median_us`` is the decode step) plus ``tokens_per_s``, ``ms_per_token``, ``attention_share``,
-``stored_bytes``, ``workspace_bytes``, ``peak_bytes`` and ``encode_us_per_token``.
+``stored_bytes``, ``workspace_bytes``, ``peak_bytes`` and ``encode_us_per_token`` (the growth cost per
+decoded position, median of repeated spans); with ``--generate N`` also ``generate_tokens_per_s``,
+``generate_encode_share`` and ``generate_vs_step`` (:mod:`kvtool.bench.generation`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ DEFAULT_FORMATS = (
 )
 EXTRA_FIELDS = ("tokens_per_s", "ms_per_token", "attention_us", "attention_method", "attention_share", "stored_bytes", "dense_kv_bytes",
                 "storage_ratio", "workspace_bytes", "weights_bytes", "peak_bytes", "build_peak_bytes", "peak_over_stated",
-                "encode_us_per_token", "chunk", "capture_error", "build_s", "memory_budget", "throughput_vs_dense", "bounded_by")
+                "encode_us_per_token", "encode_us_p10", "encode_us_p90", "encode_repeats", "encode_span_tokens", "encode_step_share", "chunk",
+                "capture_error", "build_s", "memory_budget", "throughput_vs_dense", "bounded_by", "generate_tokens", "generate_tokens_per_s",
+                "generate_s", "generate_encode_share", "generate_encodes", "generate_method", "generate_recaptures", "generate_vs_step")
 
 
 def load_model(ctx: BenchContext):
@@ -96,6 +100,13 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
         ctx.env.notes.append(f"model {data}: {info.layers} layers, weights {info.weights_bytes / 2**30:.2f} GiB {str(info.dtype).removeprefix('torch.')}; "
                              "caches filled with random tokens; the step captured in a CUDA graph and replayed at a fixed context")
     runs = int(ctx.options.get("runs") or 20)
+    gen = int(ctx.options.get("generate") or 0)
+    repeats = int(ctx.options.get("encode_repeats", 5))
+    if repeats or gen:
+        ctx.env.notes.append(f"growth: the step replayed from a CUDA graph, every filled block / group encoded eagerly between replays, each encode "
+                             f"timed between two synchronizes; encode_us_per_token = median over {repeats} spans of >= one block each, after a warm-up "
+                             "encode" + (f"; --generate {gen}: {gen} greedy tokens from right after an encode plus the encode of what they filled, "
+                                         "one wall-clock interval" if gen else ""))
     recs: list[dict] = []
     names = providers(ctx)
     for b, t in ([] if ctx.options.get("budget_only") else ctx.configs()):
@@ -106,7 +117,7 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
                 continue
             ctx.step(f"decode {p} batch {b} x {t}")
             try:
-                recs.append(record(ctx, info, measure(model, p, b, t, runs=runs), data))
+                recs.append(record(ctx, info, measure(model, p, b, t, runs=runs, generate_tokens=gen, encode_repeats=repeats), data))
             except torch.OutOfMemoryError:
                 recs.append(failed(ctx, info, p, b, t, data, "skipped: out of memory"))
             except UsageError as exc:
@@ -156,7 +167,9 @@ def add_decode_speedups(recs: list[dict], dense: tuple[str, ...]) -> None:
 
 def decode_table(doc: dict[str, Any]) -> str:
     """Markdown: one row per record of a ``bench decode`` document (docs/benchmarks.md)."""
+    gen = any(r.get("generate_tokens") for r in doc["records"])
     head = ["provider", "batch", "context", "ms / step", "tokens/s", "× dense", "attention share", "KV GiB", "peak GiB", "peak / (KV + workspace)", "encode µs / token"]
+    head += ["generate tokens/s", "generate / step", "encode share of generate"] if gen else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in doc["records"]:
         name = r["provider"] + (" (budget)" if r["kernel"] == "decode-budget" else "")
@@ -171,5 +184,6 @@ def decode_table(doc: dict[str, Any]) -> str:
         lines.append("| " + " | ".join([
             name, str(r["batch"]), str(r["seq"]), f(r["median_us"], 2, 1e-3), f(r["tokens_per_s"], 0), f(sp) if isinstance(sp, float) else "–",
             f(r["attention_share"], 0, 100) + "%", f(r["stored_bytes"], 2, 1 / 2**30), f(r["peak_bytes"], 2, 1 / 2**30),
-            f(r["peak_over_stated"]), f(r["encode_us_per_token"], 1)]) + " |")
+            f(r["peak_over_stated"]), f(r["encode_us_per_token"], 1)]
+            + ([f(r.get("generate_tokens_per_s"), 0), f(r.get("generate_vs_step")), f(r.get("generate_encode_share"), 1, 100) + "%"] if gen else [])) + " |")
     return "\n".join(lines)
