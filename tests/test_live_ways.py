@@ -182,7 +182,7 @@ def test_the_live_cache_tells_its_bytes(tiny):
 def test_plans_are_checked_on_every_way_in(tiny, tmp_path):
     model, tok = tiny
     ids = torch.tensor([tok("a plan checked " * 10, add_special_tokens=False)["input_ids"]])
-    for bad, match in (({"layers": {"999": "dense"}}, "layer 999"), ({"layers": {"-1": "dense"}}, "layer -1"),
+    for bad, match in (({"layers": {"999": "dense"}}, "layer 999"), ({"layers": {"-1": "dense"}}, "layer -1|'-1'"),
                        ({"model": {"num_kv_heads": 8}, "layers": {}}, "kv heads 8"), ({"model": {"head_dim": 128}, "layers": {}}, "head dim 128"),
                        ({"layers": {"0": ["dense", "dense", "dense"]}}, "one spec or 2")):
         path = tmp_path / "bad.json"
