@@ -190,6 +190,7 @@ def test_live_replayed_steps_are_picked_up_by_the_next_eager_step():
     live = live_layer(t=90)
     twin = live_layer(t=90)
     k, v = tensors(1, 2, 40, 32, F16, seed=9)
+    live.reserve(20)  # what a decode loop does before replaying a captured step 20 times
     counts = (live.kt, live.vt, dict(live.res_n))
     for j in range(20):  # what 20 replays of a captured step do: device writes, host counts unchanged
         live.append(k[:, :, j:j + 1], v[:, :, j:j + 1])
@@ -218,6 +219,7 @@ def test_live_appends_during_a_capture_never_quantise(monkeypatch):
 
     live, twin = live_layer(t=90), live_layer(t=90)
     k, v = tensors(1, 2, 40, 32, F16, seed=4)
+    live.reserve(23)  # room for what the captured appends write (a decode loop reserves before capturing)
     monkeypatch.setattr(quant, "capturing", lambda x: True)
     monkeypatch.setattr(QuantLive, "_sync", lambda self: pytest.fail("a host read during a capture"))
     kt = live.kt
@@ -235,7 +237,7 @@ def test_live_appends_during_a_capture_never_quantise(monkeypatch):
 
 def test_live_reserve_makes_room_for_replays():
     live = live_layer(t=100, group=16, residual=0)
-    assert live.room() >= 64
+    assert live.room() < 64  # residual buffers of R + group slots: replays get their room from reserve
     live.reserve(200)
     assert live.room() >= 200
     kernel_vs_reference(live)

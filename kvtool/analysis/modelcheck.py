@@ -137,7 +137,7 @@ def press_inputs(model: Any, case: Case) -> Any:
     """What a kvpress press reads of the case's prefix (:class:`kvtool.hf.presses.AttentionInputs`:
     each layer's attention input, keys and values in the model's dtype, RoPE), from one more
     prefill of its ``P`` prefix tokens."""
-    from kvtool.hf import presses as hfpress
+    from kvtool.hf import presses as hfpress  # deferred: transformers loads only when a press is checked
 
     inputs = hfpress.AttentionInputs()
     ids = case.token_ids[:, :case.prefix_tokens]

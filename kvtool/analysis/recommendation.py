@@ -334,7 +334,7 @@ def press_checks(model: Any, cases: list, fraction: float, head_dim: int, state:
     [+STORAGE]": {"cases": [...], "<metric>": interval}}`` as :func:`score_plans` gives. A press
     that cannot store that little is left out. ``state`` keeps each case's recorded attention inputs
     and each press's scores between calls (one prefill per case for all budgets)."""
-    from kvtool.analysis.modelcheck import intervals, press_inputs, score_kept
+    from kvtool.analysis.modelcheck import intervals, press_inputs, score_kept  # deferred: the model check loads only when presses are checked
 
     state = {} if state is None else state
     out: dict[str, dict[str, Any]] = {}

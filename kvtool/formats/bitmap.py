@@ -414,13 +414,13 @@ class BitmapLive(LiveLayer):
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         done, n = 0, keys.shape[2]
-        wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths
         self._sync()
         while done < n:
             take = min(n - done, self.wcap - self.wn)
             if self.wn + take > self.wslots:  # eager: the window's buffers follow its tokens
                 self._grow_window(self.wn + take)
-                wk, wv = self.cache.window_keys, self.cache.window_values
+            # read each time round: a grown window or an absorb that re-lays the cache replaces them
+            wk, wv, ln = self.cache.window_keys, self.cache.window_values, self.cache.lengths
             # written where the device says the window ends, so a captured step keeps appending
             idx = ln[1:2].long() + torch.arange(take, device=wk.device)
             wk.index_copy_(2, idx, keys[:, :, done:done + take].to(wk.dtype))

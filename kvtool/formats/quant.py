@@ -533,8 +533,9 @@ class QuantLive(_ResidualLive):
         context (a re-allocation, so that growing costs a copy once every 64 groups at most); for a
         group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead), the tokens plus
         the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
+        tokens = max(tokens, 0)  # a residual longer than the tokens leaves none to quantise yet
         extra = tokens // 64 if grow else 0
-        whole = _round_up(max(tokens, 0) + max(self.group, extra), self.group)
+        whole = _round_up(tokens + max(self.group, extra), self.group)
         if whole <= tokens + LIVE_HEADROOM + self.group:
             return whole
         # key scales cover the whole groups that fit (capacity // group): every group quantised so far

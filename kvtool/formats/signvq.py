@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from kvtool.core.attention import attend_partial, expand_kv, merge_partials
-from kvtool.core.cache import KVCache, LayerKV
+from kvtool.core.cache import DTYPES, KVCache, LayerKV
 from kvtool.core.errors import BadDataError, UsageError
 from kvtool.formats._retrieval import oracle_recall, resolve_budget, selection_recall
 from kvtool.formats.base import CompressedCache, Encoded, Format, FormatParams, register
@@ -473,10 +473,13 @@ class SignVQFormat(Format):
 
     def report(self, cc: CompressedCache, source: KVCache | None = None) -> dict[str, Any]:
         key_parts, value_parts, elements = 0, 0, 0
+        capture_dtype = DTYPES.get(cc.facts.dtype)
         for enc in cc.layers.values():
             t, m = enc.tensors, enc.meta
             for name, x in t.items():
-                n = x.numel() * x.element_size()
+                # full-precision parts at float16's size, as byte_report counts them (serving_nbytes)
+                wide = capture_dtype is not None and x.is_floating_point() and x.dtype == capture_dtype and x.element_size() > 2
+                n = x.numel() * (2 if wide else x.element_size())
                 if name.startswith("values") or name == "full.values":
                     value_parts += n
                 elif name == "full.positions":
