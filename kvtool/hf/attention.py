@@ -201,6 +201,8 @@ def masks_tokens(mask: Any) -> bool:
     Tk]``) hides a token from the last query: padding (a causal mask hides nothing from it)."""
     if not isinstance(mask, torch.Tensor) or mask.ndim < 2 or mask.numel() == 0:
         return False
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # reading the mask is a host sync, which a CUDA graph capture forbids; the eager steps before it checked
     last = mask[..., -1, :]
     if last.dtype == torch.bool:
         return not bool(last.all())

@@ -417,6 +417,7 @@ def _codes_f16(byte, s, z, BITS: tl.constexpr, ASM: tl.constexpr):
             out = tl.inline_asm_elementwise(_ASM8, _CON8, [byte, sb, zb, tl.full(shape, 0x00FF00FF, tl.int32),
                                             tl.full(shape, 0x3C003C00, tl.int32), tl.full(shape, 0xE400E400 - (1 << 32), tl.int32)],
                                             dtype=tl.float16, is_pure=True, pack=4)
+            out = tl.reshape(out, (A, NG * NB))
         elif BITS == 4:
             c0, c1 = tl.inline_asm_elementwise(
                 _ASM4, _CON4, [byte, sb, zb,
@@ -589,7 +590,8 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     the packed-codes kernel (:func:`packed_path`), others through the generic one. Tuning knobs:
     ``splits`` programs per KV head and row block (default :func:`plan_splits`); ``num_warps``
     (default 4 on the packed kernel, else 8 from head_dim 128); ``block`` tokens per block of the
-    packed kernel (default :func:`packed_block_tokens`; a power of two from 16); ``num_stages``
+    packed kernel (default :func:`packed_block_tokens`; a power of two from 32: blocks of 16 gave wrong
+    sums on an H100 under Triton 3.6, and 64 query rows take blocks of at least 64); ``num_stages``
     (Triton's software pipelining, default Triton's); ``packed`` False forces the generic kernel.
     No host syncs: capturable in a CUDA graph."""
     check_cache(q, cache)
@@ -610,8 +612,10 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     dp = max(16, triton.next_power_of_2(d))
     if use_packed:
         bt = int(block or packed_block_tokens(cache))
-        if bt < 16 or bt & (bt - 1) or bt * cache.bits < 32:
-            raise UsageError(f"block must be a power of two from 16 holding whole 4-byte words of codes, got {block}")
+        if bt < 32 or bt & (bt - 1):
+            raise UsageError(f"block must be a power of two from 32, got {block}")
+        if rb > 16 and bt < 64:  # 64 rows in blocks of 32 tokens trip Triton 3.6's dot-operand pass (illegal shared layout)
+            bt = 64
         block_scales = True
     else:
         bt, block_scales = block_tokens(cache.group)
