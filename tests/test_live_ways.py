@@ -329,3 +329,27 @@ def test_partial_groups_through_the_kernels_equal_the_references(spec, tiny_llam
         with reference_paths():
             ref = _greedy(model, ids)
     assert fast == ref
+
+
+def test_a_mixed_layer_whose_head_group_is_not_one_range_appends_before_it_attends():
+    """Heads 0 and 2 in one group, 1 in another: the query heads a group reads do not depend on
+    whether the first call was an append (KV heads) or an attention step (query heads). The index
+    cache once kept the append's, so a generation whose tail was appended first read the wrong
+    query heads in such a layer (the demo's 15% plan)."""
+    from kvtool.core.cache import LayerKV
+    from kvtool.formats.base import get_format, make_params
+
+    fmt = get_format("mixed")
+    params = make_params(fmt, {"heads": "quant:bits=4|dense|quant:bits=4"})
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 3, 200, 16, generator=g).half() for _ in range(2))
+    q = torch.randn(1, 9, 1, 16, generator=g).half()
+    enc = fmt.encode(LayerKV(k[:, :, :160].contiguous(), v[:, :, :160].contiguous()), params)
+    first_attend, first_append = fmt.live_layer(enc, k), fmt.live_layer(enc, k)
+    first_attend.partial(q, None)
+    for live in (first_attend, first_append):
+        live.append(k[:, :, 160:], v[:, :, 160:])
+    out_a, out_b = first_attend.partial(q, None)[0], first_append.partial(q, None)[0]
+    assert torch.equal(out_a, out_b)
+
+

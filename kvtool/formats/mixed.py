@@ -287,11 +287,12 @@ class MixedLive(LiveLayer):
 
     def __init__(self, fmt: Format, groups: list[tuple[list[int], LiveLayer]], kv_heads: int, meta: dict[str, Any]) -> None:
         self.fmt, self.groups, self.kv_heads, self.meta = fmt, groups, kv_heads, meta
-        self._index: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._index: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
 
     def _heads(self, j: int, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(KV head index, query head index) tensors of group ``j``, or None when its heads are one range."""
-        key = (j, str(device))
+        """(KV head index, query head index) tensors of group ``j`` for ``group`` query heads per KV
+        head, or None when its heads are one range (cached per group size: an append asks with 1)."""
+        key = (j, group, str(device))
         if key not in self._index:
             heads = self.groups[j][0]
             if heads == list(range(heads[0], heads[0] + len(heads))):
