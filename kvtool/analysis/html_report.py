@@ -321,8 +321,8 @@ def _same_capture(path: Any, capture: Path) -> bool:
     try:
         if p.exists() and capture.exists():
             return p.resolve() == capture.resolve() or p.samefile(capture)
-    except OSError:
-        pass
+    except OSError:  # an unreadable path: fall back to the names
+        return p.name == capture.name
     return p.name == capture.name
 
 

@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.core.cache import LayerKV
+from kvtool.bench.harness import percentile
 from kvtool.bench.generation import GrowthLoop, capture, chunk_of, generate, growth_cost
 from kvtool.core.errors import UsageError
 from kvtool.formats._live import DenseLive, LiveLayer
@@ -278,14 +279,6 @@ def time_fn(fn: Callable[[], Any], device: torch.device, runs: int, graph: bool)
     return times, method, why
 
 
-def _pct(vals: list[float], q: float) -> float:
-    s = sorted(vals)
-    pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def measure(model: Any, provider: str, batch: int, context: int, runs: int = 20, graph: bool = True, growth: bool = True,
             generate_tokens: int = 0, encode_repeats: int = 5) -> dict[str, Any]:
     """One provider at one batch and context (module docstring): a dict of measured numbers.
@@ -352,7 +345,7 @@ def _measure(model: Any, provider: str, batch: int, context: int, runs: int, gra
     att_ms = statistics.median(att_times)
     rec = {
         "provider": provider, "batch": batch, "seq": context, "method": method, "capture_error": why,
-        "median_us": step_ms * 1e3, "p10_us": _pct(times, 0.1) * 1e3, "p90_us": _pct(times, 0.9) * 1e3, "runs": len(times),
+        "median_us": step_ms * 1e3, "p10_us": percentile(times, 0.1) * 1e3, "p90_us": percentile(times, 0.9) * 1e3, "runs": len(times),
         "tokens_per_s": batch / (step_ms * 1e-3), "ms_per_token": step_ms / batch,
         "attention_us": att_ms * 1e3, "attention_method": att_method, "attention_share": att_ms / step_ms,
         "stored_bytes": stored, "dense_kv_bytes": info.dense_bytes(batch, context), "storage_ratio": stored / info.dense_bytes(batch, context),

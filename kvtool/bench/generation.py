@@ -26,7 +26,6 @@ with kernels, and replays are launched asynchronously:
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import types
@@ -35,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from kvtool.hf.live import live_layers, prepare, reserve, room
+from kvtool.bench.harness import percentile
 
 
 def sync(device: torch.device) -> None:
@@ -168,14 +168,6 @@ def generate(loop: GrowthLoop, tokens: int, batch: int) -> dict[str, Any]:
             "generate_encode_share": enc / total, "generate_encodes": events, "generate_method": loop.method}
 
 
-def _pct(vals: list[float], q: float) -> float:
-    s = sorted(vals)
-    pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def growth_cost(loop: GrowthLoop, repeats: int) -> dict[str, Any]:
     """Growth per decoded position, µs: median (p10, p90) over ``repeats`` spans of at least the
     loop's ``chunk`` tokens each (module docstring). Spans that meet no encode within the loop's
@@ -193,5 +185,5 @@ def growth_cost(loop: GrowthLoop, repeats: int) -> dict[str, Any]:
             loop.token()
             n += 1
         samples.append(enc * 1e6 / max(1, n))
-    return {"encode_us_per_token": statistics.median(samples), "encode_us_p10": _pct(samples, 0.1), "encode_us_p90": _pct(samples, 0.9),
+    return {"encode_us_per_token": statistics.median(samples), "encode_us_p10": percentile(samples, 0.1), "encode_us_p90": percentile(samples, 0.9),
             "encode_repeats": len(samples), "encode_span_tokens": span}

@@ -244,6 +244,11 @@ def _percentile(sorted_vals: list[float], q: float) -> float:
     return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
 
 
+def percentile(vals: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``vals``, linear between the nearest ranks."""
+    return _percentile(sorted(vals), q)
+
+
 def summarize(times_us: list[float]) -> Timing:
     vals = sorted(times_us)
     return Timing(statistics.median(vals), _percentile(vals, 0.1), _percentile(vals, 0.9), len(vals))
