@@ -537,7 +537,7 @@ class QuantLive(_ResidualLive):
         extra = tokens // 64 if grow else 0
         whole = _round_up(tokens + max(self.group, extra), self.group)
         if whole <= tokens + LIVE_HEADROOM + self.group:
-            return whole
+            return _round_up(whole, 64) if self.group % 64 == 0 or 64 % self.group == 0 else whole  # key rows in 16-byte runs (the CUDA kernel's copies)
         # key scales cover the whole groups that fit (capacity // group): every group quantised so far
         return _round_up(tokens + max(LIVE_HEADROOM, extra), 64)
 

@@ -26,9 +26,10 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 def known_extensions() -> dict[str, Callable[[], Any]]:
     """``{name: function that builds (or finds) and loads it}`` for every CUDA extension of kvtool."""
-    from kvtool.kernels import bitmap_prune_encode, bitmap_sparse_attention  # deferred: they import Triton
+    from kvtool.kernels import bitmap_prune_encode, bitmap_sparse_attention, kivi_attention  # deferred: they import Triton
 
-    return {"bitmap_sparse_attention": bitmap_sparse_attention._cuda_extension, "bitmap_prune_encode": bitmap_prune_encode._cuda_extension}
+    return {"bitmap_sparse_attention": bitmap_sparse_attention._cuda_extension, "bitmap_prune_encode": bitmap_prune_encode._cuda_extension,
+            "kivi_decode": kivi_attention._cuda_extension}
 
 
 def toolchain_problem() -> str | None:

@@ -50,16 +50,21 @@ class.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 from kvtool.core.attention import attend_partial, default_scale
 from kvtool.core.errors import UsageError
-from kvtool.kernels.common import LOG2E, EncodedLike, check_device, check_query, dot_flags, num_splits
+from kvtool.kernels.common import LOG2E, EncodedLike, check_device, check_query, cuda_extension, dot_flags, interpreting, num_splits
 from kvtool.kernels.online_softmax import attend_block, merge_split_partials, store_split_partial
 
 BITS = (2, 4, 8)
+BACKENDS = ("auto", "cuda", "triton")
+_CUDA_SOURCE = Path(__file__).with_name("kivi_decode.cu")
+CUDA_WARPS = 4  # warps per CUDA block: each one is a split of its own
 
 
 @dataclass
@@ -573,18 +578,76 @@ def plan_splits(cache: KiviCache, rows: int, device: torch.device, block: int | 
 def workspace_bytes(cache: KiviCache, rows: int, device: torch.device) -> int:
     """Bytes one call with the default knobs allocates for ``rows`` query rows per KV head (a query
     in the cache dtype): the split partials (float32 accumulator, maximum and sum per padded row;
-    one slot more for the packed kernel's tail) and the output and lse."""
+    one slot more for the packed kernel's tail; the CUDA backend's splits where it would serve) and
+    the output and lse."""
     b, hkv, d = cache.shape
     rp = max(16, triton.next_power_of_2(rows))
     dp = max(16, triton.next_power_of_2(d))
     packed = packed_path(None, cache)
-    slots = plan_splits(cache, rows, device, packed_block_tokens(cache) if packed else None, packed) + packed
+    g = cache.group
+    if packed and device.type == "cuda" and d in (64, 128) and g >= 16 and g & (g - 1) == 0 and rows <= 16:  # the CUDA backend's
+        slots = cuda_splits(cache, device) + 1
+    else:
+        slots = plan_splits(cache, rows, device, packed_block_tokens(cache) if packed else None, packed) + packed
     return 4 * b * hkv * slots * rp * (dp + 2) + 4 * b * hkv * rows * (d + 1)
+
+
+def _cuda_extension():
+    """The CUDA backend (:func:`kvtool.kernels.common.cuda_extension`: built on first use, cached)."""
+    return cuda_extension("kivi_decode", [_CUDA_SOURCE], ("-O3",))
+
+
+def cuda_block_tokens(bits: int) -> int:
+    """Tokens per block of the CUDA backend: 16 bytes of each key channel (128 / bits tokens)."""
+    return 128 // bits
+
+
+def cuda_path(q: torch.Tensor, cache: KiviCache) -> str | None:
+    """None when the CUDA backend (kivi_decode.cuh) serves ``q`` over ``cache``, else why not:
+    float16 CUDA tensors (not under TRITON_INTERPRET), head_dim 64 or 128, a power-of-two group of
+    at least 16, at most 16 query rows per KV head (G x Tq), and the layouts its 16-byte copies
+    need (value-code and value-scale rows in whole 16-byte runs, key-code rows in 4-byte ones,
+    channels contiguous)."""
+    b, hkv, d = cache.shape
+    g = cache.group
+    rows = (q.shape[1] // hkv) * q.shape[2]
+    kc, ks, vc, vs = cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales
+    gv = max(1, d // g)
+    checks = (
+        (q.is_cuda and not interpreting(), "CUDA tensors (not under TRITON_INTERPRET)"),
+        (packed_path(q, cache), "float16 queries, cache and scales"),
+        (d in (64, 128), "head_dim 64 or 128"),
+        (g >= 16 and g & (g - 1) == 0, "a power-of-two group of at least 16"),
+        (rows <= 16, "at most 16 query rows per KV head"),
+        (gv in (1, 2, 4, 8) and vs.shape[3] == gv, "value groups 1, 2, 4 or 8 per token"),
+        (q.stride(3) == 1 and all(x % 2 == 0 for x in q.stride()[:3]) and q.data_ptr() % 4 == 0, "a query with even strides"),
+        (kc.stride(3) == 1 and kc.stride(2) % 4 == 0 and kc.stride(1) % 4 == 0 and kc.data_ptr() % 4 == 0, "key codes in 4-byte rows"),
+        (vc.stride(3) == 1 and vc.stride(2) % 16 == 0 and vc.stride(1) % 16 == 0 and vc.data_ptr() % 16 == 0, "value codes in 16-byte rows"),
+        (ks.stride(2) == 1 and ks.stride(3) % 2 == 0 and ks.stride(1) % 2 == 0 and ks.data_ptr() % 4 == 0
+         and cache.key_zeros.data_ptr() % 4 == 0, "group-major key scales"),
+        (vs.stride(3) == 1 and vs.stride(2) == gv and vs.stride(1) % 8 == 0 and vs.data_ptr() % 16 == 0
+         and cache.value_zeros.data_ptr() % 16 == 0, "value scales in whole rows"),
+    )
+    for ok, need in checks:
+        if not ok:
+            return f"the cuda backend needs {need}"
+    return None
+
+
+def cuda_splits(cache: KiviCache, device: torch.device) -> int:
+    """Splits of the CUDA backend (one per warp, a multiple of its warps per block): about two
+    waves of resident warps (8 per SM) over the B x Hkv heads, each split at least 8 blocks of
+    the tensors' capacity. Host arithmetic only."""
+    b, hkv, _ = cache.shape
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    blocks = -(-cache.capacity // cuda_block_tokens(cache.bits))
+    want = min(-(-2 * 8 * sms // (b * hkv)), -(-blocks // 8))
+    return max(CUDA_WARPS, -(-want // CUDA_WARPS) * CUDA_WARPS)
 
 
 def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None, splits: int | None = None,
                    num_warps: int | None = None, *, block: int | None = None, num_stages: int | None = None,
-                   packed: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   packed: bool | None = None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Partial (out ``[B, H, Tq, D]`` float32, lse ``[B, H, Tq]`` float32) of q over every token the
     cache holds (module docstring). Float16 caches of power-of-two groups and head_dim go through
     the packed-codes kernel (:func:`packed_path`), others through the generic one. Tuning knobs:
@@ -593,7 +656,10 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     packed kernel (default :func:`packed_block_tokens`; a power of two from 32: blocks of 16 gave wrong
     sums on an H100 under Triton 3.6, and 64 query rows take blocks of at least 64); ``num_stages``
     (Triton's software pipelining, default Triton's); ``packed`` False forces the generic kernel.
-    No host syncs: capturable in a CUDA graph."""
+    ``backend``: ``auto`` takes the CUDA kernel (:func:`cuda_path`: codes dequantised in the MMA
+    fragments, kivi_decode.cuh) where it serves the call and the Triton knobs are left alone, else
+    Triton; ``cuda`` or ``triton`` force one (``splits`` then counts warps, rounded up to a multiple
+    of 4). No host syncs: capturable in a CUDA graph."""
     check_cache(q, cache)
     b, hkv, d = cache.shape
     h, tq = q.shape[1], q.shape[2]
@@ -604,6 +670,14 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     lse = torch.empty(b, h, tq, dtype=torch.float32, device=device)
     if out.numel() == 0:
         return out, lse
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    why = cuda_path(q, cache) if backend != "triton" else "triton was asked for"
+    if backend == "cuda" and why:
+        raise UsageError(why)
+    tuned = packed is False or block is not None or num_stages is not None or num_warps is not None
+    if backend == "cuda" or (backend == "auto" and why is None and not tuned and _toolchain_ok()):
+        return _cuda_attention(q, cache, scale, splits, out, lse)
     use_packed = packed_path(q, cache) if packed is None else (packed and packed_path(q, cache))
     if packed and not use_packed:
         raise UsageError("packed=True needs float16 queries, cache and scales, a power-of-two head_dim and group, and group x bits >= 32")
@@ -648,6 +722,52 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         _kivi_kernel[(s, b * hkv, rp // rb)](
             *args(s), BT=bt, BLOCK_SCALES=block_scales, num_warps=num_warps or (8 if dp * bt >= 8192 else 4), **tune, **generic,
         )
+    merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
+    return out, lse
+
+
+_TOOLCHAIN: list[bool] = []
+
+
+def _toolchain_ok() -> bool:
+    """Whether this process can build CUDA extensions (asked once)."""
+    if not _TOOLCHAIN:
+        from kvtool.kernels.extensions import toolchain_problem  # deferred: it imports the build machinery
+
+        _TOOLCHAIN.append(toolchain_problem() is None)
+    return _TOOLCHAIN[0]
+
+
+def _cuda_attention(q: torch.Tensor, cache: KiviCache, scale: float | None, splits: int | None, out: torch.Tensor,
+                    lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA backend: kivi_decode.cuh over the blocks of all-code tokens (one split per warp),
+    the tail by the generic Triton kernel into one more slot, then the shared merge."""
+    b, hkv, d = cache.shape
+    h, tq = q.shape[1], q.shape[2]
+    g = h // hkv
+    rows = g * tq
+    device = q.device
+    s = cuda_splits(cache, device) if splits is None else max(CUDA_WARPS, -(-int(splits) // CUDA_WARPS) * CUDA_WARPS)
+    slots = s + 1
+    rp, dp = 16, d
+    acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    l = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    scale = default_scale(d) if scale is None else scale
+    kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
+    _cuda_extension().kivi_decode(q, kc, ks, kz, vc, vs, vz, cache.lengths, acc, m, l, hkv, cache.bits, cache.group, s,
+                                  float(scale) * LOG2E, torch.cuda.current_stream(device).cuda_stream)
+    prec, upcast = dot_flags(q.dtype, device)
+    tail_bt, tail_scales = block_tokens(cache.group)
+    bt = cuda_block_tokens(cache.bits)
+    _kivi_kernel[(1, b * hkv, 1)](
+        q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
+        float(scale) * LOG2E, 1, hkv, tq, rows, vc.shape[3],
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
+        vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2),
+        G=g, D=d, DP=dp, RB=rp, RP=rp, BT=tail_bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=tail_scales and bt % tail_bt == 0,
+        NGV=-(-d // cache.group), DOT_PREC=prec, UPCAST=upcast, FROM_BT=bt, SLOTS=slots, num_warps=8 if dp * tail_bt >= 8192 else 4,
+    )
     merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
     return out, lse
 

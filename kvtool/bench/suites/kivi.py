@@ -12,13 +12,16 @@ KIVI_DENSE = ("cublas_qk+pv", "sdpa", "flashinfer_batch", "flashinfer_batch_tc")
 # provider, bits, group, residual: the format's defaults at 2 and 4 bits, and the 15% plan's storage
 KIVI_CONFIGS = (("kivi2", 2, 32, 32), ("kivi4", 4, 32, 32), ("kivi4_g128", 4, 128, 0))
 DEQUANT = "kivi4_decode_sdpa"
+TRITON = "_triton"  # suffix: the same layer through the Triton packed kernel (backend="triton"), where CUDA serves the call
 
 
 @register_suite('kivi', (B.BEST_DENSE, 'sdpa', 'flashinfer_batch', 'kivi4_decode_sdpa'),
                 'KIVI decode attention over the stored 2/4-bit codes vs dense decode and vs dequantising in torch then SDPA.',
                 'kvtool bench kivi --batch 1,8 --seq 4k,32k --cuda-graph -o kivi.json')
 def suite_kivi(ctx: BenchContext) -> list[dict]:
-    """The KIVI kernel (:func:`kvtool.kernels.kivi_attention.kivi_attention`) on each layer the
+    """The KIVI kernel (:func:`kvtool.kernels.kivi_attention.kivi_attention`, as a user calls it:
+    the CUDA backend where it serves the call, ``*_triton`` the same layer through the Triton
+    packed kernel) on each layer the
     format encodes from the same random keys and values: 2 and 4 bits at the defaults (group 32,
     residual 32), and 4 bits in groups of 128 with no residual (the 15% plan's storage); bytes =
     every stored tensor + q. ``kivi4_decode_sdpa``: the 4-bit layer decoded to dense in torch, then
@@ -42,6 +45,11 @@ def suite_kivi(ctx: BenchContext) -> list[dict]:
             fn = lambda cache=cache: km.kivi_attention(q4, cache, ctx.scale)  # noqa: E731
             tm, rel, st = timed(ctx, fn, fn()[0][:, :, 0], ref)
             recs.append(B.make_record(ctx.env, "kivi", provider, shape, b, t, ctx.dtype, tm, moved, rel=rel, status=st, data=data))
+            if km.cuda_path(q4, cache) is None:
+                ctx.step(f"{provider}{TRITON} b={b} T={t}")
+                fn = lambda cache=cache: km.kivi_attention(q4, cache, ctx.scale, backend="triton")  # noqa: E731
+                tm, rel, st = timed(ctx, fn, fn()[0][:, :, 0], ref)
+                recs.append(B.make_record(ctx.env, "kivi", provider + TRITON, shape, b, t, ctx.dtype, tm, moved, rel=rel, status=st, data=data))
             if provider == "kivi4":
                 ctx.step(f"{DEQUANT} b={b} T={t}")
 
