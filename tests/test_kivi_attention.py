@@ -283,3 +283,20 @@ def test_packed_path_is_float16_power_of_two_groups():
     k, v = tensors(1, 2, 100, 16, F16)
     assert not packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 5, 8)))
     assert packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 32, 8)))
+
+
+def test_cuda_backend_choice_on_the_cpu():
+    """The CUDA backend says why it cannot serve a call (CPU tensors here), ``backend="cuda"``
+    refuses with that reason, ``auto`` falls back to Triton, and an unknown backend is a UsageError."""
+    from kvtool.kernels.kivi_attention import cuda_path
+
+    enc = FMT.encode(LayerKV(torch.randn(1, 2, 100, 64).half(), torch.randn(1, 2, 100, 64).half()),
+                     make_params(FMT, {"bits": "4", "group": "32", "residual": "8"}))
+    cache = cache_from_encoded(enc)
+    q = torch.randn(1, 4, 1, 64).half()
+    assert "CUDA tensors" in cuda_path(q, cache)
+    with pytest.raises(UsageError, match="CUDA tensors"):
+        kivi_attention(q, cache, backend="cuda")
+    with pytest.raises(UsageError, match="backend must be one of"):
+        kivi_attention(q, cache, backend="cutlass")
+    close(kivi_attention(q, cache, backend="auto"), FMT.attend(q, enc), F16)

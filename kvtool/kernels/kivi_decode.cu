@@ -6,14 +6,21 @@
 
 namespace kivi {
 
+#ifndef KIVI_STAGES
+#define KIVI_STAGES 3
+#endif
+#ifndef KIVI_MINB
+#define KIVI_MINB 1
+#endif
 constexpr int WARPS = 4;
-constexpr int STAGES = 3;
+constexpr int STAGES = KIVI_STAGES;  // blocks in flight per warp (cp.async ring)
+constexpr int MINB = KIVI_MINB;      // __launch_bounds__ blocks per SM (caps the registers)
 
 template <int D, int BITS, int GV>
 void launch_gv(const Params& p, int ctas, long long bh, int nkg, cudaStream_t stream) {
   constexpr int SUB = 1;
-  auto kernel = kivi_decode_kernel<D, BITS, SUB, GV, STAGES, WARPS>;
-  const int smem = WARPS * STAGES * stage_bytes<D, BITS, SUB, GV>(nkg);
+  auto kernel = kivi_decode_kernel<D, BITS, SUB, GV, STAGES, WARPS, MINB>;
+  const int smem = block_smem<D, BITS, SUB, GV>(nkg, STAGES, WARPS);
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<dim3(ctas, (unsigned)bh), WARPS * 32, smem, stream>>>(p);
 }
@@ -67,6 +74,8 @@ void kivi_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Ten
   int lg = 0;
   while ((1 << lg) < group) ++lg;
   p.log2_group = lg;
+  const long long vs_head = p.vs_bh * 2, vs_base = (long long)reinterpret_cast<uintptr_t>(p.vs) | reinterpret_cast<uintptr_t>(p.vz);
+  p.vs_align = (vs_head % 16 == 0 && vs_base % 16 == 0) ? 16 : (vs_head % 4 == 0 && vs_base % 4 == 0) ? 4 : 2;
   p.k16 = (p.kc_c % 16 == 0 && p.kc_bh % 16 == 0 && reinterpret_cast<uintptr_t>(p.kc) % 16 == 0) ? 1 : 0;
   p.scale_log2 = (float)scale_log2;
   const long long bh = q.size(0) * hkv;

@@ -56,6 +56,7 @@ struct Params {
   int hkv, g, tq, rows, splits, dp, gv;  // gv: value groups per token
   int log2_group;           // key / value group (a power of two >= 16)
   int k16;                  // key rows (kc_c) and their base 16-byte aligned, else 4-byte copies
+  int vs_align;             // 16, 4 or 2: the alignment of every head's value-scale rows (copies of that size)
   float scale_log2;
 };
 
@@ -73,6 +74,10 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 
 __device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 __device__ __forceinline__ void ldsm_x2_t(uint32_t addr, uint32_t& r0, uint32_t& r1) {
@@ -166,8 +171,8 @@ __device__ __forceinline__ int vswz(int t, int chunk) {
   else return chunk;
 }
 
-template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32) kivi_decode_kernel(Params p) {
+template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p) {
   using SH = Shape<D, BITS, SUB>;
   constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC, NCM = SH::NCM;
   constexpr int KSTEPS = D / 16;
@@ -247,10 +252,23 @@ __global__ void __launch_bounds__(WARPS * 32) kivi_decode_kernel(Params p) {
     }
     const uint8_t* vsb = reinterpret_cast<const uint8_t*>(vss + toff * GV);
     const uint8_t* vzb = reinterpret_cast<const uint8_t*>(vzs + toff * GV);
+    if (p.vs_align == 16) {
 #pragma unroll
-    for (int i = lane; i < 2 * (VSBYTES / 16); i += 32) {
-      if (i < VSBYTES / 16) cp16(vsdst + i * 16, vsb + i * 16);
-      else cp16(vzdst + (i - VSBYTES / 16) * 16, vzb + (i - VSBYTES / 16) * 16);
+      for (int i = lane; i < 2 * (VSBYTES / 16); i += 32) {
+        if (i < VSBYTES / 16) cp16(vsdst + i * 16, vsb + i * 16);
+        else cp16(vzdst + (i - VSBYTES / 16) * 16, vzb + (i - VSBYTES / 16) * 16);
+      }
+    } else if (p.vs_align == 4) {  // a file's layer whose token count leaves the heads' rows 4-byte aligned
+      for (int i = lane; i < 2 * (VSBYTES / 4); i += 32) {
+        if (i < VSBYTES / 4) cp4(vsdst + i * 4, vsb + i * 4);
+        else cp4(vzdst + (i - VSBYTES / 4) * 4, vzb + (i - VSBYTES / 4) * 4);
+      }
+    } else {  // 2-byte aligned: plain loads and stores (this warp reads them after its __syncwarp)
+      half* vsd = reinterpret_cast<half*>(ring + (vsdst - ring_s));
+      half* vzd = reinterpret_cast<half*>(ring + (vzdst - ring_s));
+      const half* vsh = reinterpret_cast<const half*>(vsb);
+      const half* vzh = reinterpret_cast<const half*>(vzb);
+      for (int i = lane; i < VSBYTES / 2; i += 32) { vsd[i] = vsh[i]; vzd[i] = vzh[i]; }
     }
   };
 
@@ -260,24 +278,28 @@ __global__ void __launch_bounds__(WARPS * 32) kivi_decode_kernel(Params p) {
     cp_commit();
   }
 
-  // query fragments: rows r = G * Tq padded to 16 (row -> query head kh * G + r / Tq, token r % Tq)
-  const int kh = (int)(bh % p.hkv);
-  const long long bb = bh / p.hkv;
-  uint32_t qa[KSTEPS][4];
+  // the query rows (G * Tq, padded to 16 with zeros; row -> query head kh * G + r / Tq, token
+  // r % Tq) in shared memory once per block of warps (they share the KV head), rows of D + 8 halves
+  // so that ldmatrix's 8 row reads fall in distinct banks; each k-step's A fragment is one ldmatrix
+  constexpr int QROW = D + 8;
+  half* qs = reinterpret_cast<half*>(smem + (size_t)WARPS * STAGES * stage_bytes);
   {
-    const int r0 = col, r1 = col + 8;
-    const bool ok0 = r0 < p.rows, ok1 = r1 < p.rows;
-    const half* q0 = p.q + bb * p.sq_b + (long long)(kh * p.g + (ok0 ? r0 : 0) / p.tq) * p.sq_h + ((ok0 ? r0 : 0) % p.tq) * p.sq_t;
-    const half* q1 = p.q + bb * p.sq_b + (long long)(kh * p.g + (ok1 ? r1 : 0) / p.tq) * p.sq_h + ((ok1 ? r1 : 0) % p.tq) * p.sq_t;
-#pragma unroll
-    for (int i = 0; i < KSTEPS; ++i) {
-      const int c0 = 16 * i + 2 * quad;
-      qa[i][0] = ok0 ? *reinterpret_cast<const uint32_t*>(q0 + c0) : 0u;
-      qa[i][1] = ok1 ? *reinterpret_cast<const uint32_t*>(q1 + c0) : 0u;
-      qa[i][2] = ok0 ? *reinterpret_cast<const uint32_t*>(q0 + c0 + 8) : 0u;
-      qa[i][3] = ok1 ? *reinterpret_cast<const uint32_t*>(q1 + c0 + 8) : 0u;
+    const int kh = (int)(bh % p.hkv);
+    const long long bb = bh / p.hkv;
+    for (int i = threadIdx.x; i < 16 * (D / 8); i += WARPS * 32) {
+      const int r = i / (D / 8), c8 = i % (D / 8);
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (r < p.rows) {
+        const half* src = p.q + bb * p.sq_b + (long long)(kh * p.g + r / p.tq) * p.sq_h + (r % p.tq) * p.sq_t + c8 * 8;
+        const uint32_t* s32 = reinterpret_cast<const uint32_t*>(src);
+        v = make_uint4(s32[0], s32[1], s32[2], s32[3]);
+      }
+      *reinterpret_cast<uint4*>(qs + r * QROW + c8 * 8) = v;
     }
+    __syncthreads();
   }
+  // lane -> matrix lane / 8 (rows 0-7 / 8-15, k 0-7 / 8-15 of a k-step): a0, a1, a2, a3 of mma.m16n8k16
+  const uint32_t qaddr = smem_u32(qs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * QROW + 8 * (lane >> 4));
 
   // ldmatrix row addresses of the value matrices (relative to a stage's values), per k-step and
   // chunk pair: lane -> matrix lane / 8 (0: b0 of chunk M, 1: b1 of M, 2: b0 of M + 1, 3: b1 of M + 1)
@@ -335,6 +357,9 @@ __global__ void __launch_bounds__(WARPS * 32) kivi_decode_kernel(Params p) {
       for (int h = 0; h < KSTEPS / 2; ++h) {
         uint32_t w[4];
         ldsm_x4_t(kbase + (j * D + 32 * h + lane) * 16, w[0], w[1], w[2], w[3]);
+        uint32_t qa[2][4];
+        ldsm_x4(qaddr + 2 * h * 32, qa[0][0], qa[0][1], qa[0][2], qa[0][3]);        // k-step 2h: channels 32h ..
+        ldsm_x4(qaddr + (2 * h + 1) * 32, qa[1][0], qa[1][1], qa[1][2], qa[1][3]);  // k-step 2h + 1
         const uint4 sv = ksr[h], zv = kzr[h];  // pairs of matrices 4h .. 4h + 3
         const uint32_t sc[4] = {sv.x, sv.y, sv.z, sv.w}, zc[4] = {zv.x, zv.y, zv.z, zv.w};
 #pragma unroll
@@ -352,7 +377,7 @@ __global__ void __launch_bounds__(WARPS * 32) kivi_decode_kernel(Params p) {
 #undef KIVI_POS
               default: b0 = b1 = 0u;
             }
-            mma16816(s[pos], qa[i], b0, b1);
+            mma16816(s[pos], qa[e], b0, b1);
           }
         }
       }
@@ -467,6 +492,12 @@ template <int D, int BITS, int SUB, int GV>
 int stage_bytes(int nkg) {
   using SH = Shape<D, BITS, SUB>;
   return SH::KBYTES + SH::VBYTES + 2 * nkg * D * 2 + 2 * SH::BT * GV * 2;
+}
+
+// dynamic shared memory of one block: WARPS rings of STAGES blocks, then the query rows
+template <int D, int BITS, int SUB, int GV>
+int block_smem(int nkg, int stages, int warps) {
+  return warps * stages * stage_bytes<D, BITS, SUB, GV>(nkg) + 16 * (D + 8) * 2;
 }
 
 }  // namespace kivi
