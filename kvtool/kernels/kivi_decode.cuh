@@ -196,62 +196,72 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
   const int nblk = min(b0 + per, full) - b0;
 
   // per-lane sources of one block (block blk adds blk * BT tokens) and destinations in a stage
+  // per-lane offsets of one block's copies, computed once (a block adds blk * BT tokens to the bases)
   const long long tb0 = (long long)b0 * BT;
-  const uint8_t* ksrc = p.kc + bh * p.kc_bh + (long long)(lane % D) * p.kc_c + tb0 * BITS / 8;  // chunk r: channel (lane + 32 r) % D, sub-block (lane + 32 r) / D
-  const long long kstep32 = 32 * p.kc_c;
+  constexpr int NK = D * SUB / 32;                  // key chunks per lane: chunk lane + 32 r = [sub-block][channel]
   constexpr int VCH = BT * NC;                      // value chunks per block
-  const int vt0 = lane / NC, vcol = lane % NC;      // chunk r: token vt0 + r * 32 / NC, column vcol
-  const uint8_t* vsrc = p.vc + bh * p.vc_bh + (tb0 + vt0) * p.vc_t + vcol * 16;
-  const long long vstep = (long long)(32 / NC) * p.vc_t;
-  // key scales: 4-byte copies that put this lane's 16 ... pairs (channels 8 M' + 2 quad, + 1) side by side:
-  // stage word quad * (D / 8) + M' <- row word 4 M' + quad
-  const half* kss = p.ks + bh * p.ks_bh;
-  const half* kzs = p.kz + bh * p.ks_bh;
-  const half* vss = p.vs + bh * p.vs_bh + tb0 * GV;
-  const half* vzs = p.vz + bh * p.vs_bh + tb0 * GV;
+  constexpr int NV = (VCH + 31) / 32;               // value chunks per lane: token vt0 + r * 32 / NC, column vcol
+  constexpr int WPL = D / 64;                       // key-scale words per lane and row (a row is D / 2 words)
+  const uint8_t* kbase0 = p.kc + bh * p.kc_bh + (long long)lane * p.kc_c + tb0 * BITS / 8;
+  int kofs[NK];
+#pragma unroll
+  for (int r = 0; r < NK; ++r) kofs[r] = (int)(((32 * r) % D) * p.kc_c + ((32 * r) / D) * 16);
+  const int vt0 = lane / NC, vcol = lane % NC;
+  const uint8_t* vbase0 = p.vc + bh * p.vc_bh + (tb0 + vt0) * p.vc_t + vcol * 16;
+  int vofs[NV];
+  uint32_t vdsto[NV];
+#pragma unroll
+  for (int r = 0; r < NV; ++r) {
+    const int t = vt0 + r * (32 / NC);
+    vofs[r] = (int)(r * (32 / NC) * p.vc_t);
+    vdsto[r] = (uint32_t)(t * NC + vswz<NC, SH::LOG2U1>(t, vcol)) * 16;
+  }
+  // key scales: 4-byte copies that put this lane's D / 8 pairs (channels 8 M' + 2 quad, + 1) side by
+  // side: stage word quad * (D / 8) + M' of a row <- row word 4 M' + quad
+  uint32_t ksdo[WPL];
+#pragma unroll
+  for (int k = 0; k < WPL; ++k) {
+    const int w = lane + 32 * k;
+    ksdo[k] = (uint32_t)((w & 3) * (D / 8) + (w >> 2)) * 4;
+  }
+  const half* kss = p.ks + bh * p.ks_bh + 2 * lane;  // + 64 k: word lane + 32 k of a row
+  const half* kzs = p.kz + bh * p.ks_bh + 2 * lane;
+  const uint8_t* vsb0 = reinterpret_cast<const uint8_t*>(p.vs + bh * p.vs_bh + tb0 * GV);
+  const uint8_t* vzb0 = reinterpret_cast<const uint8_t*>(p.vz + bh * p.vs_bh + tb0 * GV);
 
   auto issue = [&](int blk, int slot) {
     const uint32_t st = ring_s + slot * stage_bytes;
     const uint32_t vdst = st + SH::KBYTES, ksdst = vdst + SH::VBYTES, kzdst = ksdst + ksbytes, vsdst = kzdst + ksbytes,
                    vzdst = vsdst + VSBYTES;
     const long long toff = (long long)blk * BT;
-    const uint8_t* kb = ksrc + toff * BITS / 8;
+    const uint8_t* kb = kbase0 + toff * BITS / 8;
     if (p.k16) {
 #pragma unroll
-      for (int r = 0; r < D * SUB / 32; ++r) {
-        const int i = lane + 32 * r;  // [sub-block][channel][16 bytes]
-        cp16(st + i * 16, kb + (long long)((32 * r) % D) * p.kc_c + ((32 * r) / D) * 16);
-      }
+      for (int r = 0; r < NK; ++r) cp16(st + (lane + 32 * r) * 16, kb + kofs[r]);
     } else {  // key rows of a length that is not a multiple of 16 bytes (a file's layer): 4-byte copies
 #pragma unroll
-      for (int r = 0; r < D * SUB / 32; ++r) {
-        const int i = lane + 32 * r;
-        const uint8_t* src = kb + (long long)((32 * r) % D) * p.kc_c + ((32 * r) / D) * 16;
+      for (int r = 0; r < NK; ++r)
 #pragma unroll
-        for (int w = 0; w < 4; ++w) cp4(st + i * 16 + 4 * w, src + 4 * w);
-      }
+        for (int w = 0; w < 4; ++w) cp4(st + (lane + 32 * r) * 16 + 4 * w, kb + kofs[r] + 4 * w);
     }
-    const uint8_t* vb = vsrc + toff * p.vc_t;
+    const uint8_t* vb = vbase0 + toff * p.vc_t;
 #pragma unroll
-    for (int r = 0; r < VCH / 32; ++r) {
-      const int t = vt0 + r * (32 / NC);
-      cp16(vdst + (t * NC + vswz<NC, SH::LOG2U1>(t, vcol)) * 16, vb + r * vstep);
-    }
-    if constexpr (VCH % 32 != 0) {
-      if (lane < VCH % 32) {
-        const int r = VCH / 32, t = vt0 + r * (32 / NC);
-        cp16(vdst + (t * NC + vswz<NC, SH::LOG2U1>(t, vcol)) * 16, vb + r * vstep);
-      }
+    for (int r = 0; r < NV; ++r) {
+      if (VCH % 32 == 0 || r < NV - 1 || lane < VCH % 32) cp16(vdst + vdsto[r], vb + vofs[r]);
     }
     const long long g0 = (tb0 + toff) >> lg;
-    for (int i = lane; i < nkg * D / 2; i += 32) {  // words of the block's key-scale rows, transposed by quad
-      const int row = i / (D / 2), w = i % (D / 2), mq = w >> 2, q4 = w & 3;
-      const int dst = row * (D / 2) + q4 * (D / 8) + mq;
-      cp4(ksdst + dst * 4, kss + (g0 + row) * p.ks_g + 2 * w);
-      cp4(kzdst + dst * 4, kzs + (g0 + row) * p.ks_g + 2 * w);
+    for (int row = 0; row < nkg; ++row) {  // the block's key-scale rows, transposed by quad
+      const half* ksr = kss + (g0 + row) * p.ks_g;
+      const half* kzr = kzs + (g0 + row) * p.ks_g;
+      const uint32_t rd = row * (D * 2);
+#pragma unroll
+      for (int k = 0; k < WPL; ++k) {
+        cp4(ksdst + rd + ksdo[k], ksr + 64 * k);
+        cp4(kzdst + rd + ksdo[k], kzr + 64 * k);
+      }
     }
-    const uint8_t* vsb = reinterpret_cast<const uint8_t*>(vss + toff * GV);
-    const uint8_t* vzb = reinterpret_cast<const uint8_t*>(vzs + toff * GV);
+    const uint8_t* vsb = vsb0 + toff * GV * 2;
+    const uint8_t* vzb = vzb0 + toff * GV * 2;
     if (p.vs_align == 16) {
 #pragma unroll
       for (int i = lane; i < 2 * (VSBYTES / 16); i += 32) {
@@ -364,7 +374,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
         const uint32_t sc[4] = {sv.x, sv.y, sv.z, sv.w}, zc[4] = {zv.x, zv.y, zv.z, zv.w};
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int i = 2 * h + e;
           const uint32_t wa = w[2 * e], wb = w[2 * e + 1];
           const uint32_t sa = sc[2 * e], za = zc[2 * e], sb = sc[2 * e + 1], zb = zc[2 * e + 1];
           const uint32_t wa8 = wa >> 8, wb8 = wb >> 8;
