@@ -34,7 +34,7 @@ from kvtool.core.cache import LayerKV  # noqa: E402
 from kvtool.formats import get_format  # noqa: E402
 from kvtool.formats.base import make_params  # noqa: E402
 
-CUDA_KERNELS = ("bitmap_sparse_attention_kernel", "bitmap_sparse_attention_mma_kernel", "prune_encode_kernel")
+CUDA_KERNELS = ("bitmap_sparse_attention_kernel", "bitmap_sparse_attention_mma_kernel", "prune_encode_kernel", "kivi_decode_kernel")
 
 
 def kvtool_kernel_names() -> list[str]:
@@ -259,11 +259,31 @@ def _(dev):
 
 @case("triton kivi")
 def _(dev):
+    from kvtool.kernels.kivi_attention import cache_from_encoded, kivi_attention
+
     fmt = get_format("quant")
     keys, values = rand(1, 2, 133, 64, dtype=torch.float16, dev=dev, seed=1), rand(1, 2, 133, 64, dtype=torch.float16, dev=dev, seed=2)
     enc = fmt.encode(LayerKV(keys, values), make_params(fmt, {"bits": "4", "group": "32", "residual": "7"}))
     q = rand(1, 6, 1, 64, dtype=torch.float16, dev=dev, seed=3)
-    expect(rel_l2(fmt.attend_kernel(q, enc)[0], fmt.attend(q, enc)[0]), 2e-2, "kivi")
+    out = kivi_attention(q, cache_from_encoded(enc), backend="triton")[0] if dev == "cuda" else fmt.attend_kernel(q, enc)[0]
+    expect(rel_l2(out, fmt.attend(q, enc)[0]), 2e-2, "kivi")
+
+
+@case("cuda kivi (codes dequantised in the MMA fragments: 2 / 4 / 8 bits, head_dim 64 / 128, aligned and file layouts)", cuda_only=True)
+def _(dev):
+    from kvtool.kernels.kivi_attention import cache_from_encoded, cuda_path, kivi_attention
+
+    fmt = get_format("quant")
+    # (KV heads, GQA group, tokens, head_dim, bits, group, residual): 777 tokens leave a file's rows 2-byte aligned
+    for hkv, g, t, d, bits, group, residual in ((2, 4, 300, 128, 4, 32, 7), (1, 3, 777, 64, 2, 32, 9), (2, 16, 200, 64, 8, 16, 0),
+                                                (1, 4, 400, 128, 4, 128, 0)):
+        keys, values = rand(1, hkv, t, d, dtype=torch.float16, dev=dev, seed=1), rand(1, hkv, t, d, dtype=torch.float16, dev=dev, seed=2)
+        enc = fmt.encode(LayerKV(keys, values), make_params(fmt, {"bits": str(bits), "group": str(group), "residual": str(residual)}))
+        q = rand(1, hkv * g, 1, d, dtype=torch.float16, dev=dev, seed=3)
+        cache = cache_from_encoded(enc)
+        expect(0.0 if cuda_path(q, cache) is None else 1.0, 0.5, f"the cuda backend serves {bits}-bit head_dim {d}")
+        for splits in (None, 4, 12):
+            expect(rel_l2(kivi_attention(q, cache, splits=splits, backend="cuda")[0], fmt.attend(q, enc)[0]), 2e-3, "cuda kivi")
 
 
 # ---------------------------------------------------------------- compute-sanitizer's reports
