@@ -87,12 +87,12 @@ def test_the_command_line_gets_the_models_tokenizer(tiny_llama_dir):
 
     tiny = str(tiny_llama_dir)
     base = ["--model", "kvtool", "--model_args", f"pretrained={tiny},press=dense", "--tasks", "niah_single_1"]
-    assert with_tokenizer(base) == ["run", "--model_args", f"tokenizer={tiny}"] + base
-    assert with_tokenizer(["run"] + base) == ["run", "--model_args", f"tokenizer={tiny}"] + base
+    assert with_tokenizer(base) == base[:3] + [f"pretrained={tiny},press=dense,tokenizer={tiny}"] + base[4:]
+    assert with_tokenizer(["run"] + base) == ["run"] + with_tokenizer(base)
     spaced = ["run", "-M", "kvtool", "-a", f"pretrained={tiny}", "press=dense", "--tasks", "niah_single_1"]
-    assert with_tokenizer(spaced)[1:3] == ["--model_args", f"tokenizer={tiny}"]
+    assert with_tokenizer(spaced) == spaced[:5] + [f"press=dense,tokenizer={tiny}"] + spaced[6:]
     as_json = ["--model=kvtool", f'--model_args={{"pretrained": "{tiny}"}}']
-    assert with_tokenizer(as_json)[1:3] == ["--model_args", f"tokenizer={tiny}"]
+    assert with_tokenizer(as_json) == ["--model=kvtool", "--model_args=" + json.dumps({"pretrained": tiny, "tokenizer": tiny})]
     for given in (base[:3] + [f"pretrained={tiny},tokenizer=other"],
                   base + ["--metadata", '{"tokenizer": "other", "max_seq_lengths": [512]}'],
                   ["--model", "hf", "--model_args", "pretrained=gpt2"], ["ls", "tasks"]):

@@ -111,38 +111,44 @@ def _model_args(values: list[str]) -> dict[str, str]:
 
 
 def with_tokenizer(argv: list[str]) -> list[str]:
-    """lm-eval's command-line arguments with ``--model_args tokenizer=FOLDER`` (:func:`tokenizer_folder`)
-    put first when the model type is ``kvtool`` and neither ``--model_args`` nor ``--metadata`` names a
-    tokenizer (later ``--model_args`` merge over earlier ones in lm-eval 0.4.13's command line)."""
+    """lm-eval's command-line arguments with ``tokenizer=FOLDER`` (:func:`tokenizer_folder`) added to a
+    ``kvtool`` model's arguments when neither ``--model_args`` nor ``--metadata`` names a tokenizer: into
+    the last ``--model_args`` value (``k=v`` text gets ``,tokenizer=FOLDER``, a JSON object the key),
+    or as a ``--model_args`` of its own at the end; the subcommand and every other argument unchanged."""
     argv = list(argv)
-    model, args, meta = None, [], []
+    model, args, meta, last = None, [], [], None  # last: (index in argv, whether inline --model_args=...)
     i = 0
     while i < len(argv):
-        arg = argv[i]
-        name, eq, inline = arg.partition("=")
-        if name in ("--model", "-M", "--model_args", "-a", "--metadata") and arg.startswith("-"):
-            vals = [inline] if eq else []
-            j = i + 1
-            if not eq:
-                while j < len(argv) and not argv[j].startswith("-"):
-                    vals.append(argv[j])
-                    j += 1
+        name, eq, inline = argv[i].partition("=")
+        if argv[i].startswith("-") and name in ("--model", "-M", "--model_args", "-a", "--metadata"):
+            vals, j = ([inline], i + 1) if eq else ([], i + 1)
+            while not eq and j < len(argv) and not argv[j].startswith("-"):
+                vals.append(argv[j])
+                j += 1
             if name in ("--model", "-M"):
                 model = vals[0] if vals else None
             elif name == "--metadata":
                 meta += vals
-            else:
+            elif vals:
                 args += vals
-            i = j if not eq else i + 1
+                last = (i, True) if eq else (j - 1, False)
+            i = j
             continue
         i += 1
     if model != "kvtool" or "tokenizer" in _model_args(args) or "tokenizer" in _model_args(meta):
         return argv
-    extra = ["--model_args", f"tokenizer={tokenizer_folder(_model_args(args).get('pretrained'))}"]
-    at = 1 if argv and argv[0] == "run" else 0
-    if at == 0 and argv and not argv[0].startswith("-"):  # another subcommand: nothing to add
-        return argv
-    return argv[:at] + (["run"] if at == 0 else []) + extra + argv[at:]
+    folder = tokenizer_folder(_model_args(args).get("pretrained"))
+    if last is None:
+        return argv + ["--model_args", f"tokenizer={folder}"]
+    at, inline_form = last
+    value = argv[at].partition("=")[2] if inline_form else argv[at]
+    try:
+        obj = json.loads(value) if value.lstrip().startswith("{") else None
+    except ValueError:
+        obj = None
+    value = json.dumps({**obj, "tokenizer": folder}) if isinstance(obj, dict) else f"{value},tokenizer={folder}"
+    argv[at] = f"{argv[at].partition('=')[0]}={value}" if inline_form else value
+    return argv
 
 
 @_register("kvtool")
