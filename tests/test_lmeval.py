@@ -79,3 +79,47 @@ def test_a_press_compresses_the_context(lm):
     assert pressed._split(prompt)[1] == pressed._ids(", and the question")
     [text] = pressed.generate_until([_req("generate_until", prompt, {"until": ["."], "max_gen_toks": 3})])
     assert isinstance(text, str) and "." not in text
+
+
+def test_the_command_line_gets_the_models_tokenizer(tiny_llama_dir):
+    """kvtool-lm-eval adds tokenizer=FOLDER for a kvtool model (RULER's tasks load it by name) unless one is given."""
+    from kvtool.hf.lmeval import with_tokenizer
+
+    tiny = str(tiny_llama_dir)
+    base = ["--model", "kvtool", "--model_args", f"pretrained={tiny},press=dense", "--tasks", "niah_single_1"]
+    assert with_tokenizer(base) == base[:3] + [f"pretrained={tiny},press=dense,tokenizer={tiny}"] + base[4:]
+    assert with_tokenizer(["run"] + base) == ["run"] + with_tokenizer(base)
+    spaced = ["run", "-M", "kvtool", "-a", f"pretrained={tiny}", "press=dense", "--tasks", "niah_single_1"]
+    assert with_tokenizer(spaced) == spaced[:5] + [f"press=dense,tokenizer={tiny}"] + spaced[6:]
+    as_json = ["--model=kvtool", f'--model_args={{"pretrained": "{tiny}"}}']
+    assert with_tokenizer(as_json) == ["--model=kvtool", "--model_args=" + json.dumps({"pretrained": tiny, "tokenizer": tiny})]
+    for given in (base[:3] + [f"pretrained={tiny},tokenizer=other"],
+                  base + ["--metadata", '{"tokenizer": "other", "max_seq_lengths": [512]}'],
+                  ["--model", "hf", "--model_args", "pretrained=gpt2"], ["ls", "tasks"]):
+        assert with_tokenizer(given) == given
+
+
+def test_a_ruler_task_through_the_harness(tiny_llama_dir, monkeypatch):
+    """lm-eval's own evaluator runs RULER's niah_single_1 (generated offline with the model's
+    tokenizer) through the kvtool model type and a press: every request answered, scored by RULER."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("wonderwords")  # lm-eval's ruler extra
+    nltk = pytest.importorskip("nltk")
+    monkeypatch.setattr(nltk, "download", lambda *a, **k: False)  # RULER's generator fetches punkt_tab on import; niah_single_1 never reads it
+    from lm_eval import simple_evaluate
+
+    import kvtool.hf.lmeval as lmeval  # registers the model type
+
+    used = []
+    real = lmeval.kv_press
+    monkeypatch.setattr(lmeval, "kv_press", lambda spec, **kw: used.append(spec) or real(spec, **kw))
+    tiny = str(tiny_llama_dir)
+    out = simple_evaluate(model="kvtool", model_args=f"pretrained={tiny},press=quant:bits=4;group=32", tasks=["niah_single_1"],
+                          limit=2, metadata={"max_seq_lengths": [512]}, gen_kwargs="max_gen_toks=6", log_samples=True, device="cpu")
+    assert 0.0 <= out["results"]["niah_single_1"]["512,none"] <= 1.0
+    samples = out["samples"]["niah_single_1"]
+    assert len(samples) == 2
+    for s in samples:
+        prompt = s["arguments"][0][0]
+        assert "special magic number" in prompt and isinstance(s["resps"][0][0], str)
+    assert used == ["quant:bits=4,group=32"]  # the requests ran through the press

@@ -1,21 +1,30 @@
 """A model type for EleutherAI's lm-evaluation-harness (``kvtool[lm-eval]``): any lm-eval task through a
 kvtool press or plan on a local model, offline.
 
-    python -m kvtool.hf.lmeval --model kvtool --model_args pretrained=DIR,press=plan.json \\
-        --tasks niah_single_1 --metadata '{"max_seq_lengths":[4096]}'
+    kvtool-lm-eval --model kvtool --model_args press=plan.json --tasks niah_single_1 \\
+        --metadata '{"max_seq_lengths":[1024]}' --limit 20
 
-(``kvtool-lm-eval`` is the same command; lm-eval versions that discover models through entry points
-find ``kvtool`` through the ``lm_eval.models`` entry point too, so plain ``lm_eval --model kvtool``
-works there.) ``model_args``:
+``kvtool-lm-eval`` (or ``python -m kvtool.hf.lmeval``) is lm-eval's own command line (every
+subcommand and option) with the ``kvtool`` model type registered: lm-eval 0.4.13 finds model types
+only in its own source tree, so plain ``lm_eval --model kvtool`` answers that no model has that
+name; the ``lm_eval.models`` entry point kvtool declares is for lm-eval versions that read one.
+``model_args``:
 
-- ``pretrained``: a local HF folder, a ``.gguf`` file or ``embedded`` (:func:`kvtool.hf.models.load`);
+- ``pretrained``: a local HF folder, a ``.gguf`` file or ``embedded`` (:func:`kvtool.hf.models.load`;
+  default: the embedded SmolLM2-135M);
 - ``press``: a plan file (``kvtool recommend``) or a format spec whose parameters are separated by
   ``;`` (lm-eval splits ``model_args`` at commas): ``press=quant:bits=2;group=128;rotate=hadamard``;
   default ``dense``;
 - ``split``: text at which each prompt is split (its last occurrence; several texts separated by
   ``|``: the last occurrence of any); the part before it is the context that is compressed, the rest
-  (the question) is read through the compressed cache: question-agnostic compression. Without ``split`` the whole prompt but its last token is compressed
-  (the question is inside lm-eval's prompt: question-aware compression);
+  (the question) is read through the compressed cache: question-agnostic compression. Without
+  ``split`` the whole prompt but its last token is compressed (the question is inside lm-eval's
+  prompt: question-aware compression);
+- ``tokenizer``: a folder AutoTokenizer loads, for lm-eval's tasks that build their samples with the
+  model's tokenizer (RULER's synthetic tasks read it from the model arguments by name, and
+  ``embedded`` or a ``.gguf`` file is no name AutoTokenizer knows); the model itself always uses its
+  own tokenizer. ``kvtool-lm-eval`` adds ``tokenizer=`` :func:`tokenizer_folder` where it is not given;
+  with ``lm_eval.simple_evaluate`` pass it in ``model_args``;
 - ``max_length`` (default: the model's window), ``device`` (``cpu``, ``cuda``, ``auto``; lm-eval's
   ``--device``; a CUDA device on a machine without one falls back to the CPU, saying so).
 
@@ -29,13 +38,15 @@ compressed cache). ``loglikelihood_rolling`` (perplexity over a whole text, no c
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtool.core.errors import UsageError
+from kvtool.core.errors import BadDataError, UsageError
 from kvtool.hf import models
 from kvtool.hf.interface import cache_kwargs, output_cache
 from kvtool.hf.live import press as kv_press
@@ -63,15 +74,93 @@ def press_spec(text: str | None) -> str | Path:
     return text.replace(";", ",")
 
 
+def tokenizer_folder(pretrained: str | None = None) -> str:
+    """A folder ``AutoTokenizer.from_pretrained`` loads the model's tokenizer from: a Hugging Face
+    folder itself; for the embedded model or a ``.gguf`` file the folder :func:`kvtool.hf.models.load`
+    converts it into (made by one load on first use; a temporary folder where it cannot be written)."""
+    source = models.resolve(None if pretrained in (None, "", "embedded") else str(pretrained))
+    if source.kind == "hf-folder":
+        return str(source.path)
+    if source.kind == "random":
+        raise UsageError(f"model {source.name} has no tokenizer; lm-eval's tasks need one (pass tokenizer=FOLDER)")
+    folder = models.converted_folder(source)
+    if not (folder / "tokenizer.json").exists():
+        _, tokenizer, _ = models.load(str(source.path))
+        if not (folder / "tokenizer.json").exists():  # the converted folder could not be written
+            folder = Path(tempfile.mkdtemp(prefix="kvtool-tokenizer-"))
+            tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _model_args(values: list[str]) -> dict[str, str]:
+    """The keys of ``--model_args`` values as lm-eval 0.4.13 reads them (``k=v,k=v``, space-separated
+    ``k=v`` or a JSON object), values as text; enough to find ``pretrained`` and ``tokenizer``."""
+    out: dict[str, str] = {}
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                out.update({str(k): str(v) for k, v in json.loads(value).items()})
+                continue
+            except (ValueError, AttributeError):
+                pass
+        for item in value.split(","):
+            key, eq, val = item.partition("=")
+            if eq:
+                out[key.strip()] = val
+    return out
+
+
+def with_tokenizer(argv: list[str]) -> list[str]:
+    """lm-eval's command-line arguments with ``tokenizer=FOLDER`` (:func:`tokenizer_folder`) added to a
+    ``kvtool`` model's arguments when neither ``--model_args`` nor ``--metadata`` names a tokenizer: into
+    the last ``--model_args`` value (``k=v`` text gets ``,tokenizer=FOLDER``, a JSON object the key),
+    or as a ``--model_args`` of its own at the end; the subcommand and every other argument unchanged."""
+    argv = list(argv)
+    model, args, meta, last = None, [], [], None  # last: (index in argv, whether inline --model_args=...)
+    i = 0
+    while i < len(argv):
+        name, eq, inline = argv[i].partition("=")
+        if argv[i].startswith("-") and name in ("--model", "-M", "--model_args", "-a", "--metadata"):
+            vals, j = ([inline], i + 1) if eq else ([], i + 1)
+            while not eq and j < len(argv) and not argv[j].startswith("-"):
+                vals.append(argv[j])
+                j += 1
+            if name in ("--model", "-M"):
+                model = vals[0] if vals else None
+            elif name == "--metadata":
+                meta += vals
+            elif vals:
+                args += vals
+                last = (i, True) if eq else (j - 1, False)
+            i = j
+            continue
+        i += 1
+    if model != "kvtool" or "tokenizer" in _model_args(args) or "tokenizer" in _model_args(meta):
+        return argv
+    folder = tokenizer_folder(_model_args(args).get("pretrained"))
+    if last is None:
+        return argv + ["--model_args", f"tokenizer={folder}"]
+    at, inline_form = last
+    value = argv[at].partition("=")[2] if inline_form else argv[at]
+    try:
+        obj = json.loads(value) if value.lstrip().startswith("{") else None
+    except ValueError:
+        obj = None
+    value = json.dumps({**obj, "tokenizer": folder}) if isinstance(obj, dict) else f"{value},tokenizer={folder}"
+    argv[at] = f"{argv[at].partition('=')[0]}={value}" if inline_form else value
+    return argv
+
+
 @_register("kvtool")
 class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
     """lm-eval's ``LM`` over a local model whose context caches a kvtool press compresses (module docstring)."""
 
     def __init__(self, pretrained: str = "embedded", press: str | None = None, split: str | None = None, max_length: int | None = None,
-                 device: str | None = "cpu", batch_size: Any = 1, **_ignored: Any) -> None:
+                 device: str | None = "cpu", batch_size: Any = 1, tokenizer: str | None = None, **_ignored: Any) -> None:
         if _LMBase is object:
             raise UsageError("lm-eval is not installed: pip install 'kvtool[lm-eval]'")
         super().__init__()
+        del tokenizer  # read by lm-eval's tasks from the model arguments; the model uses its own tokenizer
         where = "cpu" if device in (None, "") else str(device)
         if where.startswith("cuda") and not torch.cuda.is_available():  # lm-eval's default device is cuda:0
             sys.stderr.write(f"kvtool: device {where} is not available here; the model runs on the CPU\n")
@@ -178,12 +267,18 @@ class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
 
 
 def main() -> None:
-    """lm-eval's command line with the ``kvtool`` model type registered (``python -m kvtool.hf.lmeval``)."""
+    """lm-eval's command line with the ``kvtool`` model type registered (``python -m kvtool.hf.lmeval``),
+    ``tokenizer=`` added to a kvtool model's arguments where missing (:func:`with_tokenizer`)."""
     try:
         from lm_eval.__main__ import cli_evaluate
     except ImportError:
         sys.stderr.write("lm-eval is not installed: pip install 'kvtool[lm-eval]'\n")
         raise SystemExit(2) from None
+    try:
+        sys.argv[1:] = with_tokenizer(sys.argv[1:])
+    except (UsageError, BadDataError) as exc:
+        sys.stderr.write(f"kvtool-lm-eval: {exc}\n")
+        raise SystemExit(2 if isinstance(exc, UsageError) else 1) from None
     cli_evaluate()
 
 
