@@ -22,7 +22,7 @@ from kvtool.formats.pipeline import resolve
 from kvtool.hf import models
 from kvtool.hf.attention import CompressedPrefix, build_cache, compressed_attention, prefill
 from kvtool.hf.interface import cache_kwargs, output_cache
-from kvtool.hf.live import live_layers
+from kvtool.hf.live import compress_hf_cache, live_layers
 
 # 70 new tokens: every format encodes (KIVI groups, bitmap blocks of 64, signvq / page chunks) or
 # evicts (the ring) during the decode of both rows, not only at the prompt
@@ -73,11 +73,11 @@ def plans(tmp_path_factory, tiny_capture):
     return {"plan": str(folder / "plan.json"), "recommended": r.budgets[0]["plan_file"]}
 
 
-def _generate(model, ids, mask):
+def _generate(model, ids, mask, **kwargs):
     """Greedy ``STEPS`` new tokens ``[B, STEPS]`` and the cache they were generated with."""
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                             return_dict_in_generate=True)
+                             return_dict_in_generate=True, **kwargs)
     return out.sequences[:, ids.shape[1]:], out.past_key_values
 
 
@@ -119,6 +119,33 @@ def test_rows_of_equal_length_and_padded_rows_alike(tiny):
     assert not any(isinstance(live, RowsLive) for live in live_layers(cache))
 
 
+def _compressed_then_generated(model, spec, ids, mask):
+    """All but the last prompt token prefilled (positions from the mask, as generate makes them),
+    the cache compressed with the mask, then ``STEPS`` greedy tokens from it."""
+    head, mhead = ids[:, :-1], mask[:, :-1]
+    positions = (mhead.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        cache = output_cache(model(input_ids=head, attention_mask=mhead, position_ids=positions, use_cache=True))
+    compress_hf_cache(cache, spec, attention_mask=mhead)
+    return _generate(model, ids, mask, **cache_kwargs(model, cache))[0]
+
+
+@pytest.mark.parametrize("spec", ["quant:bits=4", "bitmap:sparsity=0.7", "dense"])
+def test_a_padded_transformers_cache_compressed_with_its_mask(spec, tiny):
+    model, tok = tiny
+    batch = tok(list(PROMPTS), return_tensors="pt", padding=True, add_special_tokens=False)
+    both = _compressed_then_generated(model, spec, batch["input_ids"], batch["attention_mask"])
+    for b, p in enumerate(PROMPTS):
+        e = tok([p], return_tensors="pt", add_special_tokens=False)
+        assert both[b].tolist() == _compressed_then_generated(model, spec, e["input_ids"], e["attention_mask"])[0].tolist(), f"row {b}"
+    bad = torch.ones_like(batch["attention_mask"])
+    bad[1, -1] = 0
+    with torch.no_grad():
+        cache = output_cache(model(**batch, use_cache=True))
+    with pytest.raises(UsageError, match="left padding only"):
+        compress_hf_cache(cache, spec, attention_mask=bad)
+
+
 def test_right_padding_is_refused_before_the_first_token(tiny):
     model, tok = tiny
     tok.padding_side = "right"
@@ -151,7 +178,7 @@ def test_a_mask_other_than_the_pads_dropped_is_refused(tiny):
 
 
 def test_caches_that_kept_the_pads_are_refused(tiny, tmp_path):
-    """``kvtool.compress`` of a padded transformers cache and ``to_hf_cache`` of a file encoded the
+    """``kvtool.compress`` of a padded transformers cache (without its mask) and ``to_hf_cache`` of a file encoded the
     pad tokens with the others: a mask that hides them is refused at the first step through the live
     cache; so is a file's encoded prefix (``compressed_attention``, ``kvtool generate``'s path)."""
     model, tok = tiny

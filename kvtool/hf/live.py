@@ -128,8 +128,9 @@ def live_layer_class() -> type:
                 if not any(want):
                     raise UsageError(
                         f"layer {self.layer_idx}: a padded batch (the attention mask hides the first {got} tokens of the rows) needs "
-                        "a live cache built from the padded prompts inside kvtool.press, whose layers drop each row's pads; this "
-                        "cache holds every position of every row (kvtool.compress of a cache, to_hf_cache of a file)")
+                        "a live cache built from the padded prompts inside kvtool.press, whose layers drop each row's pads (or "
+                        "kvtool.hf.live.compress_hf_cache(cache, spec, attention_mask=mask)); this cache holds every position of "
+                        "every row (kvtool.compress of a cache without the mask, to_hf_cache of a file)")
                 raise UsageError(f"layer {self.layer_idx}: the attention mask hides the first {got} tokens of the rows, but this live "
                                  f"cache dropped {want} pad tokens at its prefill: keep the padded prompt's attention mask")
 
@@ -360,13 +361,18 @@ def live_cache_from(cc: CompressedCache, model: Any, hold_last: bool = False) ->
     return make_live_cache(cache)
 
 
-def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
+def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None, attention_mask: torch.Tensor | None = None) -> Any:
     """Compress a transformers cache in place: every dense layer (``DynamicLayer`` with tokens)
     becomes a live layer of ``spec`` (a format spec or a plan file), its dense tensors freed; returns
     the same cache. Formats that read queries (SnapKV eviction, output-aware pruning, plans that
     hold them) cannot: the queries are not in a cache (use :func:`press`, which sees them). With
-    ``model`` the model is switched to kvtool's attention (else call :func:`use_kvtool_attention`)."""
+    ``model`` the model is switched to kvtool's attention (else call :func:`use_kvtool_attention`).
+    ``attention_mask`` ``[B, T]`` (1 = real token; the prompt's mask of a left-padded batch): each
+    row's layer holds its tokens after its pads alone (:class:`RowsLive`)."""
     specs = resolve_layer_specs(spec, len(cache.layers))
+    pads = None
+    if attention_mask is not None:
+        pads = left_pads(attention_mask[:, None, None, :].bool(), int(attention_mask.shape[0]))
     cls = live_layer_class()
     first = next((layer for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.ndim == 4), None)
     if first is not None:
@@ -380,9 +386,14 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
         fmt, params = specs(i)
         t = layer.get_seq_length()
         keys, values = layer.keys, layer.values
+        if pads is not None and (len(pads) != keys.shape[0] or attention_mask.shape[-1] != t):
+            raise UsageError(f"attention_mask {tuple(attention_mask.shape)} does not match layer {i}'s {keys.shape[0]} rows of {t} tokens")
         try:
             with device_guard(keys.device):
-                live = fmt.live_from_dense(LayerKV(keys, values), params)
+                if pads is not None and any(pads):
+                    live = RowsLive.from_dense(fmt, LayerKV(keys, values), params, pads)
+                else:
+                    live = fmt.live_from_dense(LayerKV(keys, values), params)
         except UsageError as exc:
             if "queries" not in str(exc):
                 raise
