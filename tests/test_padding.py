@@ -107,6 +107,23 @@ def test_the_specs_cover_every_format_and_the_menus_families():
     assert {m.split(":")[0].split("+")[0] for m in menu()} <= {s.split(":")[0].split("+")[0] for s in SPECS}
 
 
+@pytest.mark.parametrize("spec", ["quant:bits=4", "snapkv:budget=48,recent=8+quant:bits=4"])
+def test_eager_attentions_additive_mask(spec, tiny):
+    """The eager implementation's float mask (-inf where hidden) gives the same rows."""
+    model, tok = tiny
+    batch = tok(list(PROMPTS), return_tensors="pt", padding=True, add_special_tokens=False)
+    before = model.config._attn_implementation
+    model.config._attn_implementation = "eager"
+    try:
+        with kvtool.press(spec):
+            both, _ = _generate(model, batch["input_ids"], batch["attention_mask"])
+            for b, p in enumerate(PROMPTS):
+                e = tok([p], return_tensors="pt", add_special_tokens=False)
+                assert both[b].tolist() == _generate(model, e["input_ids"], e["attention_mask"])[0][0].tolist(), f"row {b}"
+    finally:
+        model.config._attn_implementation = before
+
+
 def test_rows_of_equal_length_and_padded_rows_alike(tiny):
     """An equal-length batch stays one live layer of the batch, each row its own generation; a
     single prompt's mask of ones is no padding."""
