@@ -24,8 +24,8 @@ from kvtool.hf.attention import CompressedPrefix, build_cache, compressed_attent
 from kvtool.hf.interface import cache_kwargs, output_cache
 from kvtool.hf.live import compress_hf_cache, live_layers
 
-# 70 new tokens: every format encodes (KIVI groups, bitmap blocks of 64, signvq / page chunks) or
-# evicts (the ring) during the decode of both rows, not only at the prompt
+# 70 new tokens: formats that grow by blocks of up to 64 tokens (KIVI groups, bitmap blocks, signvq
+# chunks, pages) encode at least one during the decode of each row, and the rings evict
 STEPS = 70
 PROMPTS = ("row one, a shorter prompt of the padded batch. " * 3, "row two is the longest prompt; the others are padded on the left to it. " * 3)
 # every format (the registry's), KIVI at several bits / groups / residuals, each eviction and a pruning step

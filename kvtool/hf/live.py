@@ -20,11 +20,12 @@ Three ways in:
 A cache with live layers gains ``stored_bytes()``, ``dense_bytes(dtype=...)``, ``storage_ratio`` and
 ``held_tokens()`` (:class:`LiveCacheMixin`). Presses in several threads are independent.
 
-Padded batches: a left-padded prompt with its attention mask, pressed, becomes per-row live layers
-over each row's real tokens (:class:`~kvtool.formats._rows.RowsLive`): each row holds and generates
-what it would alone. A live cache that kept every position (``compress_hf_cache``, ``live_cache_from``)
-refuses a mask that hides tokens, and any live layer refuses a mask that is not left padding, with a
-UsageError before the first token it would attend wrong. Limits: no beam search (live layers cannot
+Padded batches: a left-padded prompt with its attention mask, pressed (or a padded cache given to
+:func:`compress_hf_cache` with the prompt's mask), becomes per-row live layers over each row's real
+tokens (:class:`~kvtool.formats._rows.RowsLive`): each row holds and generates what it would alone.
+A live cache that kept every position (``compress_hf_cache`` without the mask, ``live_cache_from``)
+refuses a mask that hides tokens, and any live layer refuses a mask that is not left padding or
+hides other tokens than the pads it dropped, with a UsageError before the step it would attend wrong. Limits: no beam search (live layers cannot
 be reordered or cropped), full attention layers only (no sliding windows or soft caps).
 """
 
@@ -42,12 +43,12 @@ from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import device_guard
 from kvtool.formats._live import LiveLayer
+from kvtool.formats._rows import RowsLive
 from kvtool.formats.base import CompressedCache, Format, FormatParams, get_format, make_params
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import load_plan, note_default_layers
 from kvtool.hf import interface as hfinterface
 from kvtool.hf.devices import layer_devices
-from kvtool.formats._rows import RowsLive
 from kvtool.hf.attention import (ATTN_NAME, dispatch_through_kvtool, hand_over, handed_over, left_pads, masks_tokens, register_attention,
                                  restore_dispatch, set_prefill_hook, use_kvtool_attention)
 
