@@ -132,30 +132,6 @@ def test_every_way_in_generates_the_file_paths_tokens(spec, tiny, cap, plan_file
     assert toks == want, "compress of a transformers cache"
 
 
-def test_a_padded_batch_is_refused_before_its_first_token(tiny, tmp_path):
-    """Left padding with an attention mask: every live way refuses it before the first token (the
-    formats encode pad tokens and attend without a mask); an equal-length batch runs, each row
-    its own generation."""
-    model, tok = tiny
-    tok.padding_side = "left"
-    batch = tok(["a short prompt", "a much longer prompt than the first one"], return_tensors="pt", padding=True, add_special_tokens=False)
-    for spec in ("dense", "quant:bits=4"):
-        with pytest.raises(UsageError, match="padded batch"):
-            with kvtool.press(spec):
-                model.generate(**batch, max_new_tokens=2, do_sample=False)
-    with torch.no_grad():
-        hf = output_cache(model(**batch, use_cache=True))
-    kvtool.compress(hf, "quant:bits=4")
-    with pytest.raises(UsageError, match="padded batch"):
-        model(input_ids=batch["input_ids"][:, -1:], attention_mask=torch.ones(2, batch["input_ids"].shape[1] + 1, dtype=torch.long).index_fill_(1, torch.tensor([0]), 0),
-              **cache_kwargs(model, hf), use_cache=True)
-    rows = tok(["equal one", "equal two"], return_tensors="pt", add_special_tokens=False)
-    with kvtool.press("quant:bits=4"):
-        both = model.generate(**rows, max_new_tokens=4, do_sample=False)
-        one = [model.generate(rows["input_ids"][i:i + 1], attention_mask=rows["attention_mask"][i:i + 1], max_new_tokens=4, do_sample=False) for i in range(2)]
-    assert torch.equal(both, torch.cat(one))
-
-
 def test_the_live_cache_tells_its_bytes(tiny):
     """stored_bytes / dense_bytes / storage_ratio on the cache object; residuals in the cache dtype,
     sized to the format's need; get_seq_length counts positions, held_tokens what is attended."""

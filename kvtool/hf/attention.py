@@ -37,10 +37,12 @@ prefix on layer ``i``'s device (:func:`kvtool.hf.devices.layer_devices`); the at
 makes that device current while a layer attends through its source (Triton kernels launch on the
 current device).
 
-Limits: equal-length batches only: a padded batch (an attention mask that hides tokens from the
-last query) is refused with a UsageError before its first token, in a compressed layer and while
-``kvtool.press`` is active (:func:`masks_tokens`); no sliding-window
-or soft-capped attention in compressed layers, no output_attentions.
+Padding: a source may accept an attention mask that hides tokens from the last query (left padding,
+:func:`masks_tokens`) through its ``check_padding(mask)``: a live layer built from a left-padded
+prompt (:class:`~kvtool.formats._rows.RowsLive`) holds no pad tokens and checks that the mask hides
+exactly the pads it dropped (:func:`left_pads`). A :class:`CompressedPrefix` (a file's encoding,
+pads included) refuses a padded batch with a UsageError before its first token. Limits: no
+sliding-window or soft-capped attention in compressed layers, no output_attentions.
 """
 
 from __future__ import annotations
@@ -172,9 +174,15 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         kwargs.setdefault("dropout", args[0])
     idx = getattr(module, "layer_idx", None)
     source = _source_for(idx, key)
-    if (source is not None or getattr(_state, "prefill_hook", None) is not None) and masks_tokens(attention_mask):
-        clear_handovers()
-        raise UsageError(PADDING)
+    if source is not None and (getattr(source, "padded", False) or masks_tokens(attention_mask)):
+        check = getattr(source, "check_padding", None)  # a live layer knows the pads it dropped; a file's prefix holds them
+        try:
+            if check is None:
+                raise UsageError(PADDING)
+            check(attention_mask)
+        except UsageError:
+            clear_handovers()
+            raise
     if source is None:
         if dense is None:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as dense
@@ -182,7 +190,7 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
         hook = getattr(_state, "prefill_hook", None)
         if hook is not None:
             with device_guard(query.device):
-                hook(module, query, key, value)
+                hook(module, query, key, value, attention_mask)
         return result
     if kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
         raise UsageError(f"layer {idx}: soft-capped or sliding-window attention is not supported on a compressed prefix")
@@ -191,9 +199,17 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
-PADDING = ("a padded batch (an attention mask that hides tokens, e.g. left padding) cannot use a compressed cache: "
-           "its formats encode the pad tokens with the others and attend without a mask; generate each prompt on its own "
-           "(or give prompts of equal length)")
+PADDING = ("a padded batch (an attention mask that hides tokens, e.g. left padding) cannot attend to a compressed file's prefix: "
+           "its encoding holds the pad tokens with the others; generate each prompt on its own, or compress the padded prompts inside "
+           "kvtool.press, whose live layers drop each row's pads")
+
+
+def _hidden(mask: torch.Tensor) -> torch.Tensor:
+    """Bool, True where a transformers attention mask (bool, True = attend; additive float; or
+    0 / 1 integers) hides a key."""
+    if mask.dtype == torch.bool:
+        return ~mask
+    return mask < torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask == 0
 
 
 def masks_tokens(mask: Any) -> bool:
@@ -203,16 +219,27 @@ def masks_tokens(mask: Any) -> bool:
         return False
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return False  # reading the mask is a host sync, which a CUDA graph capture forbids; the eager steps before it checked
-    last = mask[..., -1, :]
-    if last.dtype == torch.bool:
-        return not bool(last.all())
-    return bool((last < torch.finfo(last.dtype).min / 2).any()) if last.is_floating_point() else bool((last == 0).any())
+    return bool(_hidden(mask[..., -1, :]).any())
+
+
+def left_pads(mask: torch.Tensor, batch: int) -> list[int]:
+    """Per row, the keys a transformers attention mask ``[B or 1, 1, Tq, Tk]`` hides from the last
+    query: left padding, so they must be the row's first ones (UsageError otherwise: right padding,
+    or holes that no live format can drop)."""
+    hidden = _hidden(mask[..., -1, :])
+    hidden = hidden.reshape(hidden.shape[0], -1, hidden.shape[-1])[:, 0].expand(batch, -1).cpu()
+    counts = hidden.sum(-1)
+    prefix = torch.arange(hidden.shape[-1])[None, :] < counts[:, None]
+    if not torch.equal(hidden, prefix):
+        raise UsageError("the attention mask hides tokens that are not a row's first ones (right padding, or holes): live compressed "
+                         "caches take left padding only (tokenizer.padding_side = 'left')")
+    return [int(c) for c in counts]
 
 
 def set_prefill_hook(hook: Any) -> None:
-    """``hook(module, query, key, value)`` runs after every dense (SDPA) attention call through
-    kvtool's function in this thread (None: no hook). ``kvtool.press`` compresses with it the layers
-    whose format reads the prefill's queries."""
+    """``hook(module, query, key, value, attention_mask)`` runs after every dense (SDPA) attention
+    call through kvtool's function in this thread (None: no hook). ``kvtool.press`` compresses each
+    prompt layer with it (it sees the prefill's queries and, in a padded batch, the mask)."""
     _state.prefill_hook = hook
 
 

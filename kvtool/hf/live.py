@@ -20,9 +20,13 @@ Three ways in:
 A cache with live layers gains ``stored_bytes()``, ``dense_bytes(dtype=...)``, ``storage_ratio`` and
 ``held_tokens()`` (:class:`LiveCacheMixin`). Presses in several threads are independent.
 
-Limits: equal-length batches (a padded batch is refused before its first token:
-:func:`~kvtool.hf.attention.masks_tokens`), no beam search (live layers cannot be reordered or
-cropped), full attention layers only (no sliding windows or soft caps).
+Padded batches: a left-padded prompt with its attention mask, pressed (or a padded cache given to
+:func:`compress_hf_cache` with the prompt's mask), becomes per-row live layers over each row's real
+tokens (:class:`~kvtool.formats._rows.RowsLive`): each row holds and generates what it would alone.
+A live cache that kept every position (``compress_hf_cache`` without the mask, ``live_cache_from``)
+refuses a mask that hides tokens, and any live layer refuses a mask that is not left padding or
+hides other tokens than the pads it dropped, with a UsageError before the step it would attend wrong. Limits: no beam search (live layers cannot
+be reordered or cropped), full attention layers only (no sliding windows or soft caps).
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ from kvtool.core.cache import LayerKV
 from kvtool.core.errors import UsageError
 from kvtool.core.placement import device_guard
 from kvtool.formats._live import LiveLayer
+from kvtool.formats._rows import RowsLive
 from kvtool.formats.base import CompressedCache, Format, FormatParams, get_format, make_params
 from kvtool.formats.pipeline import resolve
 from kvtool.formats.plan import load_plan, note_default_layers
 from kvtool.hf import interface as hfinterface
 from kvtool.hf.devices import layer_devices
-from kvtool.hf.attention import ATTN_NAME, restore_dispatch, dispatch_through_kvtool, hand_over, handed_over, register_attention, set_prefill_hook, use_kvtool_attention
+from kvtool.hf.attention import (ATTN_NAME, dispatch_through_kvtool, hand_over, handed_over, left_pads, masks_tokens, register_attention,
+                                 restore_dispatch, set_prefill_hook, use_kvtool_attention)
 
 _state = threading.local()
 
@@ -102,6 +108,32 @@ def live_layer_class() -> type:
                 out = self.live.step(query.to(dt), key.to(dt), value.to(dt), scale)
                 self.seen += key.shape[2]
                 return out
+
+            @property
+            def padded(self) -> bool:
+                """Whether the layer dropped left pads at its prefill (every step's mask is checked)."""
+                return any(getattr(self.live, "pads", ()))
+
+            def check_padding(self, mask: Any) -> None:
+                """UsageError unless ``mask`` hides from each row exactly the left pads the live
+                layer dropped when it was built (a padded prompt compressed by :func:`press`). No
+                mask (transformers gives none when it hides nothing) and a step being captured in a
+                CUDA graph (no host reads) are not checked."""
+                if not isinstance(mask, torch.Tensor) or mask.ndim < 2 or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    return
+                b = self.keys.shape[0]
+                want = list(getattr(self.live, "pads", [0] * b))
+                got = left_pads(mask, b)
+                if got == want:
+                    return
+                if not any(want):
+                    raise UsageError(
+                        f"layer {self.layer_idx}: a padded batch (the attention mask hides the first {got} tokens of the rows) needs "
+                        "a live cache built from the padded prompts inside kvtool.press, whose layers drop each row's pads (or "
+                        "kvtool.hf.live.compress_hf_cache(cache, spec, attention_mask=mask)); this cache holds every position of "
+                        "every row (kvtool.compress of a cache without the mask, to_hf_cache of a file)")
+                raise UsageError(f"layer {self.layer_idx}: the attention mask hides the first {got} tokens of the rows, but this live "
+                                 f"cache dropped {want} pad tokens at its prefill: keep the padded prompt's attention mask")
 
             def get_seq_length(self) -> int:
                 return self.seen
@@ -330,13 +362,18 @@ def live_cache_from(cc: CompressedCache, model: Any, hold_last: bool = False) ->
     return make_live_cache(cache)
 
 
-def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
+def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None, attention_mask: torch.Tensor | None = None) -> Any:
     """Compress a transformers cache in place: every dense layer (``DynamicLayer`` with tokens)
     becomes a live layer of ``spec`` (a format spec or a plan file), its dense tensors freed; returns
     the same cache. Formats that read queries (SnapKV eviction, output-aware pruning, plans that
     hold them) cannot: the queries are not in a cache (use :func:`press`, which sees them). With
-    ``model`` the model is switched to kvtool's attention (else call :func:`use_kvtool_attention`)."""
+    ``model`` the model is switched to kvtool's attention (else call :func:`use_kvtool_attention`).
+    ``attention_mask`` ``[B, T]`` (1 = real token; the prompt's mask of a left-padded batch): each
+    row's layer holds its tokens after its pads alone (:class:`RowsLive`)."""
     specs = resolve_layer_specs(spec, len(cache.layers))
+    pads = None
+    if attention_mask is not None:
+        pads = left_pads(attention_mask[:, None, None, :].bool(), int(attention_mask.shape[0]))
     cls = live_layer_class()
     first = next((layer for layer in cache.layers if isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.ndim == 4), None)
     if first is not None:
@@ -350,9 +387,14 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
         fmt, params = specs(i)
         t = layer.get_seq_length()
         keys, values = layer.keys, layer.values
+        if pads is not None and (len(pads) != keys.shape[0] or attention_mask.shape[-1] != t):
+            raise UsageError(f"attention_mask {tuple(attention_mask.shape)} does not match layer {i}'s {keys.shape[0]} rows of {t} tokens")
         try:
             with device_guard(keys.device):
-                live = fmt.live_from_dense(LayerKV(keys, values), params)
+                if pads is not None and any(pads):
+                    live = RowsLive.from_dense(fmt, LayerKV(keys, values), params, pads)
+                else:
+                    live = fmt.live_from_dense(LayerKV(keys, values), params)
         except UsageError as exc:
             if "queries" not in str(exc):
                 raise
@@ -374,12 +416,13 @@ def compress_hf_cache(cache: Any, spec: str | Path, model: Any = None) -> Any:
 
 
 class _Press:
-    """What an active :func:`press` compresses with, and the layers waiting for their queries."""
+    """What an active :func:`press` compresses with, and the prompt layers waiting for their
+    attention call (layer index -> (cache, keys, values))."""
 
     def __init__(self, specs: Any, num_layers: int | None = None) -> None:
         self.specs = specs
         self.num_layers = num_layers
-        self.pending: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pending: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self.layers = 0
 
 
@@ -387,15 +430,25 @@ class _Press:
 # (of any thread) patches them, the last one to exit restores them; each thread's press is its own.
 _PATCH_LOCK = threading.Lock()
 _PATCH: dict[str, Any] = {"active": 0, "original": None, "dispatched": False}
+NOT_DISPATCHED = ("the model did not attend through kvtool's attention function at its prefill (its attention implementation "
+                  "does not dispatch through kvtool's: use attn_implementation='sdpa' or 'eager', or kvtool.hf.attention.use_kvtool_attention(model))")
 
 
 def _pressing() -> _Press | None:
     return getattr(_state, "press", None)
 
 
-def _compress_now(press: _Press, cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None) -> None:
+def _compress_now(press: _Press, cache: Any, idx: int, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor | None,
+                  pads: list[int] | None = None) -> None:
+    """Layer ``idx`` of ``cache`` becomes live: the format's layer of ``keys`` / ``values`` ``[B,
+    Hkv, T, D]`` (``queries`` ``[B, H, T, D]`` for formats that read them), or, where rows have
+    left pads (``pads[b]`` tokens), one layer per row over its real tokens (:class:`RowsLive`)."""
     fmt, params = press.specs(idx)
-    live = fmt.live_from_dense(LayerKV(keys, values, queries), params)
+    layer = LayerKV(keys, values, queries if fmt.reads_queries(params) else None)
+    if pads is not None and any(pads):
+        live = RowsLive.from_dense(fmt, layer, params, pads)
+    else:
+        live = fmt.live_from_dense(layer, params)
     cache.layers[idx] = make_live_layer(idx, live, keys.shape[2])
     make_live_cache(cache)
     press.layers += 1
@@ -413,23 +466,25 @@ def _patched_update(original):
         fresh = layer is not None and type(layer) is _layer_base() and layer.get_seq_length() == 0
         if not fresh:
             return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        stale = press.pending.pop(layer_idx, None)
+        if stale is not None and stale[0] is self:  # this cache's prompt layer never reached kvtool's attention
+            press.pending.clear()
+            raise UsageError(f"layer {layer_idx}: {NOT_DISPATCHED}")
         layers = press.num_layers or (len(self.layers) if getattr(self, "layer_class_to_replicate", None) is None else None)
         if layers:
             check_specs(press.specs, layers, int(key_states.shape[1]), int(key_states.shape[3]))
-        fmt, params = press.specs(layer_idx)
-        if fmt.reads_queries(params):
-            # compressed by the attention function once it has this prefill's queries
-            press.pending[layer_idx] = (self, key_states, key_states, value_states)
-        else:
-            _compress_now(press, self, layer_idx, key_states, value_states, None)
+        press.specs(layer_idx)  # a plan's format for the layer resolves (and fails) here, before the attention
+        # compressed by the attention function once it ran on the prompt: it has the queries and the mask
+        press.pending[layer_idx] = (self, key_states, value_states)
         return key_states, value_states
 
     return update
 
 
-def press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    """Called by the ``kvtool`` attention function after a prefill's attention: a layer that waits
-    for its queries is compressed now (``query`` ``[B, H, T, D]`` after RoPE)."""
+def press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any = None) -> None:
+    """Called by the ``kvtool`` attention function after a prefill's attention: the layer waiting
+    for it is compressed now (``query`` ``[B, H, T, D]`` after RoPE; ``mask`` the model's attention
+    mask: a left-padded batch's rows drop their pads, :func:`~kvtool.hf.attention.left_pads`)."""
     press = _pressing()
     if press is None or not press.pending:
         return
@@ -438,8 +493,9 @@ def press_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     if item is None or item[1] is not key:
         return
     del press.pending[idx]
-    cache, _, keys, values = item
-    _compress_now(press, cache, idx, keys, values, query)
+    cache, keys, values = item
+    pads = left_pads(mask, keys.shape[0]) if masks_tokens(mask) else None
+    _compress_now(press, cache, idx, keys, values, query, pads)
 
 
 @contextlib.contextmanager
