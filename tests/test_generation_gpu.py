@@ -47,7 +47,7 @@ def test_replays_with_encodes_between_them_decode_like_eager_steps():
             live.reserve(1)  # the host's counts from the device
         runs[mode] = (torch.cat(seen, dim=1), [live.tokens for live in live_layers(cache)], loop.recaptures, out)
     assert runs["graph"][1] == runs["eager"][1]
-    assert runs["graph"][2] == 0
+    assert runs["graph"][2] <= 1  # a capacity re-laid once (1/32 more blocks at 4,096 tokens) is captured again
     assert torch.equal(runs["graph"][0], runs["eager"][0])
 
 
@@ -58,7 +58,9 @@ def test_measure_reports_generation_and_growth(provider):
 
     model = build_model("llama3-8b", device="cuda", dtype=torch.float16, layers=2)
     m = measure(model, provider, 2, 4096, runs=5, generate_tokens=200, encode_repeats=3)
-    assert m["generate_method"] == "cuda-graph" and m["generate_recaptures"] == 0
+    # a growing layer re-allocates its capacity (KIVI: one group spare, then 1/64 more; bitmap: 1/32
+    # more blocks) within 200 tokens of 4,096, and the loop captures the step again: at most twice
+    assert m["generate_method"] == "cuda-graph" and m["generate_recaptures"] <= 2
     assert m["generate_tokens"] == 200 and m["generate_tokens_per_s"] > 0 and 0 <= m["generate_encode_share"] < 1
     if provider.startswith("dense"):
         assert "encode_us_per_token" not in m  # dense never encodes: no growth measured

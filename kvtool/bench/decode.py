@@ -183,6 +183,13 @@ class FlashInferDenseLive(LiveLayer):
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
 
+    def workspace_bytes(self, query_rows: int) -> int:
+        """The shared plan's buffers (FlashInfer's 128 MiB workspace and page tables), held for
+        the whole run, and the step's output."""
+        plan = self.shared
+        held = sum(t.numel() * t.element_size() for t in (plan.workspace, plan.indptr, plan.indices, plan.last))
+        return held + plan.batch * plan.heads * plan.head_dim * self.k.element_size()
+
     def encoded(self):
         k = self.seq_view(self.k)[:, :self.n].transpose(1, 2).contiguous()
         v = self.seq_view(self.v)[:, :self.n].transpose(1, 2).contiguous()

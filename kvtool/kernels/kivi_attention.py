@@ -689,8 +689,7 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         bt = int(block or packed_block_tokens(cache))
         if bt < 32 or bt & (bt - 1):
             raise UsageError(f"block must be a power of two from 32, got {block}")
-        if rb > 16 and bt < 64:  # 64 rows in blocks of 32 tokens trip Triton 3.6's dot-operand pass (illegal shared layout)
-            bt = 64
+        rb = 16  # 64 rows trip Triton 3.6's dot-operand pass (illegal shared layout) at blocks of 32 and 64 tokens (H100)
         block_scales = True
     else:
         bt, block_scales = block_tokens(cache.group)
