@@ -529,12 +529,13 @@ class QuantLive(_ResidualLive):
     # -- storage
 
     def _capacity_for(self, tokens: int, grow: bool = True) -> int:
-        """Quantised slots for ``tokens``: one spare group (a new layer), or 1/64 more on a long
-        context (a re-allocation, so that growing costs a copy once every 64 groups at most); for a
+        """Quantised slots for ``tokens``: one spare group (a new layer), or 1/64 more, at least 256
+        tokens (a re-allocation, so that growing costs a copy, and a replayed step a new capture,
+        once every 256 tokens at most; the H100 gate saw one every 64 tokens at 4,096); for a
         group far longer than the tokens (more than :data:`LIVE_HEADROOM` ahead), the tokens plus
         the headroom, grown when a whole group is quantised (:meth:`_absorb`)."""
         tokens = max(tokens, 0)  # a residual longer than the tokens leaves none to quantise yet
-        extra = tokens // 64 if grow else 0
+        extra = max(tokens // 64, 256) if grow else 0  # at least 256 tokens: a generation recaptures its graph rarely
         whole = _round_up(tokens + max(self.group, extra), self.group)
         if whole <= tokens + LIVE_HEADROOM + self.group:
             return _round_up(whole, 64) if self.group % 64 == 0 or 64 % self.group == 0 else whole  # key rows in 16-byte runs (the CUDA kernel's copies)
