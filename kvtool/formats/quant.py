@@ -471,7 +471,7 @@ class QuantLive(_ResidualLive):
 
     Holds, on the model's device: packed key codes with a scale and zero point per channel and group
     of tokens, packed value codes with a scale and zero point per token (and group of channels),
-    all allocated for a capacity of tokens (one group more than held; a re-allocation adds 1/64),
+    all allocated for a capacity of tokens (one group more than held; a re-allocation adds 1/64, at least 256 tokens),
     and full-precision residual keys / values in the cache dtype in buffers of R + group slots
     (:meth:`reserve` widens them for steps replayed from a CUDA graph); ``lengths`` (int32
     ``[4]`` on the device) holds the quantised key and value tokens and the residual tokens in use.
@@ -484,7 +484,7 @@ class QuantLive(_ResidualLive):
     are quantised (keys per channel, values per token, the codes :func:`encode_kivi` writes for the
     same tokens) into the next slots of the codes, and the residual moves down; this reads the
     lengths on the host first (a captured step may have appended since). A full capacity is
-    re-allocated 1/64 larger. A step attends through :func:`~kvtool.kernels.kivi_attention.kivi_attention`
+    re-allocated 1/64 (at least 256 tokens) larger. A step attends through :func:`~kvtool.kernels.kivi_attention.kivi_attention`
     on CUDA (no host syncs, no dequantised copy), through the float32 reference over the
     dequantised tokens elsewhere."""
 
