@@ -300,3 +300,30 @@ def test_cuda_backend_choice_on_the_cpu():
     with pytest.raises(UsageError, match="backend must be one of"):
         kivi_attention(q, cache, backend="cutlass")
     close(kivi_attention(q, cache, backend="auto"), FMT.attend(q, enc), F16)
+
+
+def test_auto_falls_back_to_triton_when_the_cuda_kernel_does_not_build(monkeypatch):
+    """``backend="auto"`` where the CUDA kernel would serve but its extension fails to build: one
+    note, then the Triton kernel's answer (and no second try); ``backend="cuda"`` raises the error."""
+    from kvtool.core.errors import BadDataError
+    from kvtool.kernels import kivi_attention as K
+
+    enc = FMT.encode(LayerKV(torch.randn(1, 2, 100, 64).half(), torch.randn(1, 2, 100, 64).half()),
+                     make_params(FMT, {"bits": "4", "group": "32", "residual": "8"}))
+    cache = cache_from_encoded(enc)
+    q = torch.randn(1, 4, 1, 64).half()
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise BadDataError("building the CUDA extension kivi_decode failed (nvcc)")
+
+    monkeypatch.setattr(K, "cuda_path", lambda q, cache: None)
+    monkeypatch.setattr(K, "_toolchain_ok", lambda: K._TOOLCHAIN[0] if K._TOOLCHAIN else True)
+    monkeypatch.setattr(K, "_TOOLCHAIN", [])
+    monkeypatch.setattr(K, "_cuda_attention", broken)
+    close(kivi_attention(q, cache), FMT.attend(q, enc), F16)
+    close(kivi_attention(q, cache), FMT.attend(q, enc), F16)
+    assert calls == [1]
+    with pytest.raises(BadDataError, match="kivi_decode"):
+        kivi_attention(q, cache, backend="cuda")

@@ -162,10 +162,13 @@ def _build_lock(folder: Path, name: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _note(text: str) -> None:
+def note(text: str) -> None:
     """A one-line note on stderr (not under ``-q`` or ``--json``: :data:`kvtool.core.settings.notes`)."""
     if settings.notes:
         print(text, file=sys.stderr, flush=True)
+
+
+_note = note
 
 
 def _verified(folder: Path, so: Path, inputs: str) -> bool:

@@ -58,8 +58,8 @@ import triton
 import triton.language as tl
 
 from kvtool.core.attention import attend_partial, default_scale
-from kvtool.core.errors import UsageError
-from kvtool.kernels.common import LOG2E, EncodedLike, check_device, check_query, cuda_extension, dot_flags, interpreting, num_splits
+from kvtool.core.errors import BadDataError, UsageError
+from kvtool.kernels.common import LOG2E, EncodedLike, check_device, check_query, cuda_extension, dot_flags, interpreting, note, num_splits
 from kvtool.kernels.online_softmax import attend_block, merge_split_partials, store_split_partial
 
 BITS = (2, 4, 8)
@@ -617,6 +617,7 @@ def cuda_path(q: torch.Tensor, cache: KiviCache) -> str | None:
     gv = max(1, d // g)
     checks = (
         (q.is_cuda and not interpreting(), "CUDA tensors (not under TRITON_INTERPRET)"),
+        (not q.is_cuda or torch.cuda.get_device_capability(q.device) >= (8, 0), "a GPU of compute capability 8.0 or later (cp.async, mma.m16n8k16)"),
         (packed_path(q, cache), "float16 queries, cache and scales"),
         (d in (64, 128), "head_dim 64 or 128"),
         (g >= 16 and g & (g - 1) == 0, "a power-of-two group of at least 16"),
@@ -678,7 +679,13 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         raise UsageError(why)
     tuned = packed is False or block is not None or num_stages is not None or num_warps is not None
     if backend == "cuda" or (backend == "auto" and why is None and not tuned and _toolchain_ok()):
-        return _cuda_attention(q, cache, scale, splits, out, lse)
+        try:
+            return _cuda_attention(q, cache, scale, splits, out, lse)
+        except BadDataError as exc:  # the extension did not build here: auto goes on with Triton, once said
+            if backend == "cuda":
+                raise
+            _TOOLCHAIN[:] = [False]
+            note(f"kvtool: the CUDA KIVI kernel is unavailable ({exc}); using the Triton kernel")
     use_packed = packed_path(q, cache) if packed is None else (packed and packed_path(q, cache))
     if packed and not use_packed:
         raise UsageError("packed=True needs float16 queries, cache and scales, a power-of-two head_dim and group, and group x bits >= 32")
