@@ -46,6 +46,17 @@ def check(out, ref, dtype, lse=None, ref_lse=None) -> None:
             assert float((lse[fin] - ref_lse[fin]).abs().max()) <= 2e-2
 
 
+def assert_replay_equals_eager(call) -> None:
+    """``call()`` (returning tensors) captured in a CUDA graph and replayed equals an eager call."""
+    eager = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, e) for c, e in zip(captured, eager))
+
+
 def rand(*shape, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
@@ -146,13 +157,7 @@ def test_kivi_attention(b, hkv, g, t, d, bits, group, residual, tq, dtype):
     check(out, ref, dtype, lse, ref_lse)
     del ref, ref_lse
     cache = cache_from_encoded(enc)
-    eager = kivi_attention(q, cache)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kivi_attention(q, cache)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert_replay_equals_eager(lambda: kivi_attention(q, cache))
 
 
 # (KV heads, GQA group, tokens, head_dim, bits, group, residual): the packed-codes kernel at odd
@@ -217,10 +222,4 @@ def test_kivi_cuda_backend(hkv, g, t, d, bits, group, residual, tq):
         assert rel_l2(out, ref[0]) <= 1e-3, (splits, rel_l2(out, ref[0]))
         assert rel_l2(out, triton_out) <= 1e-3
         assert float((lse - ref[1]).abs().max()) <= 1e-3
-    eager = kivi_attention(q, cache)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = kivi_attention(q, cache)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert_replay_equals_eager(lambda: kivi_attention(q, cache))

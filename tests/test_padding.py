@@ -23,6 +23,7 @@ from kvtool.hf import models
 from kvtool.hf.attention import CompressedPrefix, build_cache, compressed_attention, prefill
 from kvtool.hf.interface import cache_kwargs, output_cache
 from kvtool.hf.live import compress_hf_cache, live_layers
+from .test_live_ways import PLAN  # the hand-written plan of every live way in
 
 # 70 new tokens: formats that grow by blocks of up to 64 tokens (KIVI groups, bitmap blocks, signvq
 # chunks, pages) encode at least one during the decode of each row, and the rings evict
@@ -52,9 +53,6 @@ SPECS = [
     "per-token:k=0.5,v=0.7+quant:bits=4",
     "mixed:heads=quant:bits=2|bitmap:sparsity=0.7",
 ]
-PLAN = {"schema": "kvtool.plan", "version": 1, "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}, "default": "dense",
-        "layers": {"0": ["quant:bits=4,group=128,residual=0,partial=true", "snapkv:share=0.25+quant:bits=4,group=32,residual=0,partial=true"],
-                   "1": "bitmap:sparsity=0.7"}}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,7 @@ def tiny(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory, tiny_capture):
-    """``plan``: :data:`PLAN`; ``recommended``: the plan ``kvtool recommend`` makes for the tiny capture."""
+    """``plan``: test_live_ways's :data:`PLAN`; ``recommended``: the plan ``kvtool recommend`` makes for the tiny capture."""
     folder = tmp_path_factory.mktemp("plans")
     (folder / "plan.json").write_text(json.dumps(PLAN))
     r = kvtool.recommend(tiny_capture, budget="25%", heldout=16, model=False, no_texts=True, output=folder / "recommended.json")
