@@ -41,7 +41,9 @@ Why ``tl.dot`` rather than dequantised products on the CUDA cores: at the card's
 cache delivers about 6.7e12 elements per second on an H100 (3.35 TB/s at half a byte each), which
 leaves a few instructions per element for unpacking and dequantising; G multiply-adds per element
 on top would make the kernel bound by instruction issue, while one MMA covers the G rows (padded
-to 16) of a whole tile. This kernel has not been timed on a GPU yet.
+to 16) of a whole tile. On float16 caches :func:`kivi_attention` takes the packed-codes Triton
+kernel below or, where it serves the call, the CUDA kernel of ``kivi_decode.cuh``, which
+dequantises the codes in the MMA's operand registers (docs/decode.md has both and their timings).
 
 Kernels sit below the formats: the cache is read through plain tensors and ints, never a format
 class.
@@ -585,8 +587,7 @@ def workspace_bytes(cache: KiviCache, rows: int, device: torch.device) -> int:
     rp = max(16, triton.next_power_of_2(rows))
     dp = max(16, triton.next_power_of_2(d))
     packed = packed_path(None, cache)
-    g = cache.group
-    if packed and device.type == "cuda" and d in (64, 128) and g >= 16 and g & (g - 1) == 0 and rows <= 16:  # the CUDA backend's
+    if packed and device.type == "cuda" and _cuda_shape_problem(cache, rows) is None:  # the CUDA backend's splits
         slots = cuda_splits(cache, device) + 1
     else:
         slots = plan_splits(cache, rows, device, packed_block_tokens(cache) if packed else None, packed) + packed
@@ -610,19 +611,15 @@ def cuda_path(q: torch.Tensor, cache: KiviCache) -> str | None:
     at least 16, at most 16 query rows per KV head (G x Tq), and the layouts its 16-byte copies
     need (value-code and value-scale rows in whole 16-byte runs, key-code rows in 4-byte ones,
     channels contiguous)."""
-    b, hkv, d = cache.shape
-    g = cache.group
-    rows = (q.shape[1] // hkv) * q.shape[2]
+    _, hkv, _ = cache.shape
     kc, ks, vc, vs = cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales
-    gv = max(1, d // g)
+    gv = vs.shape[3]
+    shape = _cuda_shape_problem(cache, (q.shape[1] // hkv) * q.shape[2])
     checks = (
         (q.is_cuda and not interpreting(), "CUDA tensors (not under TRITON_INTERPRET)"),
         (not q.is_cuda or torch.cuda.get_device_capability(q.device) >= (8, 0), "a GPU of compute capability 8.0 or later (cp.async, mma.m16n8k16)"),
         (packed_path(q, cache), "float16 queries, cache and scales"),
-        (d in (64, 128), "head_dim 64 or 128"),
-        (g >= 16 and g & (g - 1) == 0, "a power-of-two group of at least 16"),
-        (rows <= 16, "at most 16 query rows per KV head"),
-        (gv in (1, 2, 4, 8) and vs.shape[3] == gv, "value groups 1, 2, 4 or 8 per token"),
+        (shape is None, shape or ""),
         (q.stride(3) == 1 and all(x % 2 == 0 for x in q.stride()[:3]) and q.data_ptr() % 4 == 0, "a query with even strides"),
         (kc.stride(3) == 1 and kc.stride(2) % 4 == 0 and kc.stride(1) % 4 == 0 and kc.data_ptr() % 4 == 0, "key codes in 4-byte rows"),
         (vc.stride(3) == 1 and vc.stride(2) % 16 == 0 and vc.stride(1) % 16 == 0 and vc.data_ptr() % 16 == 0, "value codes in 16-byte rows"),
@@ -633,6 +630,21 @@ def cuda_path(q: torch.Tensor, cache: KiviCache) -> str | None:
     for ok, need in checks:
         if not ok:
             return f"the cuda backend needs {need}"
+    return None
+
+
+def _cuda_shape_problem(cache: KiviCache, rows: int) -> str | None:
+    """What of the CUDA backend's shape needs ``cache`` with ``rows`` query rows per KV head
+    misses (None: all met): head_dim 64 or 128, a power-of-two group of at least 16, at most 16
+    rows, 1, 2, 4 or 8 value groups per token."""
+    _, _, d = cache.shape
+    g = cache.group
+    gv = max(1, d // g)
+    for ok, need in ((d in (64, 128), "head_dim 64 or 128"), (g >= 16 and g & (g - 1) == 0, "a power-of-two group of at least 16"),
+                     (rows <= 16, "at most 16 query rows per KV head"),
+                     (gv in (1, 2, 4, 8) and cache.value_scales.shape[3] == gv, "value groups 1, 2, 4 or 8 per token")):
+        if not ok:
+            return need
     return None
 
 
@@ -656,7 +668,8 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
     ``splits`` programs per KV head and row block (default :func:`plan_splits`); ``num_warps``
     (default 4 on the packed kernel, else 8 from head_dim 128); ``block`` tokens per block of the
     packed kernel (default :func:`packed_block_tokens`; a power of two from 32: blocks of 16 gave wrong
-    sums on an H100 under Triton 3.6, and 64 query rows take blocks of at least 64); ``num_stages``
+    sums on an H100 under Triton 3.6; 16 query rows a program, as 64 failed Triton 3.6's dot-operand
+    pass); ``num_stages``
     (Triton's software pipelining, default Triton's); ``packed`` False forces the generic kernel.
     ``backend``: ``auto`` takes the CUDA kernel (:func:`cuda_path`: codes dequantised in the MMA
     fragments, kivi_decode.cuh) where it serves the call and the Triton knobs are left alone, else
