@@ -380,8 +380,9 @@ def _kivi_kernel(
 # conversions, which run at a quarter of the ALU rate): a code c placed in the mantissa of 1024.0
 # (bits 0x6400 | c) reads as 1024 + c; a code shifted up by k bits reads as 1024 + 2^k c, and one
 # fused multiply-add by 2^-k and -1024 * 2^-k gives c exactly. A second fma.rn.f16x2 gives
-# c * scale + zero with one rounding, which equals the format's float32 maths rounded to float16
-# (the product is exact in float32), so the tiles are the reference's to the bit.
+# c * scale + zero with one rounding of the exact value; the format's float32 maths rounded to
+# float16 rounds twice (the product is exact in float32, the sum is not always), so the tiles are
+# the reference's but at rare double-rounding ties.
 
 def _dequant_asm(bits: int) -> tuple[str, str]:
     """(PTX, constraints) of one inline-asm call over 4 packed bytes: outputs, per code j of a byte,
