@@ -327,3 +327,17 @@ def test_auto_falls_back_to_triton_when_the_cuda_kernel_does_not_build(monkeypat
     assert calls == [1]
     with pytest.raises(BadDataError, match="kivi_decode"):
         kivi_attention(q, cache, backend="cuda")
+
+
+@pytest.mark.parametrize("t,residual", [(24, 0), (20, 0), (1000, 32), (777, 7)])
+def test_cuda_backend_layouts_of_file_layers(t, residual):
+    """The layouts a file's layer hands the CUDA backend (checked without a GPU): every key still in
+    the residual (an empty key-code tensor, whose strides are degenerate) and odd token counts pass
+    the backend's layout and shape checks."""
+    from kvtool.kernels.kivi_attention import _cuda_layout_problem, _cuda_shape_problem
+
+    enc = FMT.encode(LayerKV(torch.randn(2, 1, t, 128).half(), torch.randn(2, 1, t, 128).half()),
+                     make_params(FMT, {"bits": "4", "group": "32", "residual": str(residual)}))
+    cache = cache_from_encoded(enc)
+    q = torch.randn(2, 4, 1, 128).half()
+    assert _cuda_shape_problem(cache, 4) is None and _cuda_layout_problem(q, cache) is None

@@ -608,29 +608,39 @@ def cuda_block_tokens(bits: int) -> int:
 
 def cuda_path(q: torch.Tensor, cache: KiviCache) -> str | None:
     """None when the CUDA backend (kivi_decode.cuh) serves ``q`` over ``cache``, else why not:
-    float16 CUDA tensors (not under TRITON_INTERPRET), head_dim 64 or 128, a power-of-two group of
-    at least 16, at most 16 query rows per KV head (G x Tq), and the layouts its 16-byte copies
-    need (value-code and value-scale rows in whole 16-byte runs, key-code rows in 4-byte ones,
-    channels contiguous)."""
+    float16 CUDA tensors (not under TRITON_INTERPRET) on a GPU of compute capability 8.0 or later,
+    the shapes of :func:`_cuda_shape_problem` and the layouts of :func:`_cuda_layout_problem`."""
     _, hkv, _ = cache.shape
-    kc, ks, vc, vs = cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales
-    gv = vs.shape[3]
-    shape = _cuda_shape_problem(cache, (q.shape[1] // hkv) * q.shape[2])
     checks = (
         (q.is_cuda and not interpreting(), "CUDA tensors (not under TRITON_INTERPRET)"),
         (not q.is_cuda or torch.cuda.get_device_capability(q.device) >= (8, 0), "a GPU of compute capability 8.0 or later (cp.async, mma.m16n8k16)"),
         (packed_path(q, cache), "float16 queries, cache and scales"),
-        (shape is None, shape or ""),
-        (q.stride(3) == 1 and all(x % 2 == 0 for x in q.stride()[:3]) and q.data_ptr() % 4 == 0, "a query with even strides"),
-        (kc.stride(3) == 1 and kc.stride(2) % 4 == 0 and kc.stride(1) % 4 == 0 and kc.data_ptr() % 4 == 0, "key codes in 4-byte rows"),
-        (vc.stride(3) == 1 and vc.stride(2) % 16 == 0 and vc.stride(1) % 16 == 0 and vc.data_ptr() % 16 == 0, "value codes in 16-byte rows"),
-        (ks.stride(2) == 1 and ks.stride(3) % 2 == 0 and ks.stride(1) % 2 == 0 and ks.data_ptr() % 4 == 0
-         and cache.key_zeros.data_ptr() % 4 == 0, "group-major key scales"),
-        (vs.stride(3) == 1 and vs.stride(2) == gv and cache.value_zeros.stride() == vs.stride(), "value scales in whole rows"),
     )
     for ok, need in checks:
         if not ok:
             return f"the cuda backend needs {need}"
+    problem = _cuda_shape_problem(cache, (q.shape[1] // hkv) * q.shape[2]) or _cuda_layout_problem(q, cache)
+    return f"the cuda backend needs {problem}" if problem else None
+
+
+def _cuda_layout_problem(q: torch.Tensor, cache: KiviCache) -> str | None:
+    """What of the layouts the CUDA backend's copies need ``q`` and ``cache`` miss (None: all met):
+    value-code and value-scale rows in whole 16-byte runs, key-code rows in 4-byte ones, group-major
+    key scales, channels contiguous. Key tensors that hold no token (every key still in the
+    residual) are never read, whatever their strides."""
+    kc, ks, vc, vs = cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales
+    no_keys = kc.shape[3] == 0 or ks.shape[3] == 0
+    checks = (
+        (q.stride(3) == 1 and all(x % 2 == 0 for x in q.stride()[:3]) and q.data_ptr() % 4 == 0, "a query with even strides"),
+        (no_keys or (kc.stride(3) == 1 and kc.stride(2) % 4 == 0 and kc.stride(1) % 4 == 0 and kc.data_ptr() % 4 == 0), "key codes in 4-byte rows"),
+        (vc.stride(3) == 1 and vc.stride(2) % 16 == 0 and vc.stride(1) % 16 == 0 and vc.data_ptr() % 16 == 0, "value codes in 16-byte rows"),
+        (no_keys or (ks.stride(2) == 1 and ks.stride(3) % 2 == 0 and ks.stride(1) % 2 == 0 and ks.data_ptr() % 4 == 0
+                     and cache.key_zeros.data_ptr() % 4 == 0), "group-major key scales"),
+        (vs.stride(3) == 1 and vs.stride(2) == vs.shape[3] and cache.value_zeros.stride() == vs.stride(), "value scales in whole rows"),
+    )
+    for ok, need in checks:
+        if not ok:
+            return need
     return None
 
 
