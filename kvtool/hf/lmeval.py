@@ -97,17 +97,24 @@ def _model_args(values: list[str]) -> dict[str, str]:
     ``k=v`` or a JSON object), values as text; enough to find ``pretrained`` and ``tokenizer``."""
     out: dict[str, str] = {}
     for value in values:
-        if value.lstrip().startswith("{"):
-            try:
-                out.update({str(k): str(v) for k, v in json.loads(value).items()})
-                continue
-            except (ValueError, AttributeError):
-                pass
+        parsed = _json_object(value) if value.lstrip().startswith("{") else None
+        if parsed is not None:
+            out.update(parsed)
+            continue
         for item in value.split(","):
             key, eq, val = item.partition("=")
             if eq:
                 out[key.strip()] = val
     return out
+
+
+def _json_object(value: str) -> dict[str, str] | None:
+    """``value`` read as a JSON object, keys and values as text; None when it is not one (then it is
+    read as ``k=v`` pairs)."""
+    try:
+        return {str(k): str(v) for k, v in json.loads(value).items()}
+    except (ValueError, AttributeError):
+        return None
 
 
 def with_tokenizer(argv: list[str]) -> list[str]:
@@ -233,7 +240,8 @@ class KvtoolLM(_LMBase):  # type: ignore[misc, valid-type]
         return out
 
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
-        raise NotImplementedError("kvtool compresses a context and then continues; rolling log-likelihood (perplexity over a whole text) has no context to compress")
+        raise UsageError("the kvtool model type has no rolling log-likelihood: kvtool compresses a context and then continues, and perplexity "
+                         "over a whole text has no context to compress (use a generation or multiple-choice task)")
 
     def generate_until(self, requests: list[Any]) -> list[str]:
         """Greedy text after the compressed context, cut at the first ``until`` string."""
