@@ -26,8 +26,9 @@ def suite(tmp_path, *args, dry=False, timeout=300):
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def gpu_suite_module():
-    spec = importlib.util.spec_from_file_location("gpu_suite_under_test", ROOT / "scripts" / "gpu_suite.py")
+def script_module(name: str):
+    """scripts/NAME.py imported as a module of its own (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -110,7 +111,7 @@ def test_a_hang_becomes_a_timeout_and_the_chunk_goes_on(tmp_path, monkeypatch, e
 
 
 def test_merge_adds_up_separate_chunk_runs(tmp_path):
-    gs = gpu_suite_module()
+    gs = script_module("gpu_suite")
     for k, outcome in ((1, "passed"), (2, "timeout")):
         d = tmp_path / f"run{k}"
         d.mkdir()
@@ -123,13 +124,6 @@ def test_merge_adds_up_separate_chunk_runs(tmp_path):
     assert json.loads((tmp_path / "merged" / "summary.json").read_text())["counts"]["total"] == 2
     assert not gs.ok(merged)
     assert gs.split_chunks([1.0] * 10, 3) == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9]]
-
-
-def sanitize_module():
-    spec = importlib.util.spec_from_file_location("sanitize_kernels_under_test", ROOT / "scripts" / "sanitize_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.slow
@@ -157,7 +151,7 @@ SANITIZER_LOG = """========= COMPUTE-SANITIZER
 
 
 def test_sanitizer_summary_counts_kvtools_reports_apart(tmp_path):
-    sk = sanitize_module()
+    sk = script_module("sanitize_kernels")
     log, drv = tmp_path / "log", tmp_path / "drv"
     log.write_text(SANITIZER_LOG)
     drv.write_text("case x: ok\n15 passed, 0 failed\n")
