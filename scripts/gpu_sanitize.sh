@@ -7,6 +7,7 @@
 #   bash scripts/gpu_sanitize.sh                     all four tools, one after another (a few minutes)
 #   TOOLS="racecheck synccheck" bash scripts/gpu_sanitize.sh    some of them
 #   CASES=cuda bash scripts/gpu_sanitize.sh          only the cases whose name holds the text (sanitize_kernels.py -k)
+#   PARALLEL=1 bash scripts/gpu_sanitize.sh          the tools at once, one process each (about the slowest tool's time)
 # First an unsanitized run of the driver builds the CUDA extensions (kvtool env --build-kernels) and
 # fills Triton's cache, so the sanitized runs compile nothing; each tool then runs under `timeout`
 # (SANITIZE_TIMEOUT, default 150 s) with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor is an
@@ -33,22 +34,30 @@ t0=$(date +%s)
   "$PY" scripts/sanitize_kernels.py -k "$CASES"
 } > "$OUT/driver.txt" 2>&1
 echo "gpu_sanitize: unsanitized run: $(tail -1 "$OUT/driver.txt") ($(( $(date +%s) - t0 )) s)"
-status=0
-for tool in $TOOLS; do
-  extra=()
+# run_tool TOOL: one sanitized run of the driver; its log and output kept for the summary
+run_tool() {
+  local tool=$1 extra=()
   case $tool in
     memcheck) extra=(--leak-check no) ;;
     racecheck) extra=(--racecheck-report all) ;;
   esac
-  log=$(mktemp /tmp/sanitize-$tool.XXXXXX.log)
-  drv=$(mktemp /tmp/sanitize-$tool.XXXXXX.out)
+  local log=$TMPD/$tool.log drv=$TMPD/$tool.out t1
   t1=$(date +%s)
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 10 "$LIMIT" "$SAN" --tool "$tool" "${extra[@]}" --print-limit 1000 --log-file "$log" \
     "$PY" scripts/sanitize_kernels.py -k "$CASES" > "$drv" 2>&1
-  rc=$?
-  echo "sanitizer exit $rc after $(( $(date +%s) - t1 )) s" >> "$drv"
-  "$PY" scripts/sanitize_kernels.py --summarize "$OUT" "$tool" "$log" "$drv" || status=1
-  rm -f "$log" "$drv"
+  echo "sanitizer exit $? after $(( $(date +%s) - t1 )) s" >> "$drv"
+}
+TMPD=$(mktemp -d /tmp/sanitize.XXXXXX)
+if [ "${PARALLEL:-0}" = 1 ]; then  # every tool at once, each in its own process (the GPU is shared; each run's LIMIT still holds)
+  for tool in $TOOLS; do run_tool "$tool" & done
+  wait
+else
+  for tool in $TOOLS; do run_tool "$tool"; done
+fi
+status=0
+for tool in $TOOLS; do
+  "$PY" scripts/sanitize_kernels.py --summarize "$OUT" "$tool" "$TMPD/$tool.log" "$TMPD/$tool.out" || status=1
 done
+rm -rf "$TMPD"
 echo "gpu_sanitize: $( [ $status = 0 ] && echo clean || echo NOT CLEAN ) in $(( $(date +%s) - t0 )) s; summaries in $OUT"
 exit $status
