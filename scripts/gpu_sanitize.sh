@@ -39,7 +39,7 @@ run_tool() {
   local tool=$1 extra=()
   case $tool in
     memcheck) extra=(--leak-check no) ;;
-    racecheck) extra=(--racecheck-report all) ;;
+    racecheck) extra=(--racecheck-report analysis) ;;
   esac
   local log=$TMPD/$tool.log drv=$TMPD/$tool.out t1
   t1=$(date +%s)

@@ -306,15 +306,31 @@ def parse_reports(text: str) -> tuple[list[dict], int | None]:
             total = int(m.group(1))
             continue
         if body and not body[0].isspace() and not body.startswith(NOT_A_REPORT):
-            reports.append({"what": body.strip(), "kernel": None, "lines": [body]})
+            reports.append({"what": body.strip(), "kernel": device_function(body, first=True), "lines": [body]})
         elif reports and body.strip():
             rep = reports[-1]
             if len(rep["lines"]) < 40:
                 rep["lines"].append(body)
-            at = re.match(r"\s+at (.+?)(\+0x[0-9a-f]+| in |$)", body)
-            if at and rep["kernel"] is None:
-                rep["kernel"] = at.group(1).strip()
+            if rep["kernel"] is None:
+                rep["kernel"] = device_function(body)
     return reports, total
+
+
+def device_function(line: str, first: bool = False) -> str | None:
+    """The device function a report line names: ``at FUNC+0xOFF`` (memcheck's ``    at`` lines,
+    racecheck's ``Race reported between Write access at FUNC+0x..``) or a ``in FILE:LINE:FUNC``
+    location (racecheck's hazard lines); None when the line names none (a report's first line of
+    memcheck / initcheck names its access, not its function)."""
+    at = re.search(r"\bat (?!0x)(.+?)\+0x[0-9a-f]+", line)
+    if at is None and not first:
+        at = re.match(r"\s+at (?!0x)(.+?)( in |$)", line)
+    if at:
+        return at.group(1).strip()
+    bare = re.match(r"\s+at 0x[0-9a-f]+ in (?![^\s:]+:\d+)(.+)$", line)  # no symbol offset: the function after "in"
+    if bare and not first:
+        return bare.group(1).strip()
+    loc = re.search(r" in [^\s:]+:\d+:(\S.*?)(\s*\[\d+ hazards?\])?$", line)
+    return loc.group(1).strip() if loc else None
 
 
 def summarize(out: Path, tool: str, log: Path, driver: Path) -> dict:

@@ -165,3 +165,29 @@ def test_sanitizer_summary_counts_kvtools_reports_apart(tmp_path):
     doc = json.loads((tmp_path / "sanitize.json").read_text())
     assert set(doc["tools"]) == {"memcheck", "racecheck", "synccheck"} and doc["clean"] is False
     assert "NOT CLEAN" in (tmp_path / "sanitize-memcheck.txt").read_text()
+
+
+RACECHECK_LOG = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at _kivi_kernel+0x1b0 in kivi_attention.py:21
+=========     and Read access at _kivi_kernel+0x2e0 in kivi_attention.py:23 [4 hazards]
+=========
+========= WARN:(Warp Level Programming) Potential RAW hazard detected at __shared__ 0x0 in block (0, 0, 0) :
+=========     Write Thread (31, 0, 0) at 0x00000170 in race.cu:24:void at::native::reduce_kernel(int)
+=========     Read Thread (0, 0, 0) at 0x000001b0 in race.cu:25:void at::native::reduce_kernel(int)
+=========
+========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+========= ERROR SUMMARY: 1 error
+"""
+
+
+def test_racecheck_reports_name_their_kernel(tmp_path):
+    """racecheck names the function on a report's first line (``at FUNC+0x..``) or in a hazard's
+    ``in FILE:LINE:FUNC``: each report is counted against its kernel, kvtool's apart."""
+    sk = script_module("sanitize_kernels")
+    reports, total = sk.parse_reports(RACECHECK_LOG)
+    assert total == 1 and [r["kernel"] for r in reports] == ["_kivi_kernel", "void at::native::reduce_kernel(int)"]
+    log, drv = tmp_path / "log", tmp_path / "drv"
+    log.write_text(RACECHECK_LOG)
+    drv.write_text("16 passed, 0 failed\n")
+    entry = sk.summarize(tmp_path, "racecheck", log, drv)
+    assert (entry["kvtool_reports"], entry["other_reports"], entry["clean"]) == (1, 1, False)

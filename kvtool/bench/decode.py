@@ -9,7 +9,8 @@ spec), a batch and a context length:
    tensors stay; the dense baselines hold a preallocated cache (torch SDPA over it, or FlashInfer's
    paged decode with its pages of 16);
 2. two greedy decode steps run eagerly (``model(input_ids=last token, cache=live cache)``, the next
-   token the argmax of the logits, fed back on the device), then one step is captured in a CUDA graph
+   token the argmax of the logits, fed back on the device; positions held and advanced on the device:
+   :func:`decode_step`), then one step is captured in a CUDA graph
    and its replays are timed with CUDA events (median, 10th / 90th percentiles). Every provider gets
    the same treatment; a step that cannot be captured is timed as eager launches (``method``). A
    replay writes its token into the same cache position, so the step is measured at that context;
@@ -297,6 +298,22 @@ def measure(model: Any, provider: str, batch: int, context: int, runs: int = 20,
         clear_handovers()  # an interrupted step leaves none behind to keep a cache alive
 
 
+def decode_step(model: Any, ids: torch.Tensor, cache: Any, kwargs: dict[str, Any]) -> Callable[[], None]:
+    """One greedy decode step as a CUDA graph can replay it: the model on ``ids`` ``[B, 1]`` int64
+    (its argmax written back into ``ids``) at positions held on the device, ``[B, 1]`` from the
+    cache's length now, advanced by one on the device each step. Without them transformers takes the
+    position from the cache's host count, which a captured graph freezes: replays would then rotate
+    every new query and key (RoPE) to the captured position."""
+    pos = torch.full_like(ids, int(cache.get_seq_length()))
+
+    def step() -> None:
+        out = model(input_ids=ids, position_ids=pos, use_cache=True, **kwargs)
+        ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+        pos.add_(1)
+
+    return step
+
+
 @torch.no_grad()
 def _measure(model: Any, provider: str, batch: int, context: int, runs: int, graph: bool, growth: bool, generate_tokens: int,
              encode_repeats: int) -> dict[str, Any]:
@@ -321,10 +338,7 @@ def _measure(model: Any, provider: str, batch: int, context: int, runs: int, gra
         torch.cuda.reset_peak_memory_stats(dev)
     ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
     kwargs = cache_kwargs(model, cache)
-
-    def step() -> None:
-        out = model(input_ids=ids, use_cache=True, **kwargs)
-        ids.copy_(out.logits[:, -1].argmax(-1, keepdim=True))
+    step = decode_step(model, ids, cache, kwargs)
 
     for _ in range(2):
         step()

@@ -4,7 +4,8 @@
 step is captured once in a CUDA graph (``capture``) and replayed; replays append each new token on
 the device (bitmap, KIVI and the plans built of them advance their device counters; layers indexed
 on the host, such as the dense baselines, rewrite the captured position, so their replays decode
-at the captured context). Replays never encode: when the layers have no room left for another
+at the captured context), and the step's own positions advance on the device
+(:func:`kvtool.bench.decode.decode_step`), so a replay is the eager step. Replays never encode: when the layers have no room left for another
 replayed token, the loop calls :func:`kvtool.hf.live.reserve` eagerly between two replays, which
 encodes every filled block / group (bitmap prune + encode, KIVI quantisation) -- the *growth*.
 If the growth re-allocated a layer's tensors (a full capacity re-laid), the step is captured

@@ -108,7 +108,8 @@ def merge_splits_kernel(val_ptr, m_ptr, l_ptr, out_ptr, lse_ptr, idx_ptr, S, R, 
                 mass = tl.where(smask, 1.0, 0.0)
             else:
                 mass = tl.load(l_ptr + slot, mask=smask, other=0.0)
-            val = tl.load(val_ptr + slot[:, None] * DP + c[None, :], mask=smask[:, None], other=0.0)
+            # only the D columns a split wrote (the padding up to DP is never written: compute-sanitizer's initcheck)
+            val = tl.load(val_ptr + slot[:, None] * DP + c[None, :], mask=smask[:, None] & (c < D)[None, :], other=0.0)
             m_new = tl.maximum(m_run, tl.max(m, axis=0))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             w_old = tl.exp2(m_run - m_safe)
