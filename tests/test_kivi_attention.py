@@ -282,7 +282,9 @@ def test_packed_path_is_float16_power_of_two_groups():
     assert not packed_path(query(1, 4, 1, 16, BF16), cache_from_encoded(encode(k, v, 4, 32, 8)))
     k, v = tensors(1, 2, 100, 16, F16)
     assert not packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 5, 8)))
-    assert packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 32, 8)))
+    assert not packed_path(query(1, 4, 1, 16, F16), cache_from_encoded(encode(k, v, 4, 32, 8)))  # head_dim 16: generic (wrong on an H100)
+    k, v = tensors(1, 2, 100, 32, F16)
+    assert packed_path(query(1, 4, 1, 32, F16), cache_from_encoded(encode(k, v, 4, 32, 8)))
 
 
 def test_cuda_backend_choice_on_the_cpu():

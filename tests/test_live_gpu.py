@@ -126,7 +126,7 @@ def test_captured_kivi_step_keeps_appending(spec):
                                       "mixed:heads=bitmap:sparsity=0.7|bitmap:sparsity=0.7|quant:bits=2|quant:bits=2|dense|dense|snapstream:budget=512|pagestat:budget=512"])
 def test_decode_step_is_captured_and_memory_is_as_stated(provider):
     """A whole decode step of a 2-layer Llama-3-8B-shaped model through the live cache: captured in
-    a CUDA graph (no host syncs), its replay equals the eager step, and the peak memory beside the
+    a CUDA graph (no host syncs), its replay equals the eager step (to float16 rounding), and the peak memory beside the
     weights is within 10% of stored bytes + stated workspace."""
     from kvtool.bench.decode import DENSE_FLASHINFER, ModelInfo, build_cache, flashinfer_module, measure
     from kvtool.hf.interface import cache_kwargs
@@ -152,7 +152,10 @@ def test_decode_step_is_captured_and_memory_is_as_stated(provider):
         prepare(twin, 1)
         eager = model(input_ids=ids, use_cache=True, **twin_kw).logits  # the same step, not captured
         torch.cuda.synchronize()
-    torch.testing.assert_close(logits, eager)
+    # a replay of stale addresses or positions is off by the logits' scale; within one or two float16
+    # ulps of logits up to ~4 (the gates saw 0.002-0.003 on both cards for dense / sdpa and snapstream:
+    # the captured step's library kernels need not pick the eager step's algorithms)
+    torch.testing.assert_close(logits, eager, rtol=1e-2, atol=1e-2)
     m = measure(model, provider, 2, 4096, runs=5)
     assert m["method"] == "cuda-graph" and m["attention_method"] == "cuda-graph", m["capture_error"]
     assert m["peak_over_stated"] <= 1.1 and m["peak_bytes"] >= m["stored_bytes"], m
