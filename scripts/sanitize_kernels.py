@@ -294,16 +294,17 @@ NOT_A_REPORT = ("ERROR SUMMARY", "COMPUTE-SANITIZER", "RACECHECK SUMMARY", "LEAK
 
 def parse_reports(text: str) -> tuple[list[dict], int | None]:
     """compute-sanitizer's log -> reports (first line, the device function it names, the lines) and
-    the ERROR SUMMARY count (None when the log has none: the run did not finish)."""
+    the ERROR SUMMARY count, racecheck's RACECHECK SUMMARY hazards (None when the log has neither:
+    the run did not finish)."""
     reports: list[dict] = []
     total = None
     for line in text.splitlines():
         if not line.startswith(PREFIX.rstrip()):
             continue
         body = line[len(PREFIX):] if line.startswith(PREFIX) else ""
-        m = re.match(r"ERROR SUMMARY: (\d+) error", body)
-        if m:
-            total = int(m.group(1))
+        m = re.match(r"ERROR SUMMARY: (\d+) error", body) or re.match(r"RACECHECK SUMMARY: (\d+) hazards? displayed", body)
+        if m:  # racecheck closes with its own summary (every hazard displayed, errors and warnings), no ERROR SUMMARY
+            total = int(m.group(1)) + (total or 0)
             continue
         if body and not body[0].isspace() and not body.startswith(NOT_A_REPORT):
             reports.append({"what": body.strip(), "kernel": device_function(body, first=True), "lines": [body]})
