@@ -152,7 +152,7 @@ def _build_lock(folder: Path, name: str) -> Iterator[None]:
                     raise BadDataError(f"the CUDA extension {name} is being built by another process (pid {holder}) in {folder} for longer than "
                                        f"{wait:.0f} s; wait for it or stop it (KVTOOL_CUDA_BUILD_WAIT sets how long kvtool waits)") from None
                 if not told:
-                    _note(f"kvtool: waiting for another process (pid {holder}) that is building the CUDA extension {name} in {folder}")
+                    note(f"kvtool: waiting for another process (pid {holder}) that is building the CUDA extension {name} in {folder}")
                     told = True
                 time.sleep(min(0.5, max(deadline - time.monotonic(), 0.01)))
         os.ftruncate(fd, 0)
@@ -167,8 +167,6 @@ def note(text: str) -> None:
     if settings.notes:
         print(text, file=sys.stderr, flush=True)
 
-
-_note = note
 
 
 def _verified(folder: Path, so: Path, inputs: str) -> bool:
@@ -235,7 +233,7 @@ def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...]
             _EXTENSIONS[name] = _import(module, so)
             return _EXTENSIONS[name]
         _clear(folder)
-        _note(f"kvtool: compiling the CUDA extension {name} for sm_{arch} ({BUILD_TIME_HINT}; once per kernel version and GPU type) in {folder}")
+        note(f"kvtool: compiling the CUDA extension {name} for sm_{arch} ({BUILD_TIME_HINT}; once per kernel version and GPU type) in {folder}")
         started = time.monotonic()
         try:
             ext = _build(module, sources, flags, folder)
@@ -251,7 +249,7 @@ def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...]
         tmp = folder / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, folder / MANIFEST)
-        _note(f"kvtool: built {name} in {manifest['seconds']:.0f} s")
+        note(f"kvtool: built {name} in {manifest['seconds']:.0f} s")
         BUILT_HERE.add(name)
         _EXTENSIONS[name] = ext
     return _EXTENSIONS[name]

@@ -729,17 +729,11 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         bt, block_scales = block_tokens(cache.group)
     s = max(1, int(splits)) if splits is not None else plan_splits(cache, rows, device, bt, use_packed)
     slots = s + 1 if use_packed else s  # the packed kernel's tail goes in one more slot
-    acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
-    m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
-    l = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    acc, m, l = _partials(b * hkv, slots, rp, dp, device)
     scale = default_scale(d) if scale is None else scale
     prec, upcast = dot_flags(q.dtype, device)
-    kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
     ngv = -(-d // cache.group)
-    args = lambda s: (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,  # noqa: E731
-            float(scale) * LOG2E, s, hkv, tq, rows, vc.shape[3],
-            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
-            vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
+    args = lambda s: _kernel_args(q, cache, acc, m, l, scale, s)  # noqa: E731
     tune = {} if num_stages is None else {"num_stages": int(num_stages)}
     generic = dict(G=g, D=d, DP=dp, RB=rb, RP=rp, BITS=cache.bits, GROUP=cache.group, NGV=ngv, DOT_PREC=prec, UPCAST=upcast)
     if use_packed:
@@ -758,6 +752,28 @@ def kivi_attention(q: torch.Tensor, cache: KiviCache, scale: float | None = None
         )
     merge_split_partials(acc, m, l, out.view(-1, d), lse.view(-1), rows)
     return out, lse
+
+
+def _partials(groups: int, slots: int, rp: int, dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised split partials (every slot is written by its kernel): acc ``[groups, slots, rp,
+    dp]``, m and l ``[groups, slots, rp]``, float32, the layout :func:`merge_split_partials` reads."""
+    acc = torch.empty(groups, slots, rp, dp, dtype=torch.float32, device=device)
+    m = torch.empty(groups, slots, rp, dtype=torch.float32, device=device)
+    l = torch.empty(groups, slots, rp, dtype=torch.float32, device=device)
+    return acc, m, l
+
+
+def _kernel_args(q: torch.Tensor, cache: KiviCache, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, scale: float,
+                 splits: int) -> tuple:
+    """The positional arguments of :func:`_kivi_kernel` and :func:`_kivi_packed_kernel` (tensors,
+    scale, split count, shapes and strides) for ``q`` over ``cache`` into the partials."""
+    _, hkv, _ = cache.shape
+    h, tq = q.shape[1], q.shape[2]
+    kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
+    return (q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
+            float(scale) * LOG2E, splits, hkv, tq, (h // hkv) * tq, vc.shape[3],
+            q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
+            vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2))
 
 
 _TOOLCHAIN: list[bool] = []
@@ -784,21 +800,16 @@ def _cuda_attention(q: torch.Tensor, cache: KiviCache, scale: float | None, spli
     s = cuda_splits(cache, device) if splits is None else max(CUDA_WARPS, -(-int(splits) // CUDA_WARPS) * CUDA_WARPS)
     slots = s + 1
     rp, dp = 16, d
-    acc = torch.empty(b * hkv, slots, rp, dp, dtype=torch.float32, device=device)
-    m = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
-    l = torch.empty(b * hkv, slots, rp, dtype=torch.float32, device=device)
+    acc, m, l = _partials(b * hkv, slots, rp, dp, device)
     scale = default_scale(d) if scale is None else scale
-    kc, ks, kz, vc, vs, vz, rk, rv = cache.tensors()
+    kc, ks, kz, vc, vs, vz, _, _ = cache.tensors()
     _cuda_extension().kivi_decode(q, kc, ks, kz, vc, vs, vz, cache.lengths, acc, m, l, hkv, cache.bits, cache.group, s,
                                   float(scale) * LOG2E, torch.cuda.current_stream(device).cuda_stream)
     prec, upcast = dot_flags(q.dtype, device)
     tail_bt, tail_scales = block_tokens(cache.group)
     bt = cuda_block_tokens(cache.bits)
     _kivi_kernel[(1, b * hkv, 1)](
-        q, kc, ks, kz, vc, vs, vz, rk, rv, cache.lengths, acc, m, l,
-        float(scale) * LOG2E, 1, hkv, tq, rows, vc.shape[3],
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(1), kc.stride(2), ks.stride(1), ks.stride(2), ks.stride(3),
-        vc.stride(1), vc.stride(2), vs.stride(1), vs.stride(2), rk.stride(1), rk.stride(2), rv.stride(1), rv.stride(2),
+        *_kernel_args(q, cache, acc, m, l, scale, 1),
         G=g, D=d, DP=dp, RB=rp, RP=rp, BT=tail_bt, BITS=cache.bits, GROUP=cache.group, BLOCK_SCALES=tail_scales and bt % tail_bt == 0,
         NGV=-(-d // cache.group), DOT_PREC=prec, UPCAST=upcast, FROM_BT=bt, SLOTS=slots, num_warps=8 if dp * tail_bt >= 8192 else 4,
     )
