@@ -97,7 +97,7 @@ def _model_args(values: list[str]) -> dict[str, str]:
     ``k=v`` or a JSON object), values as text; enough to find ``pretrained`` and ``tokenizer``."""
     out: dict[str, str] = {}
     for value in values:
-        parsed = _json_object(value) if value.lstrip().startswith("{") else None
+        parsed = _json_object(value)
         if parsed is not None:
             out.update(parsed)
             continue
@@ -108,13 +108,22 @@ def _model_args(values: list[str]) -> dict[str, str]:
     return out
 
 
-def _json_object(value: str) -> dict[str, str] | None:
-    """``value`` read as a JSON object, keys and values as text; None when it is not one (then it is
-    read as ``k=v`` pairs)."""
-    try:
-        return {str(k): str(v) for k, v in json.loads(value).items()}
-    except (ValueError, AttributeError):
+def _json_dict(value: str) -> dict[str, Any] | None:
+    """``value`` read as a JSON object (its values as JSON gave them); None when it is not one (then
+    it is read as ``k=v`` pairs)."""
+    if not value.lstrip().startswith("{"):
         return None
+    try:
+        obj = json.loads(value)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _json_object(value: str) -> dict[str, str] | None:
+    """:func:`_json_dict` with keys and values as text."""
+    obj = _json_dict(value)
+    return None if obj is None else {str(k): str(v) for k, v in obj.items()}
 
 
 def with_tokenizer(argv: list[str]) -> list[str]:
@@ -149,11 +158,8 @@ def with_tokenizer(argv: list[str]) -> list[str]:
         return argv + ["--model_args", f"tokenizer={folder}"]
     at, inline_form = last
     value = argv[at].partition("=")[2] if inline_form else argv[at]
-    try:
-        obj = json.loads(value) if value.lstrip().startswith("{") else None
-    except ValueError:
-        obj = None
-    value = json.dumps({**obj, "tokenizer": folder}) if isinstance(obj, dict) else f"{value},tokenizer={folder}"
+    obj = _json_dict(value)
+    value = json.dumps({**obj, "tokenizer": folder}) if obj is not None else f"{value},tokenizer={folder}"
     argv[at] = f"{argv[at].partition('=')[0]}={value}" if inline_form else value
     return argv
 
