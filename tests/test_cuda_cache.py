@@ -49,7 +49,7 @@ def fake(tmp_path, monkeypatch):
 
 
 def folder_of(name: str = "bitmap_prune_encode") -> tuple[Path, str]:
-    flags = ["-O3", "-gencode=arch=compute_90,code=sm_90"]
+    flags = common.build_flags(("-O3",), "90")
     key = common.build_inputs(name, [SOURCE], flags, "90")[:16]
     return common.cuda_cache_root() / f"{name}-{key}", f"kvtool_{name}_{key}"
 

@@ -45,7 +45,7 @@ void bitmap_sparse_attention(torch::Tensor q, torch::Tensor kbm, torch::Tensor k
   // the shared-memory stage: bitmaps (unless read from global memory), then the packed elements
   const size_t esz = q.element_size();
   const size_t bits = bits_global ? 0 : (size_t)PAIR * p.DT * 8 + (size_t)2 * p.D * 8;
-  const size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + (p.VCAP * esz + 15) / 16 * 16;
+  const size_t stage = bits + (p.KCAP * esz + 15) / 16 * 16 + STAGE_GUARD + (p.VCAP * esz + 15) / 16 * 16;
   if (walk == WALK_MMA || walk == WALK_MMA_BUFFERED) {
     TORCH_CHECK((p.D == 64 || p.D == 128) && !bits_global, "the tensor-core walk serves head_dim 64 and 128 with staged bits");
     dim3 grid(bh, p.S + 1, (p.R + MMA_ROWS - 1) / MMA_ROWS);

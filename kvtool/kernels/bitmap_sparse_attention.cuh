@@ -198,10 +198,12 @@ __device__ __forceinline__ void walk_word(unsigned w, const T* vend, const TAB* 
         const bool two = take_two(w, b0, b1);
         load_row<NR>(base + b0 * (NR * 2), x0);
         load_row<NR>(base + b1 * (NR * 2), x1);
-        const float v0 = to_f(vend[-1]), v1raw = to_f(vend[-2]);
+        // a lone last element reads no second value: the element before the run may lie in another
+        // stage region whose copy is in flight (racecheck)
+        const float v0 = to_f(vend[-1]), v1 = two ? to_f(vend[-2]) : 0.f;
         vend -= 2;
         fma_row_f32<NR>(acc, v0, x0);
-        fma_row_f32<NR>(acc, two ? v1raw : 0.f, x1);
+        fma_row_f32<NR>(acc, v1, x1);
       }
     } else {
       unsigned va = (unsigned)__cvta_generic_to_shared(vend);  // bytes, one past the run
@@ -336,14 +338,19 @@ __device__ __forceinline__ void resolve_lengths(Params& p) {
 }
 
 // One shared-memory stage: key bits [PAIR * DT] and value bits [2 * D] (unless bits_global: then
-// threads read their words from global memory), key elements [KCAP], value elements [VCAP].
+// threads read their words from global memory), key elements [KCAP], STAGE_GUARD bytes never
+// written, value elements [VCAP]. The tensor-core walk reads whole 32-bit words around a run and up
+// to 8 bytes past its end (the selectors never pick those bytes); the guard keeps those reads off
+// the value elements, whose copy is in flight while the keys are walked (compute-sanitizer's
+// racecheck reported the read of a word being written by the copy).
+constexpr int STAGE_GUARD = 16;
 template <typename T>
 struct Stage {
   size_t vb, ks, vs;
   __device__ __forceinline__ explicit Stage(const Params& p) {
     vb = p.bits_global ? 0 : (size_t)PAIR * p.DT * 8;
     ks = vb + (p.bits_global ? 0 : (size_t)2 * p.D * 8);
-    vs = ks + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16;
+    vs = ks + ((size_t)p.KCAP * sizeof(T) + 15) / 16 * 16 + STAGE_GUARD;
   }
 };
 
@@ -436,6 +443,7 @@ __device__ __forceinline__ void softmax_step(const float* sc, TAB* ps, float* mr
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    __syncwarp();  // every lane has read mrow[r] before lane 0 writes it (a shuffle orders no memory: racecheck)
     if (lane == 0) {
       const float a = exp2f(m_old - m_safe);
       alpha[r] = a;

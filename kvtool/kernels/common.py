@@ -207,6 +207,13 @@ def _import(module: str, so: Path) -> Any:
     return mod
 
 
+def build_flags(extra_cflags: tuple[str, ...], arch: str) -> list[str]:
+    """nvcc's flags for one GPU architecture (``"90"``): the extension's own, ``-lineinfo`` (so that
+    compute-sanitizer and ncu name the source line of a report; the code generated is the same) and
+    the one ``-gencode``."""
+    return [*extra_cflags, "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
 def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...] = ("-O3",)) -> Any:
     """A CUDA extension compiled on first use for this GPU and loaded once per process.
 
@@ -222,7 +229,7 @@ def cuda_extension(name: str, sources: list[Path], extra_cflags: tuple[str, ...]
         return _EXTENSIONS[name]
     major, minor = torch.cuda.get_device_capability()
     arch = f"{major}{minor}"
-    flags = [*extra_cflags, f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    flags = build_flags(extra_cflags, arch)
     inputs = build_inputs(name, sources, flags, arch)
     key = inputs[:16]
     folder = private_folder(private_folder(cuda_cache_root()) / f"{name}-{key}")
