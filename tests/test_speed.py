@@ -72,6 +72,9 @@ def test_the_shipped_cost_model():
     shipped_run = S.from_bench(Path(__file__).resolve().parents[1] / "docs/benchmarks/kivi-h200.json", "h200")
     for spec in ("quant:bits=4", "quant:bits=4,group=128", "quant:bits=2"):  # the shipped entries are that run's
         assert h200.kernel_speedup(spec)[0] == pytest.approx(shipped_run.kernel_speedup(spec)[0], abs=1e-3)
+    shipped_attention = S.from_bench(Path(__file__).resolve().parents[1] / "docs/benchmarks/attention.json", "h100")
+    for spec in ("bitmap:sparsity=0.5", "bitmap:sparsity=0.7"):  # the H100's bitmap entries are that run's
+        assert h100.kernel_speedup(spec)[0] == pytest.approx(shipped_attention.kernel_speedup(spec)[0], abs=1e-3)
     assert h200.kernel_speedup("bitmap:sparsity=0.5")[0] is None  # not measured on the H200
     for c in (h100, h200):
         for e in c.kernels:  # every entry names a storage kvtool can build, and states where its number comes from
@@ -112,7 +115,7 @@ def test_kernel_speeds_from_a_bench_decode_document(tmp_path):
     c = S.from_bench(path)
     assert c.card == "h100" and c.attention_share == 0.6 and c.source == str(path)
     assert c.kernel_speedup("quant:bits=4")[0] == pytest.approx(0.8)
-    assert c.kernel_speedup("bitmap:sparsity=0.7")[0] == 1.667  # not in the file: the shipped H100 number
+    assert c.kernel_speedup("bitmap:sparsity=0.7")[0] == 1.702  # not in the file: the shipped H100 number
     assert c.kernels[1]["storage"] == "dense" and c.kernels[1]["kernel_speedup"] == pytest.approx(6 * 0.125)
     with pytest.raises(UsageError, match="not the --card"):
         S.from_bench(path, "h200")
