@@ -49,6 +49,7 @@ from kvtool.core.errors import BadDataError, UsageError
 from kvtool.core.limits import LIVE_HEADROOM
 from kvtool.core.attention import attend_partial
 from kvtool.methods.quantize import (
+    FP16_SAFE,
     check_bits,
     dequantize_groups,
     dequantize_symmetric,
@@ -64,6 +65,7 @@ from kvtool.formats.base import Encoded, Format, FormatParams, get_format, make_
 from kvtool.formats._live import LiveLayer, dense_attention_out, nbytes as tensor_nbytes, on_gpu
 from kvtool.formats import _rotated
 from kvtool.methods.rotation import ROTATIONS, check_dim, rotate, unrotate
+from kvtool.kernels import kivi_quantize
 from kvtool.kernels.kivi_attention import KiviCache, cache_from_encoded, kivi_attention, workspace_bytes as kivi_workspace_bytes
 
 SCHEMES = ("kivi", "int8", "fp8")
@@ -362,6 +364,11 @@ class QuantFormat(Format):
 # ----------------------------------------------------------------------------- live cache
 
 LIVE_CHUNK_SYMMETRIC = 32  # int8 / fp8: recent tokens quantised 32 at a time in a live cache
+# how a live KIVI layer quantises a residual group (QuantLive._absorb): "auto" takes the one-launch
+# Triton kernel (kvtool.kernels.kivi_quantize) on CUDA and torch elsewhere; "always" takes the kernel
+# wherever it runs (tests: CPU tensors under TRITON_INTERPRET=1); "never" keeps torch
+ABSORB_KERNEL: Literal["auto", "always", "never"] = "auto"
+ABSORB_FLAG_GROUPS = 4  # residual groups whose range flags the kernel leaves for the next absorbs
 
 
 def quantize_keys_kivi(keys: torch.Tensor, bits: int, group: int, sdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -508,7 +515,7 @@ class QuantLive(_ResidualLive):
         self.res = {"keys": rk.new_zeros((b, h, rcap, d)), "values": rv.new_zeros((b, h, rcap, d))}
         self.res["keys"][:, :, :rk.shape[2]] = rk
         self.res["values"][:, :, :rv.shape[2]] = rv
-        self.lengths = torch.tensor([self.kt, self.vt, self.res_n["keys"], self.res_n["values"]], dtype=torch.int32, device=rk.device)
+        self._status_init(rk.device)
         sdt = ts["scales.keys"].dtype
         self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values()) - self.residual, grow=False), sdt, ts)
         for kind in ("keys", "values"):
@@ -572,41 +579,112 @@ class QuantLive(_ResidualLive):
 
     # -- growth
 
+    def _status_init(self, device: torch.device) -> None:
+        """``lengths`` (int32 ``[4]``: Tk, Tv, nk, nv) as the head of a device buffer that also holds
+        the range flags the absorb kernel leaves (:mod:`kvtool.kernels.kivi_quantize`), so that one
+        ``tolist`` (:meth:`_sync`) reads both; the host's copy of the flags and what they cover."""
+        self.flag_groups = max(1, min(ABSORB_FLAG_GROUPS, self.residual // self.chunk))
+        self.status = torch.zeros(kivi_quantize.status_size(self.b, self.h, self.flag_groups), dtype=torch.int32, device=device)
+        self.lengths = self.status[:4]
+        self.lengths.copy_(torch.tensor([self.kt, self.vt, self.res_n["keys"], self.res_n["values"]], dtype=torch.int32))
+        self.flags: list[int] = []  # the flags as last read
+        self.flags_cover = {"keys": 0, "values": 0}  # whole groups those flags describe (0: none valid)
+        self.flags_device_cover = {"keys": 0, "values": 0}  # whole groups the device's flags describe now
+        self.flags_used = {"keys": 0, "values": 0}  # groups absorbed since the flags were read
+
     def _sync(self) -> None:
-        """The host's counts from the device's lengths (eager work only: one host sync)."""
-        self.kt, self.vt, nk, nv = (int(x) for x in self.lengths.tolist())
+        """The host's counts (and the absorb kernel's range flags) from the device (eager work only:
+        one host sync)."""
+        values = self.status.tolist()
+        self.kt, self.vt, nk, nv = (int(x) for x in values[:4])
         self.res_n = {"keys": nk, "values": nv}
+        self.flags = values[4:]
+        self.flags_cover = dict(self.flags_device_cover)
+        self.flags_used = {"keys": 0, "values": 0}
+
+    def kernel_absorbs(self) -> bool:
+        """Whether :meth:`_absorb` takes the one-launch kernel (:data:`ABSORB_KERNEL`): on CUDA (or
+        always, when forced) for the combinations :func:`kivi_quantize.supported` serves."""
+        where = self.res["keys"]
+        if ABSORB_KERNEL == "never" or (ABSORB_KERNEL == "auto" and not where.is_cuda):
+            return False
+        return kivi_quantize.supported(where.dtype, self.cache.key_scales.dtype, self.bits, self.chunk, self.d)
+
+    def _needs_float32(self, kind: str) -> bool:
+        """Whether the residual's oldest group of ``kind`` reaches float16's range
+        (:func:`scale_dtype_for`): from the range flags read with the lengths when they cover this
+        group (no host sync; a NaN in the group keeps float16, as the reference's max does), else
+        from the tokens (a host sync)."""
+        used = self.flags_used[kind]
+        if used < self.flags_cover[kind]:
+            k = kivi_quantize.KEYS if kind == "keys" else kivi_quantize.VALUES
+            at = kivi_quantize.flag_offset(k, self.b, self.h, self.flag_groups) - 4 + used * self.b * self.h
+            word = 0
+            for flag in self.flags[at:at + self.b * self.h]:
+                word |= int(flag)
+            return word == 1
+        return scale_dtype_for(self.res[kind][:, :, :self.chunk]) == torch.float32
 
     def _absorb(self, kind: str) -> None:
-        """The residual's oldest ``group`` tokens of ``kind`` quantised into the next slots (eager)."""
-        self._sync()
-        g, buf, n = self.chunk, self.res[kind], self.res_n[kind]
-        pos = self.kt if kind == "keys" else self.vt
+        """The residual's oldest ``group`` tokens of ``kind`` quantised into the next slots (eager;
+        the host's counts exact: after :meth:`_sync`, or kept so since).
+
+        Launches per absorb (B=8, Hkv=8, D=128, group 32, float16; aten ops that are not views,
+        counted with a dispatch mode on the CPU, each a launch on CUDA): the torch path
+        (:meth:`_absorb_torch`) runs 68 (keys and values alike: quantisation with its index,
+        rounding and packing temporaries, stores, the residual move, lengths) and, before the kernel,
+        two host syncs (``_sync``'s lengths inside every absorb, then :func:`scale_dtype_for`); the
+        kernel path (:meth:`_absorb_kernel`) runs 1 launch and no host sync when the range flags read
+        with the lengths at the caller's one :meth:`_sync` cover the group (every absorb of a
+        reserve/decode loop after each kind's first while R >= group), else 3 more ops and the one
+        host sync of :func:`scale_dtype_for` (a kind's first absorb; absorbs of tokens appended in
+        the same eager call). Widening the scales to float32 or a larger capacity re-allocates
+        (rare) on either path."""
+        g, pos = self.chunk, (self.kt if kind == "keys" else self.vt)
         sdt = self.cache.key_scales.dtype
-        if scale_dtype_for(buf[:, :, :g]) == torch.float32 and sdt != torch.float32:  # beyond float16's range: widen every scale
+        if sdt != torch.float32 and self._needs_float32(kind):  # beyond float16's range: widen every scale
             sdt = torch.float32
             self._allocate(self.capacity, sdt, self._stored())
+        self.flags_used[kind] += 1
         if pos + g > self.capacity:
             self._allocate(self._capacity_for(pos + g), sdt, self._stored())
-        c = self.cache
+        if self.kernel_absorbs():
+            self._absorb_kernel(kind, pos)
+        else:
+            self._absorb_torch(kind, pos, sdt)
+        if kind == "keys":
+            self.kt += g
+        else:
+            self.vt += g
+        self.res_n[kind] -= g
+
+    def _absorb_kernel(self, kind: str, pos: int) -> None:
+        """One launch: quantise, store, move the residual down, lengths and range flags."""
+        c, n = self.cache, self.res_n[kind]
+        absorb = kivi_quantize.absorb_keys if kind == "keys" else kivi_quantize.absorb_values
+        tensors = (c.key_codes, c.key_scales, c.key_zeros) if kind == "keys" else (c.value_codes, c.value_scales, c.value_zeros)
+        absorb(self.res[kind], n, *tensors, self.status, pos, self.bits, self.chunk, FP16_SAFE, self.flag_groups)
+        self.flags_device_cover[kind] = min((n - self.chunk) // self.chunk, self.flag_groups)
+
+    def _absorb_torch(self, kind: str, pos: int, sdt: torch.dtype) -> None:
+        """The torch reference of :meth:`_absorb_kernel` (the device's range flags go stale)."""
+        g, buf, n, c = self.chunk, self.res[kind], self.res_n[kind], self.cache
         if kind == "keys":
             codes, scale, zero = quantize_keys_kivi(buf[:, :, :g], self.bits, g, sdt)
             c.key_codes[..., pos * self.bits // 8:(pos + g) * self.bits // 8] = codes
             c.key_scales[..., pos // g:pos // g + 1] = scale
             c.key_zeros[..., pos // g:pos // g + 1] = zero
-            self.kt += g
         else:
             codes, scale, zero = quantize_values_kivi(buf[:, :, :g], self.bits, g, sdt)
             c.value_codes[:, :, pos:pos + g] = codes
             c.value_scales[:, :, pos:pos + g] = scale
             c.value_zeros[:, :, pos:pos + g] = zero
-            self.vt += g
         rest = n - g
         buf[:, :, :rest] = buf[:, :, g:n].clone()
-        self.res_n[kind] = rest
         i = 0 if kind == "keys" else 1
         self.lengths[i:i + 1] += g
         self.lengths[i + 2:i + 3] -= g
+        self.flags_device_cover[kind] = 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """New tokens ``[B, Hkv, N, D]`` into the residuals at the device's lengths; eagerly, each
@@ -619,7 +697,8 @@ class QuantLive(_ResidualLive):
         if not deferred:  # slots for the new tokens (up to R + group): buffers follow the tokens held
             self._grow_residual(min(max(self.res_n.values()) + n, self.threshold), self.threshold)
             rk, rv = self.res["keys"], self.res["values"]
-        if deferred or (n == 1 and max(self.res_n.values()) < self.threshold):
+        fast = deferred or (n == 1 and max(self.res_n.values()) < self.threshold)
+        if fast:
             # both written where the device says the residuals end (a replayed step keeps appending)
             at = self.lengths[2:4].long()
             if n == 1:
@@ -645,7 +724,9 @@ class QuantLive(_ResidualLive):
                     self.lengths[i + 2:i + 3] += take
                     self.res_n[kind] += take
                     done += take
-        if not deferred:
+        if not deferred and max(self.res_n.values()) >= self.threshold:
+            if fast:
+                self._sync()  # replayed steps may have appended since the host last counted
             for kind in ("keys", "values"):
                 while self.res_n[kind] >= self.threshold:
                     self._absorb(kind)
