@@ -49,9 +49,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvtool.core.errors import UsageError
-from kvtool.kernels.common import KERNEL_DTYPES, check_device
+from kvtool.kernels.common import KERNEL_DTYPES, check_device, interpreting
 
 BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,22 +84,25 @@ def _round_to(x, out_ty: tl.constexpr, UP: tl.constexpr, WIDE: tl.constexpr):
     """float32 ``x`` in ``out_ty``, rounded up (result >= x) or down (result <= x): float32 is
     exact (``WIDE``); a 16-bit type rounds to nearest, then steps one pattern outward when that
     went the wrong way (positive: +-1 on the bits, negative: the other way, zero: the smallest
-    subnormal of the direction's sign), as ``torch.nextafter`` does."""
+    subnormal of the direction's sign), as ``torch.nextafter`` does. (One return: the compiler
+    generates what follows a return inside a constexpr branch, so the 16-bit path is an else.)"""
     if WIDE:
-        return x
-    y = x.to(out_ty)
-    yf = y.to(tl.float32)
-    bits = y.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    negative = bits >= 0x8000
-    is_zero = (bits & 0x7FFF) == 0
-    if UP:
-        wrong = yf < x
-        nxt = tl.where(is_zero, 0x0001, tl.where(negative, bits - 1, bits + 1))
+        out = x
     else:
-        wrong = yf > x
-        nxt = tl.where(is_zero, 0x8001, tl.where(negative, bits + 1, bits - 1))
-    stepped = nxt.to(tl.int16).to(out_ty, bitcast=True)
-    return tl.where(wrong, stepped, y)
+        y = x.to(out_ty)
+        yf = y.to(tl.float32)
+        bits = y.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        negative = bits >= 0x8000
+        is_zero = (bits & 0x7FFF) == 0
+        if UP:
+            wrong = yf < x
+            nxt = tl.where(is_zero, 0x0001, tl.where(negative, bits - 1, bits + 1))
+        else:
+            wrong = yf > x
+            nxt = tl.where(is_zero, 0x8001, tl.where(negative, bits + 1, bits - 1))
+        stepped = nxt.to(tl.int16).to(out_ty, bitcast=True)
+        out = tl.where(wrong, stepped, y)
+    return out
 
 
 @triton.jit
@@ -115,7 +119,8 @@ def _extreme(x, inside, order, A: tl.constexpr, B: tl.constexpr, HIGH: tl.conste
     first = tl.min(tl.min(tl.where(at_zero, order, 1 << 30), axis=A), axis=B)
     is_first = at_zero & (order == tl.expand_dims(tl.expand_dims(first, B), A))
     negative = tl.max(tl.max(tl.where(is_first & (x.to(tl.int32, bitcast=True) < 0), 1, 0), axis=A), axis=B)
-    return tl.where(m == 0.0, tl.where(negative > 0, -0.0, 0.0), m)
+    signed_zero = tl.where(negative > 0, -2147483648, 0).to(tl.int32)
+    return tl.where(m == 0.0, signed_zero, m.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -129,22 +134,26 @@ def _scale_and_zero(lo, hi, out_ty: tl.constexpr, LEVELS: tl.constexpr, WIDE: tl
 
 
 @triton.jit
-def _rint(y):
-    """float32 ``y`` rounded to an integer, half to even (``torch.round``; ``rint`` of libdevice,
-    which the CPU interpreter lacks): below 2**23 in magnitude, adding and subtracting 2**23 rounds
-    in the IEEE default mode; larger magnitudes are integers already."""
-    a = tl.abs(y)
-    r = (a + 8388608.0) - 8388608.0
-    r = tl.where(y < 0, -r, r)
-    return tl.where(a >= 8388608.0, y, r)
+def _rint(y, LIBDEVICE: tl.constexpr):
+    """float32 ``y`` rounded to an integer, half to even (``torch.round``): libdevice's ``rint``
+    on a GPU (``LIBDEVICE``); under the CPU interpreter, which lacks it, adding and subtracting
+    2**23 below 2**23 in magnitude (IEEE round to nearest even; larger magnitudes are integers)."""
+    if LIBDEVICE:
+        out = libdevice.rint(y)
+    else:
+        a = tl.abs(y)
+        r = (a + 8388608.0) - 8388608.0
+        r = tl.where(y < 0, -r, r)
+        out = tl.where(a >= 8388608.0, y, r)
+    return out
 
 
 @triton.jit
-def _codes(x, scale, zero, LEVELS: tl.constexpr):
+def _codes(x, scale, zero, LEVELS: tl.constexpr, LIBDEVICE: tl.constexpr):
     """int32 codes ``clamp(rint((x - zero) / scale), 0, levels)``, 0 where the scale is 0 (float32
     ``scale`` / ``zero`` broadcast against ``x``)."""
     safe = tl.where(scale > 0, scale, 1.0)
-    q = _rint(tl.math.div_rn(x - zero, safe))
+    q = _rint(tl.math.div_rn(x - zero, safe), LIBDEVICE)
     q = tl.minimum(tl.maximum(q, 0.0), LEVELS)
     return tl.where(scale > 0, q, 0.0).to(tl.int32)
 
@@ -179,12 +188,12 @@ def _store_lengths(status_ptr, bh, quantised, residual, KIND: tl.constexpr):
         tl.store(status_ptr + KIND + 2, residual)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "pos_byte", "pos_group", "quantised", "flag_base"])
 def _absorb_keys_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
                         H, count, pos_byte, pos_group, quantised, flag_base, range_limit,
                         r_b, r_h, r_t, c_b, c_h, c_d, s_b, s_h, s_d, s_g, z_b, z_h, z_d, z_g,
                         G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr, FLAG_GROUPS: tl.constexpr,
-                        NB_P: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr):
+                        LIBDEVICE: tl.constexpr, NB_P: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr):
     """One program per (batch, head): keys per channel over G tokens (module docstring)."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -201,7 +210,7 @@ def _absorb_keys_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
     lo = _extreme(x, valid, tok, 1, 0, False)  # [D_P]
     hi = _extreme(x, valid, tok, 1, 0, True)
     scale, zero = _scale_and_zero(lo, hi, scales_ptr.dtype.element_ty, LEVELS, WIDE)
-    q = _codes(x, scale.to(tl.float32)[None, None, :], zero.to(tl.float32)[None, None, :], LEVELS)
+    q = _codes(x, scale.to(tl.float32)[None, None, :], zero.to(tl.float32)[None, None, :], LEVELS, LIBDEVICE)
     q = tl.where(valid, q, 0)
     packed = tl.sum(q << (k * BITS), axis=1)  # [NB_P, D_P]: byte nb of each channel
     dc = tl.arange(0, D_P)
@@ -214,12 +223,12 @@ def _absorb_keys_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
     _store_lengths(status_ptr, bh, quantised, count - G, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "pos", "quantised", "flag_base"])
 def _absorb_values_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
                           H, count, pos, quantised, flag_base, range_limit,
                           r_b, r_h, r_t, c_b, c_h, c_t, s_b, s_h, s_t, s_g, z_b, z_h, z_t, z_g,
                           G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, WIDE: tl.constexpr, FLAG_GROUPS: tl.constexpr,
-                          NGV: tl.constexpr, NBD_P: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, NGV: tl.constexpr, NBD_P: tl.constexpr, G_P: tl.constexpr, D_P: tl.constexpr):
     """One program per (batch, head): values per token in NGV groups of G channels (module docstring)."""
     PER: tl.constexpr = 8 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -248,7 +257,7 @@ def _absorb_values_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
         tl.store(zrow + j * z_g, zero, mask=t1 < G)
         scale_el = tl.where(group_of == j, scale.to(tl.float32)[:, None, None], scale_el)
         zero_el = tl.where(group_of == j, zero.to(tl.float32)[:, None, None], zero_el)
-    q = tl.where(valid, _codes(x, scale_el, zero_el, LEVELS), 0)
+    q = tl.where(valid, _codes(x, scale_el, zero_el, LEVELS, LIBDEVICE), 0)
     packed = tl.sum(q << (k * BITS), axis=2)  # [G_P, NBD_P]: byte of each token
     t2 = tl.arange(0, G_P)[:, None]
     nb = tl.arange(0, NBD_P)[None, :]
@@ -287,7 +296,7 @@ def absorb_keys(residual: torch.Tensor, count: int, codes: torch.Tensor, scales:
         flag_offset(KEYS, b, h, flag_groups), float(range_limit),
         residual.stride(0), residual.stride(1), residual.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
         *scales.stride(), *zeros.stride(),
-        G=group, D=d, BITS=bits, WIDE=scales.dtype == torch.float32, FLAG_GROUPS=flag_groups,
+        G=group, D=d, BITS=bits, WIDE=scales.dtype == torch.float32, FLAG_GROUPS=flag_groups, LIBDEVICE=not interpreting(),
         NB_P=triton.next_power_of_2(group // per), G_P=triton.next_power_of_2(group), D_P=triton.next_power_of_2(d),
         num_warps=_warps(group, d), num_stages=1)
 
@@ -308,6 +317,6 @@ def absorb_values(residual: torch.Tensor, count: int, codes: torch.Tensor, scale
         flag_offset(VALUES, b, h, flag_groups), float(range_limit),
         residual.stride(0), residual.stride(1), residual.stride(2), codes.stride(0), codes.stride(1), codes.stride(2),
         *scales.stride(), *zeros.stride(),
-        G=group, D=d, BITS=bits, WIDE=scales.dtype == torch.float32, FLAG_GROUPS=flag_groups,
+        G=group, D=d, BITS=bits, WIDE=scales.dtype == torch.float32, FLAG_GROUPS=flag_groups, LIBDEVICE=not interpreting(),
         NGV=-(-d // group), NBD_P=triton.next_power_of_2(-(-d // per)), G_P=triton.next_power_of_2(group), D_P=triton.next_power_of_2(d),
         num_warps=_warps(group, d), num_stages=1)
