@@ -236,17 +236,29 @@ def test_replayed_growth_reads_the_range_with_the_lengths(monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 
 
+# every (token dtype, scale dtype) pair with two (bits, group, head_dim) each: every value of each
+# axis, groups wider than D and not dividing it; each combination is a compile (the whole product, 108
+# per kind, took over 90 s of a chunk on the H200)
+GPU_GRID = [(dtype, sdt, *shape) for (dtype, sdt), shapes in zip(
+    itertools.product((F16, BF16, F32), (F16, F32, BF16)),
+    itertools.cycle([[(4, 32, 128), (2, 128, 64)], [(8, 32, 16), (4, 48, 128)], [(2, 32, 64), (8, 128, 128)]]))
+    for shape in shapes]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["keys", "values"])
 def test_absorb_is_bit_exact_on_cuda_over_the_grid(kind):
-    for dtype, sdt, bits, g, d in itertools.product((F16, BF16, F32), (F16, F32), (2, 4, 8), (32, 128), (16, 64, 128)):
+    for dtype, sdt, bits, g, d in GPU_GRID:
         check_absorb(kind, dtype, sdt, bits, g, d, device="cuda", b=3, h=2, signed_zeros=False)
 
 
 @pytest.mark.gpu
-def test_live_layer_on_cuda_is_the_torch_layer_at_llama_shape():
+def test_live_layer_on_cuda_is_the_cpu_torch_layer_at_llama_shape():
     """B=8, Hkv=8, D=128, float16, KIVI-4 group 32 residual 128: grown on CUDA with the kernel
-    (the default there), the tensors the torch path gives on CUDA from the same prompt encode."""
+    (the default there), the CPU torch path's tensors bit for bit (the torch reference is the CPU's:
+    torch on CUDA divides by the scalar ``levels`` through a reciprocal, which moves a scale by one
+    ulp now and then). The prompt of 100 tokens stays in the residual, so every quantised group is
+    an absorb."""
     gen = torch.Generator().manual_seed(0)
     keys = (torch.randn(8, 8, 420, 128, generator=gen) * 2).half()
     values = torch.randn(8, 8, 420, 128, generator=gen).half()
@@ -254,6 +266,7 @@ def test_live_layer_on_cuda_is_the_torch_layer_at_llama_shape():
 
     layer = LayerKV(keys=keys, values=values)
     params = get_format("quant").Params(bits=4, group=32, residual=128)
-    by_torch = grow(layer, params, 200, "never", device="cuda")
-    by_kernel = grow(layer, params, 200, "auto", device="cuda")
-    assert_same_layers(by_kernel, by_torch, signed_zeros=False)
+    on_cpu = grow(layer, params, 100, "never")
+    on_cuda = grow(layer, params, 100, "auto", device="cuda")
+    assert on_cuda.kt >= 8 * 32
+    assert_same_layers(on_cuda, on_cpu, signed_zeros=False)
