@@ -518,9 +518,7 @@ class QuantLive(_ResidualLive):
         self._status_init(rk.device)
         sdt = ts["scales.keys"].dtype
         self._allocate(self._capacity_for(max(self.kt, self.vt) + max(self.res_n.values()) - self.residual, grow=False), sdt, ts)
-        for kind in ("keys", "values"):
-            while self.res_n[kind] >= self.threshold:
-                self._absorb(kind)
+        self._absorb_full_groups()
 
     def _partial_keys(self, ts: dict[str, torch.Tensor]) -> torch.Tensor:
         """A file's last, partial key group (``partial=true``: ``kt`` not a multiple of ``group``)
@@ -658,6 +656,13 @@ class QuantLive(_ResidualLive):
             self.vt += g
         self.res_n[kind] -= g
 
+    def _absorb_full_groups(self) -> None:
+        """Every residual at R + group tokens or more gives its oldest groups to the codes (the
+        host's counts exact)."""
+        for kind in ("keys", "values"):
+            while self.res_n[kind] >= self.threshold:
+                self._absorb(kind)
+
     def _absorb_kernel(self, kind: str, pos: int) -> None:
         """One launch: quantise, store, move the residual down, lengths and range flags."""
         c, n = self.cache, self.res_n[kind]
@@ -727,9 +732,7 @@ class QuantLive(_ResidualLive):
         if not deferred and max(self.res_n.values()) >= self.threshold:
             if fast:
                 self._sync()  # replayed steps may have appended since the host last counted
-            for kind in ("keys", "values"):
-                while self.res_n[kind] >= self.threshold:
-                    self._absorb(kind)
+            self._absorb_full_groups()
 
     def room(self) -> int:
         """Single-token steps that fit the residual buffers: what a loop replaying a captured step
@@ -742,9 +745,7 @@ class QuantLive(_ResidualLive):
         quantised (what appends during a capture left), then, if that is not enough, the residual
         buffers re-allocated larger (which invalidates graphs captured before)."""
         self._sync()
-        for kind in ("keys", "values"):
-            while self.res_n[kind] >= self.threshold:
-                self._absorb(kind)
+        self._absorb_full_groups()
         if self.room() < steps:
             self._grow_residual(max(self.res_n.values()) + steps + 1, max(self.res_n.values()) + steps + 1)
 
