@@ -269,6 +269,30 @@ def _(dev):
     expect(rel_l2(out, fmt.attend(q, enc)[0]), 2e-2, "kivi")
 
 
+@case("triton kivi absorb (a live KIVI layer's growth: quantise a residual group, pack, move the residual down)")
+def _(dev):
+    from kvtool.formats import quant
+
+    fmt = get_format("quant")
+    keys, values = rand(1, 2, 200, 64, dtype=torch.float16, dev="cpu", seed=4), rand(1, 2, 200, 64, dtype=torch.float16, dev="cpu", seed=5)
+    params = make_params(fmt, {"bits": "4", "group": "32", "residual": "16"})
+    grown = {}
+    for mode, where in (("never", "cpu"), ("always", dev)):  # the prompt of 40 tokens stays in the residual: every group is an absorb
+        old, quant.ABSORB_KERNEL = quant.ABSORB_KERNEL, mode
+        try:
+            live = fmt.live_from_dense(LayerKV(keys[:, :, :40].to(where), values[:, :, :40].to(where)), params)
+            for t in range(40, 200):
+                live.append(keys[:, :, t:t + 1].to(where), values[:, :, t:t + 1].to(where))
+            live.reserve(1)
+            grown[mode] = {k: v.cpu() for k, v in live.encoded().tensors.items()}
+        finally:
+            quant.ABSORB_KERNEL = old
+    for name, x in grown["always"].items():
+        y = grown["never"][name]
+        same = torch.equal(x, y) if not x.is_floating_point() else bool(((x == y) | (x.isnan() & y.isnan())).all())
+        expect(0.0 if same else 1.0, 0.5, f"kivi absorb {name} equals the torch path's")
+
+
 @case("cuda kivi (codes dequantised in the MMA fragments: 2 / 4 / 8 bits, head_dim 64 / 128, aligned and file layouts)", cuda_only=True)
 def _(dev):
     from kvtool.kernels.kivi_attention import cache_from_encoded, cuda_path, kivi_attention
