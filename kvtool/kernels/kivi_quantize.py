@@ -40,6 +40,12 @@ conversion followed, when it went the wrong way, by one step of the 16-bit patte
 ``torch.nextafter`` of :func:`kvtool.methods.quantize.round_to_dtype`, signed zeros included). Codes
 of NaN inputs are not defined by the reference and are not compared.
 
+Every integer argument is left unspecialised (``do_not_specialize``): Triton otherwise compiles a
+kernel again for each new divisibility by 16 of a position, a count or a stride, and a growing
+cache changes all of them (a re-allocated capacity changes the strides): on an H200, ``bench decode
+--generate 256`` spent 46% (KIVI-4) and 58% (the 15% plan) of its time in encodes, most of it in
+those compiles, while only the positions and counts were unspecialised.
+
 Kernels sit below the formats: tensors and ints in, nothing from :mod:`kvtool.formats` or
 :mod:`kvtool.methods` (the range limit, FP16_SAFE there, is an argument).
 """
@@ -188,7 +194,8 @@ def _store_lengths(status_ptr, bh, quantised, residual, KIND: tl.constexpr):
         tl.store(status_ptr + KIND + 2, residual)
 
 
-@triton.jit(do_not_specialize=["count", "pos_byte", "pos_group", "quantised", "flag_base"])
+@triton.jit(do_not_specialize=["H", "count", "pos_byte", "pos_group", "quantised", "flag_base", "r_b", "r_h", "r_t", "c_b", "c_h", "c_d",
+                               "s_b", "s_h", "s_d", "s_g", "z_b", "z_h", "z_d", "z_g"])
 def _absorb_keys_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
                         H, count, pos_byte, pos_group, quantised, flag_base, range_limit,
                         r_b, r_h, r_t, c_b, c_h, c_d, s_b, s_h, s_d, s_g, z_b, z_h, z_d, z_g,
@@ -223,7 +230,8 @@ def _absorb_keys_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
     _store_lengths(status_ptr, bh, quantised, count - G, 0)
 
 
-@triton.jit(do_not_specialize=["count", "pos", "quantised", "flag_base"])
+@triton.jit(do_not_specialize=["H", "count", "pos", "quantised", "flag_base", "r_b", "r_h", "r_t", "c_b", "c_h", "c_t",
+                               "s_b", "s_h", "s_t", "s_g", "z_b", "z_h", "z_t", "z_g"])
 def _absorb_values_kernel(res_ptr, codes_ptr, scales_ptr, zeros_ptr, status_ptr,
                           H, count, pos, quantised, flag_base, range_limit,
                           r_b, r_h, r_t, c_b, c_h, c_t, s_b, s_h, s_t, s_g, z_b, z_h, z_t, z_g,

@@ -111,7 +111,10 @@ def quantize_groups(x: torch.Tensor, group_index: torch.Tensor, n_groups: int, b
     hi = torch.where(empty, torch.zeros_like(hi), hi)
     levels = (1 << bits) - 1
     zero = round_to_dtype(lo, scale_dtype, "down")
-    scale = round_to_dtype((hi - zero.float()) / levels, scale_dtype, "up")
+    span = hi - zero.float()
+    # a tensor divisor: torch on CUDA divides by a Python scalar through its reciprocal, which moves
+    # a scale by one ulp against IEEE division (the CPU's, and the Triton absorb kernel's)
+    scale = round_to_dtype(span / torch.full_like(span, levels), scale_dtype, "up")
     s = scale.float()[idx]
     safe = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.round((xf - zero.float()[idx]) / safe).clamp_(0, levels)
