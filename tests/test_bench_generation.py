@@ -47,7 +47,7 @@ def test_encodes_run_between_steps_when_no_room_is_left(tiny):
     loop.to_encode()
     start = [live.tokens for live in lives]
     blocks = [live.nblocks for live in lives]
-    out = G.generate(loop, 130, batch=1)
+    out = G.generate(loop, 130, batch=1, warmup=0)
     # from right after an encode a bitmap layer has 64 steps of room: encodes before steps 65 and 129, and the final one
     assert out["generate_encodes"] == 3 and out["generate_tokens"] == 130
     assert [live.tokens for live in lives] == [t + 130 for t in start]
@@ -106,3 +106,25 @@ def test_fingerprint_reaches_the_layers_inside_a_mixed_layer(tiny):
     inner = lives[0].groups[1][1]  # the bitmap group's live layer
     inner.cache.window_keys = inner.cache.window_keys.clone()
     assert G.fingerprint(lives) != before
+
+
+def test_generate_warms_up_untimed_then_times_its_tokens(tiny, monkeypatch):
+    """The default warm-up is as many untimed tokens as timed ones (each kernel's first-use
+    compilation falls there); a slow first encode stands for a compile and is not in the timed span."""
+    loop, lives = appending_loop(tiny, "bitmap:sparsity=0.7")
+    real, calls = G.reserve, []
+
+    def first_slow(cache, steps):
+        before = [live.nblocks for live in lives]
+        real(cache, steps)
+        if [live.nblocks for live in lives] != before:
+            calls.append(1)
+            if len(calls) == 1:
+                time.sleep(0.5)
+
+    monkeypatch.setattr(G, "reserve", first_slow)
+    start = [live.tokens for live in lives]
+    out = G.generate(loop, 70, batch=1)
+    assert out["generate_warmup_tokens"] == 70 and out["generate_tokens"] == 70
+    assert all(live.tokens >= t + 140 for live, t in zip(lives, start))
+    assert len(calls) >= 3 and out["generate_s"] < 0.5  # the slow first encode ran in the warm-up

@@ -26,9 +26,10 @@ spec), a batch and a context length:
    the median over ``encode_repeats`` spans of at least ``chunk`` tokens of the encodes' time per
    decoded position, after an untimed warm-up encode (:func:`~kvtool.bench.generation.growth_cost`
    says how it is timed); ``encode_step_share`` = that / the step's time;
-6. with ``generate_tokens`` N: N greedy tokens through the same loop, encodes included
-   (:func:`~kvtool.bench.generation.generate`): ``generate_tokens_per_s``, ``generate_encode_share``
-   and ``generate_vs_step`` (its tokens/s over the replayed step's).
+6. with ``generate_tokens`` N: N greedy tokens through the same loop, encodes included, after N
+   untimed ones (first-use compilation; :func:`~kvtool.bench.generation.generate`):
+   ``generate_tokens_per_s``, ``generate_encode_share`` and ``generate_vs_step`` (its tokens/s over
+   the replayed step's).
 
 Tokens per second = batch / step time. Without CUDA the same runs eagerly on the CPU (under
 ``TRITON_INTERPRET=1``: a functional check; the times mean nothing).

@@ -246,7 +246,7 @@ def _add_decode(bench_app: typer.Typer, suite: Any) -> None:
         memory_budget: Annotated[str | None, typer.Option("--memory-budget", help="A KV-cache budget beside the weights (40GiB): each provider's largest batch that fits it, and its throughput.")] = None,
         budget_only: Annotated[bool, typer.Option("--budget-only", help="Only the --memory-budget runs (the batch sweep is left out; --seq still applies).")] = False,
         runs: Annotated[int, typer.Option("--runs", help="Timed replays of the decode step per configuration.")] = 20,
-        generate: Annotated[int, typer.Option("--generate", help="Also time N greedy tokens from the --seq context through the live cache, every block / group encode included: tokens/s and the share spent encoding (0: off).")] = 0,
+        generate: Annotated[int, typer.Option("--generate", help="Also time N greedy tokens from the --seq context through the live cache, every block / group encode included, after N untimed ones (first-use kernel compilation): tokens/s and the share spent encoding (0: off).")] = 0,
         encode_repeats: Annotated[int, typer.Option("--encode-repeats", help="Spans of decoding the growth (encode) cost per token is the median of (0: not measured).")] = 5,
         dtype: Annotated[str, typer.Option("--dtype", help="fp16 (float16) or bf16 (bfloat16) for the model and its cache.")] = "fp16",
         output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the records as JSON to this file (the table still prints).", dir_okay=False)] = None,

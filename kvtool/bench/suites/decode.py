@@ -31,7 +31,7 @@ DEFAULT_FORMATS = (
 EXTRA_FIELDS = ("tokens_per_s", "ms_per_token", "attention_us", "attention_method", "attention_share", "stored_bytes", "dense_kv_bytes",
                 "storage_ratio", "workspace_bytes", "weights_bytes", "peak_bytes", "build_peak_bytes", "peak_over_stated",
                 "encode_us_per_token", "encode_us_p10", "encode_us_p90", "encode_repeats", "encode_span_tokens", "encode_step_share", "chunk",
-                "capture_error", "build_s", "memory_budget", "throughput_vs_dense", "bounded_by", "generate_tokens", "generate_tokens_per_s",
+                "capture_error", "build_s", "memory_budget", "throughput_vs_dense", "bounded_by", "generate_tokens", "generate_warmup_tokens", "generate_tokens_per_s",
                 "generate_s", "generate_encode_share", "generate_encodes", "generate_method", "generate_recaptures", "generate_vs_step")
 
 
