@@ -105,7 +105,7 @@ def suite_decode(ctx: BenchContext) -> list[dict]:
     if repeats or gen:
         ctx.env.notes.append(f"growth: the step replayed from a CUDA graph, every filled block / group encoded eagerly between replays, each encode "
                              f"timed between two synchronizes; encode_us_per_token = median over {repeats} spans of >= one block each, after a warm-up "
-                             "encode" + (f"; --generate {gen}: {gen} greedy tokens from right after an encode plus the encode of what they filled, "
+                             "encode" + (f"; --generate {gen}: after {gen} untimed tokens (first-use compilation), {gen} greedy tokens from right after an encode plus the encode of what they filled, "
                                          "one wall-clock interval" if gen else ""))
     recs: list[dict] = []
     names = providers(ctx)
