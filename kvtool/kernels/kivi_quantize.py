@@ -42,9 +42,10 @@ of NaN inputs are not defined by the reference and are not compared.
 
 Every integer argument is left unspecialised (``do_not_specialize``): Triton otherwise compiles a
 kernel again for each new divisibility by 16 of a position, a count or a stride, and a growing
-cache changes all of them (a re-allocated capacity changes the strides): on an H200, ``bench decode
---generate 256`` spent 46% (KIVI-4) and 58% (the 15% plan) of its time in encodes, most of it in
-those compiles, while only the positions and counts were unspecialised.
+cache changes all of them (a re-allocated capacity changes the strides). A compile costs seconds:
+an H100 diagnostic (d9e5b62, Triton's compile listener) timed each kernel's first compile at about
+1.5 s inside a 9 ms absorb, so with every integer unspecialised each kernel compiles once per
+process and set of constexprs.
 
 Kernels sit below the formats: tensors and ints in, nothing from :mod:`kvtool.formats` or
 :mod:`kvtool.methods` (the range limit, FP16_SAFE there, is an argument).
