@@ -34,7 +34,8 @@ from kvtool.core.cache import LayerKV  # noqa: E402
 from kvtool.formats import get_format  # noqa: E402
 from kvtool.formats.base import make_params  # noqa: E402
 
-CUDA_KERNELS = ("bitmap_sparse_attention_kernel", "bitmap_sparse_attention_mma_kernel", "prune_encode_kernel", "kivi_decode_kernel")
+CUDA_KERNELS = ("bitmap_sparse_attention_kernel", "bitmap_sparse_attention_mma_kernel", "prune_encode_kernel", "kivi_decode_kernel",
+                "kivi_decode_swapped_kernel")
 
 
 def kvtool_kernel_names() -> list[str]:
@@ -293,7 +294,7 @@ def _(dev):
         expect(0.0 if same else 1.0, 0.5, f"kivi absorb {name} equals the torch path's")
 
 
-@case("cuda kivi (codes dequantised in the MMA fragments: 2 / 4 / 8 bits, head_dim 64 / 128, aligned and file layouts)", cuda_only=True)
+@case("cuda kivi (codes dequantised in the MMA fragments, both kernels: 2 / 4 / 8 bits, head_dim 64 / 128, aligned and file layouts)", cuda_only=True)
 def _(dev):
     from kvtool.kernels.kivi_attention import cache_from_encoded, cuda_path, kivi_attention
 
@@ -306,8 +307,11 @@ def _(dev):
         q = rand(1, hkv * g, 1, d, dtype=torch.float16, dev=dev, seed=3)
         cache = cache_from_encoded(enc)
         expect(0.0 if cuda_path(q, cache) is None else 1.0, 0.5, f"the cuda backend serves {bits}-bit head_dim {d}")
-        for splits in (None, 4, 12):
-            expect(rel_l2(kivi_attention(q, cache, splits=splits, backend="cuda")[0], fmt.attend(q, enc)[0]), 2e-3, "cuda kivi")
+        for kernel in ("swapped", "rows16"):  # the swapped kernel serves at most 8 query rows, the 16-row one the rest
+            os.environ["KVTOOL_KIVI_CUDA_KERNEL"] = kernel
+            for splits in (None, 4, 12):
+                expect(rel_l2(kivi_attention(q, cache, splits=splits, backend="cuda")[0], fmt.attend(q, enc)[0]), 2e-3, f"cuda kivi ({kernel})")
+        os.environ.pop("KVTOOL_KIVI_CUDA_KERNEL")
 
 
 # ---------------------------------------------------------------- compute-sanitizer's reports

@@ -214,19 +214,23 @@ def test_kivi_kernel_small_head_dims_every_dtype(dtype, d):
 # (KV heads, GQA group, tokens, head_dim, bits, group, residual, query tokens): the CUDA backend
 # (codes dequantised in the MMA fragments) at odd shapes: every bit width and head_dim, key groups
 # inside and across its blocks, 1 / 2 / 4 / 8 value groups per token, 16 query rows, a residual
-# that straddles blocks, fewer tokens than one block
+# that straddles blocks, fewer tokens than one block, exactly 8 query rows (the swapped kernel's most)
 CUDA_CASES = [(2, 4, 1000, 128, 4, 32, 32, 1), (3, 3, 777, 64, 2, 32, 7, 1), (2, 7, 2049, 128, 2, 16, 40, 1),
               (1, 4, 513, 128, 8, 64, 3, 1), (2, 4, 4100, 128, 4, 128, 0, 1), (2, 1, 300, 64, 4, 16, 5, 1),
               (1, 4, 4097, 128, 8, 16, 5, 4), (2, 16, 1000, 64, 4, 64, 0, 1), (1, 4, 24, 128, 4, 32, 0, 1),
-              (2, 4, 3000, 128, 2, 256, 17, 1)]
+              (2, 4, 3000, 128, 2, 256, 17, 1), (1, 8, 1500, 128, 4, 32, 32, 1), (2, 2, 700, 64, 8, 32, 0, 4)]
 
 
+@pytest.mark.parametrize("kernel", ["swapped", "rows16"])
 @pytest.mark.parametrize("hkv,g,t,d,bits,group,residual,tq", CUDA_CASES)
-def test_kivi_cuda_backend(hkv, g, t, d, bits, group, residual, tq):
+def test_kivi_cuda_backend(hkv, g, t, d, bits, group, residual, tq, kernel, monkeypatch):
     """The CUDA backend against the torch reference (relative error <= 1e-3) and the Triton packed
     kernel, at several split counts, and a CUDA-graph replay equal to the eager call after tokens
-    joined the live layer's lengths."""
+    joined the live layer's lengths; through each CUDA kernel (the swapped one serves at most 8 query
+    rows, the 16-row one the rest)."""
     from kvtool.kernels.kivi_attention import cuda_path, kivi_attention_reference
+
+    monkeypatch.setenv("KVTOOL_KIVI_CUDA_KERNEL", kernel)
 
     fmt = get_format("quant")
     keys, values = rand(2, hkv, t, d, dtype=F16, seed=1), rand(2, hkv, t, d, dtype=F16, seed=2)

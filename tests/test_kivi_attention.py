@@ -343,3 +343,21 @@ def test_cuda_backend_layouts_of_file_layers(t, residual):
     cache = cache_from_encoded(enc)
     q = torch.randn(2, 4, 1, 128).half()
     assert _cuda_shape_problem(cache, 4) is None and _cuda_layout_problem(q, cache) is None
+
+
+def test_cuda_kernel_choice(monkeypatch):
+    """``$KVTOOL_KIVI_CUDA_KERNEL`` picks the CUDA kernel (swapped by default, the 16-row one to compare
+    them in one run); another value is a usage error naming the choices. Both translation units
+    are the extension's sources, so a change to either rebuilds it."""
+    from kvtool.core.errors import UsageError
+    from kvtool.kernels import kivi_attention as K
+
+    monkeypatch.delenv("KVTOOL_KIVI_CUDA_KERNEL", raising=False)
+    assert K.cuda_kernel() == "swapped" and K.CUDA_KERNELS["swapped"] == 0
+    monkeypatch.setenv("KVTOOL_KIVI_CUDA_KERNEL", "rows16")
+    assert K.CUDA_KERNELS[K.cuda_kernel()] == 1
+    monkeypatch.setenv("KVTOOL_KIVI_CUDA_KERNEL", "fast")
+    with pytest.raises(UsageError, match="swapped, rows16"):
+        K.cuda_kernel()
+    assert [p.name for p in K._CUDA_SOURCES] == ["kivi_decode.cu", "kivi_decode_swapped.cu"]
+    assert all(p.is_file() for p in K._CUDA_SOURCES)

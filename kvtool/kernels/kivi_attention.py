@@ -66,8 +66,20 @@ from kvtool.kernels.online_softmax import attend_block, merge_split_partials, st
 
 BITS = (2, 4, 8)
 BACKENDS = ("auto", "cuda", "triton")
-_CUDA_SOURCE = Path(__file__).with_name("kivi_decode.cu")
+_CUDA_SOURCES = [Path(__file__).with_name("kivi_decode.cu"), Path(__file__).with_name("kivi_decode_swapped.cu")]
 CUDA_WARPS = 4  # warps per CUDA block: each one is a split of its own
+# The CUDA kernels: "swapped" (kivi_decode_swapped.cuh: the codes as the MMA's A operand, for at most 8
+# query rows per KV head; the 16-row kernel beyond) or "rows16" (kivi_decode.cuh's kernel always).
+CUDA_KERNELS = {"swapped": 0, "rows16": 1}
+
+
+def cuda_kernel() -> str:
+    """The CUDA kernel the backend launches: ``$KVTOOL_KIVI_CUDA_KERNEL`` (``swapped``, the default, or
+    ``rows16``: the kernel before it, kept to compare them in one run)."""
+    name = os.environ.get("KVTOOL_KIVI_CUDA_KERNEL", "swapped")
+    if name not in CUDA_KERNELS:
+        raise UsageError(f"KVTOOL_KIVI_CUDA_KERNEL must be one of {', '.join(CUDA_KERNELS)}, not {name!r}")
+    return name
 
 
 @dataclass
@@ -601,7 +613,7 @@ def workspace_bytes(cache: KiviCache, rows: int, device: torch.device) -> int:
 def _cuda_extension():
     """The CUDA backend (:func:`kvtool.kernels.common.cuda_extension`: built on first use, cached)."""
     extra = tuple(os.environ.get("KVTOOL_KIVI_NVCC_FLAGS", "").split())  # tuning: e.g. -DKIVI_STAGES=2 -DKIVI_MINB=3
-    return cuda_extension("kivi_decode", [_CUDA_SOURCE], ("-O3", *extra))
+    return cuda_extension("kivi_decode", _CUDA_SOURCES, ("-O3", *extra))
 
 
 def cuda_block_tokens(bits: int) -> int:
@@ -804,7 +816,7 @@ def _cuda_attention(q: torch.Tensor, cache: KiviCache, scale: float | None, spli
     scale = default_scale(d) if scale is None else scale
     kc, ks, kz, vc, vs, vz, _, _ = cache.tensors()
     _cuda_extension().kivi_decode(q, kc, ks, kz, vc, vs, vz, cache.lengths, acc, m, l, hkv, cache.bits, cache.group, s,
-                                  float(scale) * LOG2E, torch.cuda.current_stream(device).cuda_stream)
+                                  float(scale) * LOG2E, torch.cuda.current_stream(device).cuda_stream, CUDA_KERNELS[cuda_kernel()])
     prec, upcast = dot_flags(q.dtype, device)
     tail_bt, tail_scales = block_tokens(cache.group)
     bt = cuda_block_tokens(cache.bits)

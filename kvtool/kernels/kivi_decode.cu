@@ -1,5 +1,6 @@
-// Host side of kvtool/kernels/kivi_decode.cuh: checks nothing (kivi_attention.py checks the
-// tensors), picks the instance for (head_dim, bits) and launches on the given stream.
+// Host side of kvtool/kernels/kivi_decode.cuh and kivi_decode_swapped.cuh: checks nothing
+// (kivi_attention.py checks the tensors), picks the kernel and the instance for (head_dim, bits) and
+// launches on the given stream.
 #include <torch/extension.h>
 #include <cuda_runtime.h>
 #include "kivi_decode.cuh"
@@ -10,11 +11,15 @@ namespace kivi {
 #define KIVI_STAGES 3
 #endif
 #ifndef KIVI_MINB
-#define KIVI_MINB 1
+#define KIVI_MINB 3
 #endif
-constexpr int WARPS = 4;
+constexpr int WARPS = 4;  // kivi_decode_swapped.cu launches as many
 constexpr int STAGES = KIVI_STAGES;  // blocks in flight per warp (cp.async ring)
-constexpr int MINB = KIVI_MINB;      // __launch_bounds__ blocks per SM (caps the registers)
+constexpr int MINB = KIVI_MINB;      // __launch_bounds__ blocks per SM (caps the registers; shared memory allows 3)
+// kivi_decode_swapped.cu (a translation unit of its own, so that nvcc builds both at once): the
+// swapped kernel's instance for (head_dim d, bits, p.gv), launched with ctas x bh blocks of WARPS warps
+// (the host's Params and stream; nothing of torch crosses)
+void launch_swapped(const Params& p, int ctas, long long bh, int nkg, int d, int bits, cudaStream_t stream);
 
 template <int D, int BITS, int GV>
 void launch_gv(const Params& p, int ctas, long long bh, int nkg, cudaStream_t stream) {
@@ -39,7 +44,7 @@ int block_tokens(int bits) { return 1 * 8 * (16 / bits); }
 
 void kivi_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Tensor kz, torch::Tensor vc, torch::Tensor vs,
                  torch::Tensor vz, torch::Tensor lengths, torch::Tensor acc, torch::Tensor m, torch::Tensor l, int64_t hkv,
-                 int64_t bits, int64_t group, int64_t splits, double scale_log2, int64_t stream) {
+                 int64_t bits, int64_t group, int64_t splits, double scale_log2, int64_t stream, int64_t kernel) {
   Params p;
   p.q = reinterpret_cast<const half*>(q.data_ptr());
   p.kc = kc.data_ptr<uint8_t>();
@@ -83,7 +88,10 @@ void kivi_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Ten
   const int nkg = bt > group ? bt / (int)group : 1;
   const int ctas = (int)(splits / WARPS);
   auto s = reinterpret_cast<cudaStream_t>(stream);
-  if (d == 128) {
+  // kernel 0: the swapped kernel where it serves (at most 8 query rows), else the 16-row one; 1: the 16-row one
+  if (kernel == 0 && p.rows <= 8) {
+    launch_swapped(p, ctas, bh, nkg, d, (int)bits, s);
+  } else if (d == 128) {
     if (bits == 4) launch<128, 4>(p, ctas, bh, nkg, s);
     else if (bits == 2) launch<128, 2>(p, ctas, bh, nkg, s);
     else launch<128, 8>(p, ctas, bh, nkg, s);
@@ -97,5 +105,5 @@ void kivi_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor ks, torch::Ten
 }  // namespace kivi
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kivi_decode", &kivi::kivi_decode, "KIVI decode attention, codes dequantised in the MMA fragments (split partials)");
+  m.def("kivi_decode", &kivi::kivi_decode, "KIVI decode attention, codes dequantised in the MMA fragments (split partials); kernel 0: swapped where rows <= 8, 1: 16-row");
 }

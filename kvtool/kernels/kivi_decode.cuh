@@ -171,71 +171,103 @@ __device__ __forceinline__ int vswz(int t, int chunk) {
   else return chunk;
 }
 
-template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS, int MINB>
-__global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p) {
+// The swapped kernel's value rows (kivi_decode_swapped.cuh): its ldmatrix reads the 8 tokens
+// U r + p (r < 8) of a sub-block at once, so token t = U r + p of a sub-block goes to row slot 8 p + r
+// and chunk M of slot s to M ^ (the bits of s the row's 16-byte units leave free): conflict-free.
+template <int U, int BTS>
+__device__ __forceinline__ int vslot(int t) {
+  const int j = t / BTS, u = t % BTS;
+  return j * BTS + (u % U) * 8 + u / U;
+}
+template <int NC>
+__device__ __forceinline__ int vswz_t(int s, int chunk) {
+  return chunk ^ (((s * NC) >> 3) & (NC - 1));
+}
+
+// One warp's cp.async ring of STAGES blocks of BT tokens in shared memory: the per-lane copies of
+// a block (key codes, value codes, key scales / zero points transposed by quad, value scales / zero
+// points in token order) and where each part of a stage lies. TV: value rows placed by vslot /
+// vswz_t (the swapped kernel), else in token order by vswz.
+template <int D, int BITS, int SUB, int GV, int STAGES, bool TV>
+struct Ring {
   using SH = Shape<D, BITS, SUB>;
-  constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC, NCM = SH::NCM;
-  constexpr int KSTEPS = D / 16;
-  constexpr int VSBYTES = BT * GV * 2;  // value scales (or zero points) per block
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int quad = lane & 3, col = lane >> 2;
-  const long long bh = blockIdx.y;
-  const int split = blockIdx.x * WARPS + warp;
-  const int lg = p.log2_group;
-  const int nkg = BT > (1 << lg) ? BT >> lg : 1;   // key groups per block
-  const int ksbytes = nkg * D * 2;                  // key scales (or zero points) per block
-  const int stage_bytes = SH::KBYTES + SH::VBYTES + 2 * ksbytes + 2 * VSBYTES;
-  uint8_t* ring = smem + (size_t)warp * STAGES * stage_bytes;
-  const uint32_t ring_s = smem_u32(ring);
+  static constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC;
+  static constexpr int VSBYTES = BT * GV * 2;       // value scales (or zero points) per block
+  static constexpr int NK = D * SUB / 32;           // key chunks per lane: chunk lane + 32 r = [sub-block][channel]
+  static constexpr int VCH = BT * NC;               // value chunks per block
+  static constexpr int NV = (VCH + 31) / 32;        // value chunks per lane: token vt0 + r * 32 / NC, column vcol
+  static constexpr int WPL = D / 64;                // key-scale words per lane and row (a row is D / 2 words)
 
-  const int tk = __ldg(p.lengths), tv = __ldg(p.lengths + 1);
-  const int full = min(tk, tv) / BT;
-  const int per = (full + p.splits - 1) / p.splits;
-  const int b0 = min(split * per, full);
-  const int nblk = min(b0 + per, full) - b0;
-
-  // per-lane sources of one block (block blk adds blk * BT tokens) and destinations in a stage
-  // per-lane offsets of one block's copies, computed once (a block adds blk * BT tokens to the bases)
-  const long long tb0 = (long long)b0 * BT;
-  constexpr int NK = D * SUB / 32;                  // key chunks per lane: chunk lane + 32 r = [sub-block][channel]
-  constexpr int VCH = BT * NC;                      // value chunks per block
-  constexpr int NV = (VCH + 31) / 32;               // value chunks per lane: token vt0 + r * 32 / NC, column vcol
-  constexpr int WPL = D / 64;                       // key-scale words per lane and row (a row is D / 2 words)
-  const uint8_t* kbase0 = p.kc + bh * p.kc_bh + (long long)lane * p.kc_c + tb0 * BITS / 8;
-  int kofs[NK];
-#pragma unroll
-  for (int r = 0; r < NK; ++r) kofs[r] = (int)(((32 * r) % D) * p.kc_c + ((32 * r) / D) * 16);
-  const int vt0 = lane / NC, vcol = lane % NC;
-  const uint8_t* vbase0 = p.vc + bh * p.vc_bh + (tb0 + vt0) * p.vc_t + vcol * 16;
+  // the fields of Params issue() reads, by value (a reference would let its stores alias them)
+  const long long ks_g, vc_t;
+  const int k16, vs_align;
+  const int lane, lg;
+  const int nkg;          // key groups per block
+  const int ksbytes;      // key scales (or zero points) per block
+  const int stage_bytes;
+  uint8_t* const ring;
+  const uint32_t ring_s;
+  const long long tb0;    // the warp's first token
+  const uint8_t* kbase0;  // per-lane sources of the warp's first block (block blk adds blk * BT tokens)
+  const uint8_t* vbase0;
+  const half* kss;
+  const half* kzs;
+  const uint8_t* vsb0;
+  const uint8_t* vzb0;
+  int kofs[NK];           // per-lane offsets and destinations of a block's copies
   int vofs[NV];
   uint32_t vdsto[NV];
-#pragma unroll
-  for (int r = 0; r < NV; ++r) {
-    const int t = vt0 + r * (32 / NC);
-    vofs[r] = (int)(r * (32 / NC) * p.vc_t);
-    vdsto[r] = (uint32_t)(t * NC + vswz<NC, SH::LOG2U1>(t, vcol)) * 16;
-  }
-  // key scales: 4-byte copies that put this lane's D / 8 pairs (channels 8 M' + 2 quad, + 1) side by
-  // side: stage word quad * (D / 8) + M' of a row <- row word 4 M' + quad
   uint32_t ksdo[WPL];
-#pragma unroll
-  for (int k = 0; k < WPL; ++k) {
-    const int w = lane + 32 * k;
-    ksdo[k] = (uint32_t)((w & 3) * (D / 8) + (w >> 2)) * 4;
-  }
-  const half* kss = p.ks + bh * p.ks_bh + 2 * lane;  // + 64 k: word lane + 32 k of a row
-  const half* kzs = p.kz + bh * p.ks_bh + 2 * lane;
-  const uint8_t* vsb0 = reinterpret_cast<const uint8_t*>(p.vs + bh * p.vs_bh + tb0 * GV);
-  const uint8_t* vzb0 = reinterpret_cast<const uint8_t*>(p.vz + bh * p.vs_bh + tb0 * GV);
 
-  auto issue = [&](int blk, int slot) {
+  __device__ __forceinline__ Ring(const Params& p, uint8_t* smem, int warp, int lane_, long long bh, long long tb0_)
+      : ks_g(p.ks_g), vc_t(p.vc_t), k16(p.k16), vs_align(p.vs_align), lane(lane_), lg(p.log2_group), nkg(BT > (1 << p.log2_group) ? BT >> p.log2_group : 1),
+        ksbytes(nkg * D * 2), stage_bytes(SH::KBYTES + SH::VBYTES + 2 * ksbytes + 2 * VSBYTES),
+        ring(smem + (size_t)warp * STAGES * stage_bytes), ring_s(smem_u32(ring)), tb0(tb0_) {
+    kbase0 = p.kc + bh * p.kc_bh + (long long)lane * p.kc_c + tb0 * BITS / 8;
+#pragma unroll
+    for (int r = 0; r < NK; ++r) kofs[r] = (int)(((32 * r) % D) * p.kc_c + ((32 * r) / D) * 16);
+    const int vt0 = lane / NC, vcol = lane % NC;
+    vbase0 = p.vc + bh * p.vc_bh + (tb0 + vt0) * p.vc_t + vcol * 16;
+#pragma unroll
+    for (int r = 0; r < NV; ++r) {
+      const int t = vt0 + r * (32 / NC);
+      vofs[r] = (int)(r * (32 / NC) * p.vc_t);
+      if constexpr (TV) {
+        const int sl = vslot<U, BTS>(t);
+        vdsto[r] = (uint32_t)(sl * NC + vswz_t<NC>(sl, vcol)) * 16;
+      } else {
+        vdsto[r] = (uint32_t)(t * NC + vswz<NC, SH::LOG2U1>(t, vcol)) * 16;
+      }
+    }
+    // key scales: 4-byte copies that put this lane's D / 8 pairs (channels 8 M' + 2 quad, + 1) side by
+    // side: stage word quad * (D / 8) + M' of a row <- row word 4 M' + quad
+#pragma unroll
+    for (int k = 0; k < WPL; ++k) {
+      const int w = lane + 32 * k;
+      ksdo[k] = (uint32_t)((w & 3) * (D / 8) + (w >> 2)) * 4;
+    }
+    kss = p.ks + bh * p.ks_bh + 2 * lane;  // + 64 k: word lane + 32 k of a row
+    kzs = p.kz + bh * p.ks_bh + 2 * lane;
+    vsb0 = reinterpret_cast<const uint8_t*>(p.vs + bh * p.vs_bh + tb0 * GV);
+    vzb0 = reinterpret_cast<const uint8_t*>(p.vz + bh * p.vs_bh + tb0 * GV);
+  }
+
+  // stage `slot`: shared addresses of the codes, generic pointers of the scales and zero points
+  __device__ __forceinline__ uint32_t keys(int slot) const { return ring_s + slot * stage_bytes; }
+  __device__ __forceinline__ uint32_t values(int slot) const { return keys(slot) + SH::KBYTES; }
+  __device__ __forceinline__ const uint8_t* key_scales(int slot) const { return ring + slot * stage_bytes + SH::KBYTES + SH::VBYTES; }
+  __device__ __forceinline__ const uint8_t* key_zeros(int slot) const { return key_scales(slot) + ksbytes; }
+  __device__ __forceinline__ const uint8_t* value_scales(int slot) const { return key_scales(slot) + 2 * ksbytes; }
+  __device__ __forceinline__ const uint8_t* value_zeros(int slot) const { return value_scales(slot) + VSBYTES; }
+
+  // this lane's copies of the warp's block blk into stage `slot` (not committed)
+  __device__ __forceinline__ void issue(int blk, int slot) const {
     const uint32_t st = ring_s + slot * stage_bytes;
     const uint32_t vdst = st + SH::KBYTES, ksdst = vdst + SH::VBYTES, kzdst = ksdst + ksbytes, vsdst = kzdst + ksbytes,
                    vzdst = vsdst + VSBYTES;
     const long long toff = (long long)blk * BT;
     const uint8_t* kb = kbase0 + toff * BITS / 8;
-    if (p.k16) {
+    if (k16) {
 #pragma unroll
       for (int r = 0; r < NK; ++r) cp16(st + (lane + 32 * r) * 16, kb + kofs[r]);
     } else {  // key rows of a length that is not a multiple of 16 bytes (a file's layer): 4-byte copies
@@ -244,15 +276,15 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
 #pragma unroll
         for (int w = 0; w < 4; ++w) cp4(st + (lane + 32 * r) * 16 + 4 * w, kb + kofs[r] + 4 * w);
     }
-    const uint8_t* vb = vbase0 + toff * p.vc_t;
+    const uint8_t* vb = vbase0 + toff * vc_t;
 #pragma unroll
     for (int r = 0; r < NV; ++r) {
       if (VCH % 32 == 0 || r < NV - 1 || lane < VCH % 32) cp16(vdst + vdsto[r], vb + vofs[r]);
     }
     const long long g0 = (tb0 + toff) >> lg;
     for (int row = 0; row < nkg; ++row) {  // the block's key-scale rows, transposed by quad
-      const half* ksr = kss + (g0 + row) * p.ks_g;
-      const half* kzr = kzs + (g0 + row) * p.ks_g;
+      const half* ksr = kss + (g0 + row) * ks_g;
+      const half* kzr = kzs + (g0 + row) * ks_g;
       const uint32_t rd = row * (D * 2);
 #pragma unroll
       for (int k = 0; k < WPL; ++k) {
@@ -262,13 +294,13 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
     }
     const uint8_t* vsb = vsb0 + toff * GV * 2;
     const uint8_t* vzb = vzb0 + toff * GV * 2;
-    if (p.vs_align == 16) {
+    if (vs_align == 16) {
 #pragma unroll
       for (int i = lane; i < 2 * (VSBYTES / 16); i += 32) {
         if (i < VSBYTES / 16) cp16(vsdst + i * 16, vsb + i * 16);
         else cp16(vzdst + (i - VSBYTES / 16) * 16, vzb + (i - VSBYTES / 16) * 16);
       }
-    } else if (p.vs_align == 4) {  // a file's layer whose token count leaves the heads' rows 4-byte aligned
+    } else if (vs_align == 4) {  // a file's layer whose token count leaves the heads' rows 4-byte aligned
       for (int i = lane; i < 2 * (VSBYTES / 4); i += 32) {
         if (i < VSBYTES / 4) cp4(vsdst + i * 4, vsb + i * 4);
         else cp4(vzdst + (i - VSBYTES / 4) * 4, vzb + (i - VSBYTES / 4) * 4);
@@ -280,11 +312,30 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
       const half* vzh = reinterpret_cast<const half*>(vzb);
       for (int i = lane; i < VSBYTES / 2; i += 32) { vsd[i] = vsh[i]; vzd[i] = vzh[i]; }
     }
-  };
+  }
+};
+
+template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS, int MINB>
+__global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p) {
+  using SH = Shape<D, BITS, SUB>;
+  constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC, NCM = SH::NCM;
+  constexpr int KSTEPS = D / 16;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int quad = lane & 3, col = lane >> 2;
+  const long long bh = blockIdx.y;
+  const int split = blockIdx.x * WARPS + warp;
+  const int lg = p.log2_group;
+  const int full = min(__ldg(p.lengths), __ldg(p.lengths + 1)) / BT;
+  const int per = (full + p.splits - 1) / p.splits;
+  const int b0 = min(split * per, full);
+  const int nblk = min(b0 + per, full) - b0;
+  const Ring<D, BITS, SUB, GV, STAGES, false> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
+  const int nkg = ring.nkg, stage_bytes = ring.stage_bytes;
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nblk) issue(s, s);
+    if (s < nblk) ring.issue(s, s);
     cp_commit();
   }
 
@@ -340,17 +391,16 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
   const float sl2 = p.scale_log2;
 
   for (int blk = 0; blk < nblk; ++blk) {
-    if (blk + STAGES - 1 < nblk) issue(blk + STAGES - 1, (blk + STAGES - 1) % STAGES);
+    if (blk + STAGES - 1 < nblk) ring.issue(blk + STAGES - 1, (blk + STAGES - 1) % STAGES);
     cp_commit();
     cp_wait<STAGES - 1>();
     __syncwarp();
     const int slot = blk % STAGES;
-    const uint8_t* st = ring + slot * stage_bytes;
-    const uint32_t kbase = ring_s + slot * stage_bytes, vbase = kbase + SH::KBYTES;
-    const uint4* ksm = reinterpret_cast<const uint4*>(st + SH::KBYTES + SH::VBYTES);
-    const uint4* kzm = reinterpret_cast<const uint4*>(st + SH::KBYTES + SH::VBYTES + ksbytes);
-    const uint8_t* vsm = st + SH::KBYTES + SH::VBYTES + 2 * ksbytes;
-    const uint8_t* vzm = vsm + VSBYTES;
+    const uint32_t kbase = ring.keys(slot), vbase = ring.values(slot);
+    const uint4* ksm = reinterpret_cast<const uint4*>(ring.key_scales(slot));
+    const uint4* kzm = reinterpret_cast<const uint4*>(ring.key_zeros(slot));
+    const uint8_t* vsm = ring.value_scales(slot);
+    const uint8_t* vzm = ring.value_zeros(slot);
 
 #pragma unroll
     for (int j = 0; j < SUB; ++j) {
