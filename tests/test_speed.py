@@ -67,11 +67,12 @@ def test_min_speedup_keeps_only_settings_at_least_that_fast():
 def test_the_shipped_cost_model():
     doc = S.load_cost_model()
     h100, h200 = S.from_package("NVIDIA H100 80GB HBM3", doc), S.from_package("h200", doc)
-    assert h100.kernel_speedup("quant:bits=4")[0] == 1.84 and h100.kernel_speedup("quant:bits=4,group=128")[0] == 2.143
-    assert h100.kernel_speedup("quant:bits=2")[0] == 2.166 and 0 < h100.attention_share < 1  # docs/benchmarks/kivi.json
-    shipped_run = S.from_bench(Path(__file__).resolve().parents[1] / "docs/benchmarks/kivi-h200.json", "h200")
-    for spec in ("quant:bits=4", "quant:bits=4,group=128", "quant:bits=2"):  # the shipped entries are that run's
-        assert h200.kernel_speedup(spec)[0] == pytest.approx(shipped_run.kernel_speedup(spec)[0], abs=1e-3)
+    assert 0 < h100.attention_share < 1 and 0 < h200.attention_share < 1
+    for c, name, key in ((h100, "kivi.json", "h100"), (h200, "kivi-h200.json", "h200")):
+        shipped_run = S.from_bench(Path(__file__).resolve().parents[1] / "docs/benchmarks" / name, key)
+        for spec in ("quant:bits=4", "quant:bits=4,group=128", "quant:bits=2"):  # the shipped entries are that run's
+            assert c.kernel_speedup(spec)[0] > 1.5
+            assert c.kernel_speedup(spec)[0] == pytest.approx(shipped_run.kernel_speedup(spec)[0], abs=1e-3)
     shipped_attention = S.from_bench(Path(__file__).resolve().parents[1] / "docs/benchmarks/attention.json", "h100")
     for spec in ("bitmap:sparsity=0.5", "bitmap:sparsity=0.7"):  # the H100's bitmap entries are that run's
         assert h100.kernel_speedup(spec)[0] == pytest.approx(shipped_attention.kernel_speedup(spec)[0], abs=1e-3)
@@ -127,7 +128,7 @@ def test_kernel_speeds_from_bench_kivi_and_attention_documents(tmp_path):
     (tmp_path / "k.json").write_text(json.dumps(kivi))
     c = S.from_bench(tmp_path / "k.json", "h200")
     assert c.kernel_speedup("quant:bits=4,group=128")[0] == 2.0
-    assert c.kernel_speedup("quant:bits=4")[0] == 1.536  # only batch 8 x 32k is read: the shipped H200 entry
+    assert c.kernel_speedup("quant:bits=4")[0] == 1.646  # only batch 8 x 32k is read: the shipped H200 entry
     att = bench_doc("attention", [rec("bitmap", 200, kernel="bitmap_attention", sparsity=0.5, speedup={"best_dense": 1.25})])
     (tmp_path / "a.json").write_text(json.dumps(att))
     assert S.from_bench(tmp_path / "a.json").kernel_speedup("bitmap:sparsity=0.5")[0] == 1.25

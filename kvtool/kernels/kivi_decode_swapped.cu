@@ -13,8 +13,8 @@
 namespace kivi {
 
 // two stages (5 KB a warp at 4 bits) and 3 blocks per SM (at most 168 registers). An H200 sweep at
-// batch 1 and 8 x 32k (2026-11-28): within 1% of three stages; 4 blocks per SM (128 registers) ran
-// up to 9% slower at 4 bits and spilled at 2 bits.
+// batch 1 and 8 x 32k (2026-11-28): three stages within 2% at 4 bits and 29% slower at 2 bits; 4
+// blocks per SM (128 registers) 9% slower at 4 bits, and spills at 2 bits.
 constexpr int SW_WARPS = 4;  // kivi_decode.cu's WARPS: one split per warp
 constexpr int SW_STAGES = KIVI_SW_STAGES;
 constexpr int SW_MINB = KIVI_SW_MINB;
