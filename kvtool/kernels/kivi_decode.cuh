@@ -184,11 +184,27 @@ __device__ __forceinline__ int vswz_t(int s, int chunk) {
   return chunk ^ (((s * NC) >> 3) & (NC - 1));
 }
 
+// The blocks of warp `warp` of CTA `cta` (WARPS warps, each one split of `splits`): the CTA takes
+// WARPS * per consecutive blocks of the `full` all-code ones (per = ceil(full / splits)) and its warps
+// interleave them, warp w taking blocks first + w, first + w + WARPS, ... So at any time the CTA's
+// warps read adjacent 16-byte pieces of each key channel row (a 64-byte run at WARPS = 4), where
+// contiguous ranges per warp made each piece a DRAM fetch of its own (ncu, H100: 3.0-3.4x the stored
+// bytes). Returns the warp's first block (the Ring's tb0 is first * BT) and sets its block count.
+template <int WARPS>
+__device__ __forceinline__ int block_range(int cta, int warp, int full, int splits, int& nblk) {
+  const int per = (full + splits - 1) / splits;
+  const int start = min(cta * WARPS * per, full), end = min(start + WARPS * per, full);
+  const int first = start + warp;
+  nblk = first < end ? (end - first + WARPS - 1) / WARPS : 0;
+  return min(first, full);
+}
+
 // One warp's cp.async ring of STAGES blocks of BT tokens in shared memory: the per-lane copies of
 // a block (key codes, value codes, key scales / zero points transposed by quad, value scales / zero
-// points in token order) and where each part of a stage lies. TV: value rows placed by vslot /
+// points in token order) and where each part of a stage lies. The warp's blocks are STRIDE blocks
+// apart (the warps of a CTA interleave theirs: see block_range). TV: value rows placed by vslot /
 // vswz_t (the swapped kernel), else in token order by vswz.
-template <int D, int BITS, int SUB, int GV, int STAGES, bool TV>
+template <int D, int BITS, int SUB, int GV, int STAGES, bool TV, int STRIDE>
 struct Ring {
   using SH = Shape<D, BITS, SUB>;
   static constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC;
@@ -260,12 +276,12 @@ struct Ring {
   __device__ __forceinline__ const uint8_t* value_scales(int slot) const { return key_scales(slot) + 2 * ksbytes; }
   __device__ __forceinline__ const uint8_t* value_zeros(int slot) const { return value_scales(slot) + VSBYTES; }
 
-  // this lane's copies of the warp's block blk into stage `slot` (not committed)
+  // this lane's copies of the warp's block blk (tokens tb0 + blk * STRIDE * BT ..) into stage `slot` (not committed)
   __device__ __forceinline__ void issue(int blk, int slot) const {
     const uint32_t st = ring_s + slot * stage_bytes;
     const uint32_t vdst = st + SH::KBYTES, ksdst = vdst + SH::VBYTES, kzdst = ksdst + ksbytes, vsdst = kzdst + ksbytes,
                    vzdst = vsdst + VSBYTES;
-    const long long toff = (long long)blk * BT;
+    const long long toff = (long long)blk * STRIDE * BT;
     const uint8_t* kb = kbase0 + toff * BITS / 8;
     if (k16) {
 #pragma unroll
@@ -327,10 +343,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
   const int split = blockIdx.x * WARPS + warp;
   const int lg = p.log2_group;
   const int full = min(__ldg(p.lengths), __ldg(p.lengths + 1)) / BT;
-  const int per = (full + p.splits - 1) / p.splits;
-  const int b0 = min(split * per, full);
-  const int nblk = min(b0 + per, full) - b0;
-  const Ring<D, BITS, SUB, GV, STAGES, false> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
+  int nblk;
+  const int b0 = block_range<WARPS>(blockIdx.x, warp, full, p.splits, nblk);
+  const Ring<D, BITS, SUB, GV, STAGES, false, WARPS> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
   const int nkg = ring.nkg, stage_bytes = ring.stage_bytes;
 
 #pragma unroll

@@ -77,10 +77,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_swapped_kernel(P
   const int split = blockIdx.x * WARPS + warp;
   const int lg = p.log2_group;
   const int full = min(__ldg(p.lengths), __ldg(p.lengths + 1)) / BT;
-  const int per = (full + p.splits - 1) / p.splits;
-  const int b0 = min(split * per, full);
-  const int nblk = min(b0 + per, full) - b0;
-  const Ring<D, BITS, SUB, GV, STAGES, true> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
+  int nblk;
+  const int b0 = block_range<WARPS>(blockIdx.x, warp, full, p.splits, nblk);
+  const Ring<D, BITS, SUB, GV, STAGES, true, WARPS> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
   const int nkg = ring.nkg;
 
 #pragma unroll
