@@ -190,9 +190,18 @@ __device__ __forceinline__ int vswz_t(int s, int chunk) {
 // warps read adjacent 16-byte pieces of each key channel row (a 64-byte run at WARPS = 4), where
 // contiguous ranges per warp made each piece a DRAM fetch of its own (ncu, H100: 3.0-3.4x the stored
 // bytes). Returns the warp's first block (the Ring's tb0 is first * BT) and sets its block count.
+#ifndef KIVI_INTERLEAVE
+#define KIVI_INTERLEAVE 1
+#endif
+constexpr bool INTERLEAVE = KIVI_INTERLEAVE;  // -DKIVI_INTERLEAVE=0: contiguous ranges per warp (comparisons)
 template <int WARPS>
 __device__ __forceinline__ int block_range(int cta, int warp, int full, int splits, int& nblk) {
   const int per = (full + splits - 1) / splits;
+  if constexpr (!INTERLEAVE) {
+    const int b0 = min((cta * WARPS + warp) * per, full);
+    nblk = min(b0 + per, full) - b0;
+    return b0;
+  }
   const int start = min(cta * WARPS * per, full), end = min(start + WARPS * per, full);
   const int first = start + warp;
   nblk = first < end ? (end - first + WARPS - 1) / WARPS : 0;
@@ -345,7 +354,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_kernel(Params p)
   const int full = min(__ldg(p.lengths), __ldg(p.lengths + 1)) / BT;
   int nblk;
   const int b0 = block_range<WARPS>(blockIdx.x, warp, full, p.splits, nblk);
-  const Ring<D, BITS, SUB, GV, STAGES, false, WARPS> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
+  const Ring<D, BITS, SUB, GV, STAGES, false, INTERLEAVE ? WARPS : 1> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
   const int nkg = ring.nkg, stage_bytes = ring.stage_bytes;
 
 #pragma unroll

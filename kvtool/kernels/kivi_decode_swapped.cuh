@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_swapped_kernel(P
   const int full = min(__ldg(p.lengths), __ldg(p.lengths + 1)) / BT;
   int nblk;
   const int b0 = block_range<WARPS>(blockIdx.x, warp, full, p.splits, nblk);
-  const Ring<D, BITS, SUB, GV, STAGES, true, WARPS> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
+  const Ring<D, BITS, SUB, GV, STAGES, true, INTERLEAVE ? WARPS : 1> ring(p, smem, warp, lane, bh, (long long)b0 * BT);
   const int nkg = ring.nkg;
 
 #pragma unroll
