@@ -6,6 +6,9 @@
 #ifndef KIVI_SW_STAGES
 #define KIVI_SW_STAGES 2
 #endif
+#ifndef KIVI_KEY_FOLD
+#define KIVI_KEY_FOLD 1  // 0: the per-element key dequantisation everywhere (comparisons)
+#endif
 #ifndef KIVI_SW_MINB
 #define KIVI_SW_MINB 3
 #endif
@@ -22,7 +25,10 @@ constexpr int SW_MINB = KIVI_SW_MINB;
 template <int D, int BITS, int GV>
 void launch_swapped_gv(const Params& p, int ctas, long long bh, int nkg, cudaStream_t stream) {
   constexpr int SUB = 1;
-  auto kernel = kivi_decode_swapped_kernel<D, BITS, SUB, GV, SW_STAGES, SW_WARPS, SW_MINB>;
+  // key scales folded into the queries where a key group holds a whole sub-block (BTS = 128 / BITS tokens)
+  const bool fold = KIVI_KEY_FOLD && (1 << p.log2_group) >= Shape<D, BITS, SUB>::BTS;
+  auto kernel = fold ? kivi_decode_swapped_kernel<D, BITS, SUB, GV, SW_STAGES, SW_WARPS, SW_MINB, true>
+                     : kivi_decode_swapped_kernel<D, BITS, SUB, GV, SW_STAGES, SW_WARPS, SW_MINB, false>;
   const int smem = block_smem_swapped<D, BITS, SUB, GV>(nkg, SW_STAGES, SW_WARPS);
   if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<dim3(ctas, (unsigned)bh), SW_WARPS * 32, smem, stream>>>(p);

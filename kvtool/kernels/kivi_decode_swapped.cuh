@@ -21,6 +21,10 @@
 #pragma once
 #include "kivi_decode.cuh"
 
+#ifndef KIVI_KEY_SPLIT
+#define KIVI_KEY_SPLIT 1  // 0: the folded query scales in one float16 (comparisons)
+#endif
+
 namespace kivi {
 
 __device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
@@ -64,7 +68,50 @@ __device__ __forceinline__ uint32_t dequant_at(int pos, uint32_t word, uint32_t 
   }
 }
 
-template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS, int MINB>
+// The codes of position P of both b16 halves of `word` (r8 = word >> 8) as float16 subnormals: half2
+// (code_lo, code_hi) * 2^(k - 24), k = key_shift<BITS, P>(), exact, one lop3 (no magic number, no fma).
+template <int BITS, int P>
+__device__ __forceinline__ uint32_t codes_subnormal(uint32_t word, uint32_t r8) {
+  constexpr int pb = P * BITS;
+  constexpr int k = pb >= 8 ? pb - 8 : pb;
+  constexpr uint32_t one = ((1u << BITS) - 1u) << k;
+  const uint32_t src = pb >= 8 ? r8 : word;
+  return src & (one | (one << 16));
+}
+template <int BITS, int P>
+__host__ __device__ constexpr float subnormal_unscale() {  // 2^(24 - k): a subnormal code's float16 value times this = the code
+  constexpr int pb = P * BITS;
+  return (float)(1 << (24 - (pb >= 8 ? pb - 8 : pb)));
+}
+template <int BITS>
+__device__ __forceinline__ uint32_t codes_at(int pos, uint32_t word, uint32_t r8) {
+  constexpr int U = 16 / BITS;
+  switch (pos) {
+#define KIVI_POS(P) case P: return codes_subnormal<BITS, (P < U ? P : 0)>(word, r8);
+    KIVI_POS(0) KIVI_POS(1) KIVI_POS(2) KIVI_POS(3) KIVI_POS(4) KIVI_POS(5) KIVI_POS(6) KIVI_POS(7)
+#undef KIVI_POS
+    default: return 0u;
+  }
+}
+template <int BITS>
+__device__ __forceinline__ float unscale_at(int pos) {
+  constexpr int U = 16 / BITS;
+  switch (pos) {
+#define KIVI_POS(P) case P: return subnormal_unscale<BITS, (P < U ? P : 0)>();
+    KIVI_POS(0) KIVI_POS(1) KIVI_POS(2) KIVI_POS(3) KIVI_POS(4) KIVI_POS(5) KIVI_POS(6) KIVI_POS(7)
+#undef KIVI_POS
+    default: return 1.f;
+  }
+}
+
+// FOLD (the key group holds a whole sub-block: group >= BTS): the key scales and zero points leave the
+// per-element work. Per sub-block, S^T = K Q^T with K = codes * s + z per channel becomes
+// codes . (s * q) + z . q: the B fragments are the queries times the channel scales (one mul.f16x2
+// per fragment register), the zero term z . q is one MMA per k-step whose A rows are all the zero
+// points (so its accumulator holds z . q for the lane's query columns in every row), and the codes
+// enter the MMA as exact float16 subnormals (code * 2^(k - 24), one lop3 per two codes), scaled back
+// in float32 with the score. Two of the three instructions per two key codes go.
+template <int D, int BITS, int SUB, int GV, int STAGES, int WARPS, int MINB, bool FOLD>
 __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_swapped_kernel(Params p) {
   using SH = Shape<D, BITS, SUB>;
   constexpr int U = SH::U, BTS = SH::BTS, BT = SH::BT, NC = SH::NC, NCM = SH::NCM;
@@ -158,6 +205,54 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_swapped_kernel(P
       const int krow = nkg > 1 ? (j * BTS + U * col) >> lg : 0;  // this lane's key group in the block
       const uint4* ksr = ksm + krow * (D / 8) + quad * (D / 32);  // this lane's D / 8 scale pairs, 4 per uint4
       const uint4* kzr = kzm + krow * (D / 8) + quad * (D / 32);
+      float s[MT][4];
+      if constexpr (FOLD) {  // krow is the same for every lane (group >= BTS)
+        float zq[4] = {0.f, 0.f, 0.f, 0.f};  // z . q of query columns 2 quad, + 1 (every row)
+#pragma unroll
+        for (int h = 0; h < KSTEPS / 2; ++h) {
+          uint32_t w[4];
+          ldsm_x4_t(kbase + (j * D + 32 * h + lane) * 16, w[0], w[1], w[2], w[3]);
+          const uint4 sv = ksr[h], zv = kzr[h];
+          const uint32_t sc[4] = {sv.x, sv.y, sv.z, sv.w}, zc[4] = {zv.x, zv.y, zv.z, zv.w};
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int ks = 2 * h + e;
+            const uint32_t za[4] = {zc[2 * e], zc[2 * e], zc[2 * e + 1], zc[2 * e + 1]};
+            mma16816(zq, za, qb[ks][0], qb[ks][1]);
+            // q * s as float16 hi + lo (lo = the rounding error of hi, itself rounded): the codes
+            // multiply it uncentred (up to 2^BITS - 1 times the scale), so one rounding of q * s
+            // alone would cost about twice the error of rounding the dequantised key
+            const half2 q0 = u2h(qb[ks][0]), q1 = u2h(qb[ks][1]), s0 = u2h(sc[2 * e]), s1 = u2h(sc[2 * e + 1]);
+            const half2 hi0 = __hmul2(q0, s0), hi1 = __hmul2(q1, s1);
+            const uint32_t qs0 = h2u(hi0), qs1 = h2u(hi1);
+#if KIVI_KEY_SPLIT
+            const uint32_t ql0 = h2u(__hfma2(q0, s0, __hneg2(hi0))), ql1 = h2u(__hfma2(q1, s1, __hneg2(hi1)));
+#endif
+            const uint32_t wa = w[2 * e], wb = w[2 * e + 1];
+            const uint32_t wa8 = wa >> 8, wb8 = wb >> 8;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              uint32_t a[4];
+              a[0] = codes_at<BITS>(2 * mt, wa, wa8);
+              a[1] = codes_at<BITS>(2 * mt + 1, wa, wa8);
+              a[2] = codes_at<BITS>(2 * mt, wb, wb8);
+              a[3] = codes_at<BITS>(2 * mt + 1, wb, wb8);
+              mma16816(s2[e][mt], a, qs0, qs1);
+#if KIVI_KEY_SPLIT
+              mma16816(s2[e][mt], a, ql0, ql1);
+#endif
+            }
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < MT; ++a) {
+          const float fa = unscale_at<BITS>(2 * a), fb = unscale_at<BITS>(2 * a + 1);  // rows g, rows 8 + g
+          s[a][0] = fmaf(s2[0][a][0] + s2[1][a][0], fa, zq[0]);
+          s[a][1] = fmaf(s2[0][a][1] + s2[1][a][1], fa, zq[1]);
+          s[a][2] = fmaf(s2[0][a][2] + s2[1][a][2], fb, zq[2]);
+          s[a][3] = fmaf(s2[0][a][3] + s2[1][a][3], fb, zq[3]);
+        }
+      } else {
 #pragma unroll
       for (int h = 0; h < KSTEPS / 2; ++h) {
         uint32_t w[4];
@@ -180,11 +275,11 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) kivi_decode_swapped_kernel(P
           }
         }
       }
-      float s[MT][4];
 #pragma unroll
       for (int a = 0; a < MT; ++a)
 #pragma unroll
         for (int c = 0; c < 4; ++c) s[a][c] = s2[0][a][c] + s2[1][a][c];
+      }
       // ---- online softmax in base 2 per query column (2 quad: c0, c2; 2 quad + 1: c1, c3); the lanes
       // of one quad value share the columns
       float mx0 = -INFINITY, mx1 = -INFINITY;

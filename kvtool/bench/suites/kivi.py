@@ -6,11 +6,14 @@ from __future__ import annotations
 from kvtool.bench import harness as B
 from kvtool.bench.suites.common import BenchContext, dense_records, free_memory, register_suite, require_kernel, timed
 from kvtool.core.cache import LayerKV
+from kvtool.formats import _rotated
 from kvtool.formats.quant import QuantFormat, QuantParams
 
 KIVI_DENSE = ("cublas_qk+pv", "sdpa", "flashinfer_batch", "flashinfer_batch_tc")
-# provider, bits, group, residual: the format's defaults at 2 and 4 bits, and the 15% plan's storage
-KIVI_CONFIGS = (("kivi2", 2, 32, 32), ("kivi4", 4, 32, 32), ("kivi4_g128", 4, 128, 0))
+# provider, bits, group, residual, rotate: the format's defaults at 2 and 4 bits, the 15% plan's
+# storage, and 2 bits in groups of 128 plain and Hadamard-rotated (the rotation's cost on the kernel)
+KIVI_CONFIGS = (("kivi2", 2, 32, 32, "none"), ("kivi4", 4, 32, 32, "none"), ("kivi4_g128", 4, 128, 0, "none"),
+                ("kivi2_g128", 2, 128, 0, "none"), ("rkivi2_g128", 2, 128, 0, "hadamard"))
 DEQUANT = "kivi4_decode_sdpa"
 TRITON = "_triton"  # suffix: the same layer through the Triton packed kernel (backend="triton"), where CUDA serves the call
 
@@ -23,7 +26,9 @@ def suite_kivi(ctx: BenchContext) -> list[dict]:
     the CUDA backend where it serves the call, ``*_triton`` the same layer through the Triton
     packed kernel) on each layer the
     format encodes from the same random keys and values: 2 and 4 bits at the defaults (group 32,
-    residual 32), and 4 bits in groups of 128 with no residual (the 15% plan's storage); bytes =
+    residual 32), 4 bits in groups of 128 with no residual (the 15% plan's storage), and 2 bits in
+    groups of 128 plain and Hadamard-rotated (``rkivi2_g128``: the query rotated in and the output
+    rotated back around the same kernel, as the live layer does); bytes =
     every stored tensor + q. ``kivi4_decode_sdpa``: the 4-bit layer decoded to dense in torch, then
     SDPA (the path without the kernel). Each checked against the format's reference (decode, then
     fp32 attention) first."""
@@ -35,17 +40,24 @@ def suite_kivi(ctx: BenchContext) -> list[dict]:
         if ctx.baselines:
             recs += dense_records(ctx, shape, q, k, v, data, kernel="kivi", which=KIVI_DENSE)
         q4 = q[:, :, None]
-        for provider, bits, group, residual in KIVI_CONFIGS:
+        for provider, bits, group, residual, rotate in KIVI_CONFIGS:
             ctx.step(f"{provider} encode b={b} T={t}")
-            enc = fmt.encode(LayerKV(k, v), QuantParams(bits=bits, group=group, residual=residual))
+            enc = fmt.encode(LayerKV(k, v), QuantParams(bits=bits, group=group, residual=residual, rotate=rotate))
             ref = fmt.attend(q4, enc, ctx.scale)[0][:, :, 0]
             moved = fmt.traffic_bytes(enc) + B.tensor_bytes(q)
-            cache = km.cache_from_encoded(enc)
+            cache = km.cache_from_encoded(_rotated.without_rotation(enc))
             ctx.step(f"{provider} b={b} T={t}")
-            fn = lambda cache=cache: km.kivi_attention(q4, cache, ctx.scale)  # noqa: E731
+            if rotate == "none":
+                fn = lambda cache=cache: km.kivi_attention(q4, cache, ctx.scale)  # noqa: E731
+            else:  # what the live layer runs: the query rotated in, the kernel, the output rotated back
+                mat = _rotated.shared_matrix(q.shape[-1], _rotated.stored_signs(enc), q.device)
+
+                def fn(cache=cache, mat=mat):
+                    out = km.kivi_attention((q4.float() @ mat).to(q4.dtype), cache, ctx.scale)[0]
+                    return ((out.float() @ mat.T).to(out.dtype),)
             tm, rel, st = timed(ctx, fn, fn()[0][:, :, 0], ref)
             recs.append(B.make_record(ctx.env, "kivi", provider, shape, b, t, ctx.dtype, tm, moved, rel=rel, status=st, data=data))
-            if km.cuda_path(q4, cache) is None:
+            if rotate == "none" and km.cuda_path(q4, cache) is None:
                 ctx.step(f"{provider}{TRITON} b={b} T={t}")
                 fn = lambda cache=cache: km.kivi_attention(q4, cache, ctx.scale, backend="triton")  # noqa: E731
                 tm, rel, st = timed(ctx, fn, fn()[0][:, :, 0], ref)
