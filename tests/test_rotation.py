@@ -241,3 +241,39 @@ def test_rotated_live_on_cuda_reads_the_kernel_as_its_reference(dtype):
             kv = torch.randn(1, 8, 1, 128, generator=g).to(dtype).cuda()
             live.step(torch.randn(1, 32, 1, 128, generator=g).to(dtype).cuda(), kv, kv, None)
     FMT.validate(live.encoded())
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_turn_matches_the_float32_product_and_its_sign_matrix_is_exact(seed):
+    """``turn`` (the live layer's query / output rotation) is ``x @ M`` (``x @ M.T`` back) rounded
+    once; the +-1 matrix the CUDA path multiplies by is exactly ``M * sqrt(d)``."""
+    from kvtool.formats import _rotated
+
+    d = 64
+    m = _rotated.shared_matrix(d, _rotated.signs_for(d, seed), torch.device("cpu"))
+    pm, zero = _rotated._sign_matrix(m, torch.float16)
+    assert set(pm.float().unique().tolist()) == {-1.0, 1.0} and float(zero) == 0.0
+    assert torch.allclose(pm.float() / d ** 0.5, m, atol=1e-7)
+    x = torch.randn(3, 5, 1, d, dtype=torch.float16)
+    assert torch.equal(_rotated.turn(x, m), (x.float() @ m).half())
+    assert torch.allclose(_rotated.turn(_rotated.turn(x, m), m, back=True).float(), x.float(), atol=4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_turn_on_cuda_is_one_gemm_as_exact_as_float32(dtype):
+    """On CUDA ``turn`` runs one GEMM over the +-1 matrix (alpha 1 / sqrt(d)): within one rounding
+    of the float32 product, both ways."""
+    from kvtool.formats import _rotated
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    d = 128
+    m = _rotated.shared_matrix(d, _rotated.signs_for(d, 5), torch.device("cuda"))
+    x = torch.randn(8, 32, 1, d, device="cuda").to(dtype)
+    ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+    for back in (False, True):
+        want = (x.float() @ (m.T if back else m))
+        got = _rotated.turn(x, m, back=back).float()
+        assert got.shape == x.shape
+        assert float(((got - want).abs() / want.abs().clamp_min(1e-3)).max()) <= ulp

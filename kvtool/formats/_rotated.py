@@ -81,15 +81,48 @@ def check_signs(enc: Encoded, d: int) -> None:
 
 
 _MATRICES: dict[tuple[str, int, tuple[int, ...] | None], torch.Tensor] = {}
+_SIGN_MATRICES: dict[tuple[str, str, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _signs_key(signs: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if signs is None else tuple(int(x) for x in signs.tolist())
 
 
 def shared_matrix(d: int, signs: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """The float32 ``[d, d]`` rotation matrix of ``d`` and ``signs`` on ``device``, one shared by every
     layer that rotates alike (``d * d * 4`` bytes per model and device, not counted per layer)."""
-    key = (str(device), d, None if signs is None else tuple(int(x) for x in signs.tolist()))
+    key = (str(device), d, _signs_key(signs))
     if key not in _MATRICES:
         _MATRICES[key] = rotation_matrix(d, signs, device)
     return _MATRICES[key]
+
+
+def _sign_matrix(matrix: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``matrix * sqrt(d)`` (every entry +-1, exact in any float dtype) in ``dtype``, and a 0-d zero
+    of ``dtype`` (addmm's ignored input), cached per matrix object and dtype (the shared matrices
+    live as long as the process, so their identity is stable)."""
+    key = (str(matrix.device), str(dtype), matrix.shape[0], matrix.data_ptr())
+    hit = _SIGN_MATRICES.get(key)
+    if hit is None or hit[0] is not matrix:
+        d = matrix.shape[0]
+        hit = (matrix, torch.round(matrix * d ** 0.5).to(dtype), torch.zeros((), dtype=dtype, device=matrix.device))
+        _SIGN_MATRICES[key] = hit
+    return hit[1], hit[2]
+
+
+def turn(x: torch.Tensor, matrix: torch.Tensor, back: bool = False) -> torch.Tensor:
+    """Rows ``x [..., D]`` rotated (``x @ matrix``) or rotated back (``x @ matrix.T``), rounded once to
+    ``x``'s dtype. ``matrix`` float32 ``[D, D]`` (:func:`shared_matrix`). On CUDA one GEMM: the +-1
+    matrix in ``x``'s dtype (exact), float32 accumulation, 1 / sqrt(D) applied as its alpha, so a
+    step pays one launch per side (the float32 path pays three: cast, matmul, cast); elsewhere the
+    float32 product."""
+    d = x.shape[-1]
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        signs, zero = _sign_matrix(matrix, x.dtype)
+        flat = x.reshape(-1, d)
+        out = torch.addmm(zero, flat, signs.T if back else signs, beta=0, alpha=d ** -0.5)
+        return out.view(x.shape)
+    return (x.float() @ (matrix.T if back else matrix)).to(x.dtype)
 
 
 class RotatedLive(LiveLayer):
@@ -104,17 +137,19 @@ class RotatedLive(LiveLayer):
         self.signs = None if signs is None else signs.to(inner.device)
         d = inner.head_dim
         self.matrix = shared_matrix(d, signs, inner.device)  # x @ M = R x
+        if self.matrix.is_cuda and inner.dtype in (torch.float16, torch.bfloat16):
+            _sign_matrix(self.matrix, inner.dtype)  # made now, eagerly: never inside a captured step
         self.writes_first = inner.writes_first
 
     def _rot(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (x.float() @ self.matrix).to(dtype)
+        return turn(x.to(dtype), self.matrix)
 
     def _rot_kv(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dt = self.inner.dtype
         return rotate(keys, self.signs).to(dt), rotate(values, self.signs).to(dt)
 
     def _back(self, y: torch.Tensor) -> torch.Tensor:
-        return (y.float() @ self.matrix.T).to(y.dtype)
+        return turn(y, self.matrix, back=True)
 
     @property
     def tokens(self) -> int:

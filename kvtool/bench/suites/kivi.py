@@ -53,8 +53,8 @@ def suite_kivi(ctx: BenchContext) -> list[dict]:
                 mat = _rotated.shared_matrix(q.shape[-1], _rotated.stored_signs(enc), q.device)
 
                 def fn(cache=cache, mat=mat):
-                    out = km.kivi_attention((q4.float() @ mat).to(q4.dtype), cache, ctx.scale)[0]
-                    return ((out.float() @ mat.T).to(out.dtype),)
+                    out = km.kivi_attention(_rotated.turn(q4, mat), cache, ctx.scale)[0]
+                    return (_rotated.turn(out, mat, back=True),)
             tm, rel, st = timed(ctx, fn, fn()[0][:, :, 0], ref)
             recs.append(B.make_record(ctx.env, "kivi", provider, shape, b, t, ctx.dtype, tm, moved, rel=rel, status=st, data=data))
             if rotate == "none" and km.cuda_path(q4, cache) is None:
