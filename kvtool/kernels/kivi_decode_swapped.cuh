@@ -2,8 +2,10 @@
 // <= 8: Llama-3-8B's 4, SmolLM2's 3): the codes are the A operand and the queries the B operand, so an
 // m16n8k16 covers 16 tokens (or channels) x 8 query rows instead of 16 query rows (12 of them zero
 // padding at G = 4) x 8 tokens. Half the MMAs of kivi_decode.cuh and half its output accumulators
-// (32 registers at head_dim 128 instead of 64), the same dequantisation (three instructions per two
-// codes, the same rounding) from the same copies (kivi::Ring), the query fragments held in registers.
+// (32 registers at head_dim 128 instead of 64), the same copies (kivi::Ring), the query fragments
+// held in registers. Values dequantise as there (three instructions per two codes); keys too, unless
+// a key group holds a whole sub-block, where their scales fold into the queries (FOLD, below: half
+// an instruction per two codes).
 //
 // Scores S^T = K Q^T per sub-block of BTS = 8U tokens: m-tile mt holds tokens U g + 2mt (rows g < 8)
 // and U g + 2mt + 1 (rows 8 + g) of the sub-block, where g = lane / 4 is the unit column ldmatrix.trans
