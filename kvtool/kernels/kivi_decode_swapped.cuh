@@ -4,8 +4,8 @@
 // padding at G = 4) x 8 tokens. Half the MMAs of kivi_decode.cuh and half its output accumulators
 // (32 registers at head_dim 128 instead of 64), the same copies (kivi::Ring), the query fragments
 // held in registers. Values dequantise as there (three instructions per two codes); keys too, unless
-// a key group holds a whole sub-block, where their scales fold into the queries (FOLD, below: half
-// an instruction per two codes).
+// a key group holds a whole sub-block, where their scales fold into the queries (FOLD, below: one
+// lop3 per two codes).
 //
 // Scores S^T = K Q^T per sub-block of BTS = 8U tokens: m-tile mt holds tokens U g + 2mt (rows g < 8)
 // and U g + 2mt + 1 (rows 8 + g) of the sub-block, where g = lane / 4 is the unit column ldmatrix.trans
