@@ -266,8 +266,6 @@ def test_turn_on_cuda_is_one_gemm_as_exact_as_float32(dtype):
     of the float32 product, both ways."""
     from kvtool.formats import _rotated
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
     d = 128
     m = _rotated.shared_matrix(d, _rotated.signs_for(d, 5), torch.device("cuda"))
     x = torch.randn(8, 32, 1, d, device="cuda").to(dtype)
